@@ -1,0 +1,225 @@
+"""Decoder-only transformer LM whose residual connections are LAuReL sites (laurel.residual).
+
+Pre-norm (or post-norm) blocks of causal multi-head attention and a GELU (or SwiGLU) MLP, RoPE (or learned
+positions), tied (or untied) embeddings. A LAuReL site sits once per block by default, where f is the whole
+attention+MLP block (the shape that fits Table 5's parameter counts), or once per sublayer.
+Shapes: B batch, L length, D model width, H heads, K head width, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from laurel import residual
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.checkpoint_dots,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+CHOICES = {
+    'norm_position': ('pre', 'post'),
+    'positional': ('rope', 'learned'),
+    'mlp': ('gelu', 'swiglu'),
+    'dtype': tuple(DTYPES),
+    'param_dtype': tuple(DTYPES),
+    'remat': tuple(REMAT_POLICIES),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  vocab_size: int = 256
+  d_model: int = 128
+  num_heads: int = 4
+  d_ff: int = 512
+  num_layers: int = 4
+  max_len: int = 256  # only used by learned positions
+  norm_position: str = 'pre'
+  positional: str = 'rope'
+  rope_base: float = 10_000.0
+  mlp: str = 'gelu'
+  tie_embeddings: bool = True
+  dtype: str = 'float32'  # compute
+  param_dtype: str = 'float32'
+  scan_layers: bool = True
+  remat: str = 'none'
+  laurel: residual.LaurelSpec = residual.LaurelSpec()
+
+  @property
+  def num_sites(self) -> int:
+    return self.num_layers * (2 if self.laurel.site == 'sublayer' else 1)
+
+  @classmethod
+  def from_config(cls, model_cfg: Any, field: str = 'model') -> 'LMConfig':
+    """Validates `config.model`; errors name the field and the value."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in model_cfg.items() if k != 'laurel'}
+    unknown = sorted(set(values) - names)
+    if unknown:
+      raise ValueError(f'{field}.{unknown[0]}: unknown field')
+    for name, choices in CHOICES.items():
+      if name in values and values[name] not in choices:
+        raise ValueError(f'{field}.{name}={values[name]!r}: must be one of {", ".join(choices)}')
+    for name in ('vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_layers', 'max_len'):
+      if name in values and not (isinstance(values[name], int) and values[name] >= 1):
+        raise ValueError(f'{field}.{name}={values[name]!r}: must be a positive integer')
+    cfg = cls(**values)
+    if cfg.d_model % cfg.num_heads:
+      raise ValueError(f'{field}.num_heads={cfg.num_heads}: must divide d_model={cfg.d_model}')
+    if cfg.positional == 'rope' and (cfg.d_model // cfg.num_heads) % 2:
+      raise ValueError(f'{field}.num_heads={cfg.num_heads}: RoPE needs an even head width')
+    laurel_cfg = model_cfg.get('laurel', {})
+    sites = cfg.num_layers * (2 if laurel_cfg.get('site', 'block') == 'sublayer' else 1)
+    spec = residual.LaurelSpec.from_config(laurel_cfg, cfg.d_model, sites, f'{field}.laurel')
+    return dataclasses.replace(cfg, laurel=spec)
+
+
+def _dense(features, names, cfg, name, axis=-1, scale=1.0):
+  # DenseGeneral initialises the kernel flattened to 2D, so fan_in is the product of the input axes.
+  init = nn.initializers.variance_scaling(scale, 'fan_in', 'truncated_normal')
+  return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=DTYPES[cfg.dtype],
+                         param_dtype=DTYPES[cfg.param_dtype], name=name,
+                         kernel_init=nn.with_logical_partitioning(init, names))
+
+
+def _norm(cfg, name):
+  return nn.RMSNorm(dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype], name=name,
+                    scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('embed',)))
+
+
+def rope(x_BxLxHxK, positions_BxL, base):
+  half = x_BxLxHxK.shape[-1] // 2
+  freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle_BxLx1xK = (positions_BxL[..., None].astype(jnp.float32) * freq)[:, :, None, :]
+  sin, cos = jnp.sin(angle_BxLx1xK), jnp.cos(angle_BxLx1xK)
+  x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxHxK.dtype)
+
+
+class Attention(nn.Module):
+  cfg: LMConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    cfg = self.cfg
+    h, k = cfg.num_heads, cfg.d_model // cfg.num_heads
+    proj = lambda n: _dense((h, k), ('embed', 'heads', 'kv'), cfg, n)(x_BxLxD)
+    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = proj('query'), proj('key'), proj('value')
+    if cfg.positional == 'rope':
+      q_BxLxHxK = rope(q_BxLxHxK, positions_BxL, cfg.rope_base)
+      k_BxLxHxK = rope(k_BxLxHxK, positions_BxL, cfg.rope_base)
+    q_BxLxHxK = nn.with_logical_constraint(q_BxLxHxK, ('act_batch', 'act_len', 'act_heads', None))
+    logits_BxHxLxL = jnp.einsum('bqhk,bshk->bhqs', q_BxLxHxK, k_BxLxHxK).astype(jnp.float32) / jnp.sqrt(k)
+    length = x_BxLxD.shape[1]
+    causal_LxL = jnp.tril(jnp.ones((length, length), bool))
+    same_segment_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    mask_Bx1xLxL = (causal_LxL[None] & same_segment_BxLxL)[:, None]
+    logits_BxHxLxL = jnp.where(mask_Bx1xLxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
+    probs_BxHxLxL = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
+    out_BxLxHxK = jnp.einsum('bhqs,bshk->bqhk', probs_BxHxLxL, v_BxLxHxK)
+    out_scale = 1.0 / (2 * cfg.num_layers)  # keeps the residual stream's variance flat with depth
+    return _dense(cfg.d_model, ('heads', 'kv', 'embed'), cfg, 'out', axis=(-2, -1),
+                  scale=out_scale)(out_BxLxHxK)
+
+
+class Mlp(nn.Module):
+  cfg: LMConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    cfg = self.cfg
+    up = lambda n: _dense(cfg.d_ff, ('embed', 'mlp'), cfg, n)(x_BxLxD)
+    if cfg.mlp == 'swiglu':
+      h_BxLxF = jax.nn.silu(up('gate')) * up('up')
+    else:
+      h_BxLxF = jax.nn.gelu(up('up'))
+    h_BxLxF = nn.with_logical_constraint(h_BxLxF, ('act_batch', 'act_len', 'act_mlp'))
+    return _dense(cfg.d_model, ('mlp', 'embed'), cfg, 'down', scale=1.0 / (2 * cfg.num_layers))(h_BxLxF)
+
+
+class Block(nn.Module):
+  """One transformer block. Carry: (x, history), where history holds x_{i-1}, …, x_{i-k+1} for PA."""
+  cfg: LMConfig
+
+  @nn.compact
+  def __call__(self, carry, positions_BxL, segment_ids_BxL):
+    cfg, spec = self.cfg, self.cfg.laurel
+    pre = cfg.norm_position == 'pre'
+    x_BxLxD, history = carry
+    norm_attn, norm_mlp = _norm(cfg, 'norm_attn'), _norm(cfg, 'norm_mlp')
+    site = lambda name: residual.LaurelResidual(spec, DTYPES[cfg.param_dtype], name=name)
+    push = lambda h, x: (x,) + tuple(h[:-1]) if h else h
+
+    xn_BxLxD = norm_attn(x_BxLxD) if pre else x_BxLxD
+    attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL)
+    if spec.site == 'sublayer':
+      h_BxLxD = site('laurel_attn')(attn_BxLxD, x_BxLxD, history, xn_BxLxD)
+      history = push(history, x_BxLxD)
+    else:
+      h_BxLxD = x_BxLxD + attn_BxLxD
+    h_BxLxD = h_BxLxD if pre else norm_attn(h_BxLxD)
+    hn_BxLxD = norm_mlp(h_BxLxD) if pre else h_BxLxD
+    mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD)
+    if spec.site == 'sublayer':
+      out_BxLxD = site('laurel_mlp')(mlp_BxLxD, h_BxLxD, history, hn_BxLxD)
+      history = push(history, h_BxLxD)
+    else:  # f(x) = block(x) - x: attention + MLP (plus the post-norm shift of h)
+      fx_BxLxD = attn_BxLxD + mlp_BxLxD if pre else (h_BxLxD - x_BxLxD) + mlp_BxLxD
+      out_BxLxD = site('laurel')(fx_BxLxD, x_BxLxD, history, xn_BxLxD)
+      history = push(history, x_BxLxD)
+    out_BxLxD = out_BxLxD if pre else norm_mlp(out_BxLxD)
+    out_BxLxD = nn.with_logical_constraint(out_BxLxD, ('act_batch', 'act_len', 'act_embed'))
+    return (out_BxLxD, history), None
+
+
+class LM(nn.Module):
+  cfg: LMConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+    cfg = self.cfg
+    b, length = tokens_BxL.shape
+    if positions_BxL is None:
+      positions_BxL = jnp.broadcast_to(jnp.arange(length), (b, length))
+    if segment_ids_BxL is None:
+      segment_ids_BxL = jnp.ones((b, length), jnp.int32)
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+                     embedding_init=nn.with_logical_partitioning(
+                         nn.initializers.normal(cfg.d_model ** -0.5), ('vocab', 'embed')), name='embed')
+    x_BxLxD = embed(tokens_BxL)
+    if cfg.positional == 'learned':
+      pos_embed = self.param('pos_embed', nn.with_logical_partitioning(
+          nn.initializers.normal(cfg.d_model ** -0.5), (None, 'embed')),
+          (cfg.max_len, cfg.d_model), DTYPES[cfg.param_dtype])
+      x_BxLxD = x_BxLxD + pos_embed[positions_BxL].astype(x_BxLxD.dtype)
+    x_BxLxD = nn.with_logical_constraint(x_BxLxD, ('act_batch', 'act_len', 'act_embed'))
+    history = tuple(jnp.zeros_like(x_BxLxD) for _ in range(cfg.laurel.history_len))
+
+    block = Block
+    if cfg.remat != 'none':
+      block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
+                      in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+                      metadata_params={nn.PARTITION_NAME: 'layers'})
+      (x_BxLxD, _), _ = stack(cfg, name='layers')((x_BxLxD, history), positions_BxL, segment_ids_BxL)
+    else:
+      carry = (x_BxLxD, history)
+      for i in range(cfg.num_layers):
+        carry, _ = block(cfg, name=f'layers_{i}')(carry, positions_BxL, segment_ids_BxL)
+      x_BxLxD = carry[0]
+
+    x_BxLxD = _norm(cfg, 'final_norm')(x_BxLxD)
+    if cfg.tie_embeddings:
+      logits_BxLxV = embed.attend(x_BxLxD)
+    else:
+      logits_BxLxV = _dense(cfg.vocab_size, ('embed', 'vocab'), cfg, 'unembed')(x_BxLxD)
+    return nn.with_logical_constraint(logits_BxLxV.astype(jnp.float32), ('act_batch', 'act_len', 'act_vocab'))
