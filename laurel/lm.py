@@ -82,12 +82,33 @@ class LMConfig:
     return dataclasses.replace(cfg, laurel=spec)
 
 
+class Dense(nn.Module):
+  """Bias-free linear map of x's last `in_ndim` axes to `features`, with logical axis `names` on the kernel.
+
+  (flax's DenseGeneral initialises a flattened kernel, which breaks logical sharding under a mesh.)
+  """
+  features: tuple
+  names: tuple
+  cfg: LMConfig
+  in_ndim: int = 1
+  scale: float = 1.0
+
+  @nn.compact
+  def __call__(self, x):
+    n = self.in_ndim
+    shape = x.shape[x.ndim - n:] + self.features
+    init = nn.initializers.variance_scaling(self.scale, 'fan_in', 'truncated_normal', in_axis=tuple(range(n)),
+                                            out_axis=tuple(range(n, len(shape))))
+    kernel = self.param('kernel', nn.with_logical_partitioning(init, self.names), shape,
+                        DTYPES[self.cfg.param_dtype])
+    dtype = DTYPES[self.cfg.dtype]
+    contract = (tuple(range(x.ndim - n, x.ndim)), tuple(range(n)))
+    return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
+
+
 def _dense(features, names, cfg, name, axis=-1, scale=1.0):
-  # DenseGeneral initialises the kernel flattened to 2D, so fan_in is the product of the input axes.
-  init = nn.initializers.variance_scaling(scale, 'fan_in', 'truncated_normal')
-  return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=DTYPES[cfg.dtype],
-                         param_dtype=DTYPES[cfg.param_dtype], name=name,
-                         kernel_init=nn.with_logical_partitioning(init, names))
+  features = features if isinstance(features, tuple) else (features,)
+  return Dense(features, names, cfg, in_ndim=len(axis) if isinstance(axis, tuple) else 1, scale=scale, name=name)
 
 
 def _norm(cfg, name):

@@ -145,7 +145,9 @@ def column_orthogonal_init(key, shape, dtype=jnp.float32):
 def _a_init(name: str):
   if name == 'column_orthogonal':
     return column_orthogonal_init
-  return nn.initializers.xavier_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))
+  # Leading axes (eq. 6's k) are batch axes; a plain (D, r) A has none.
+  return lambda key, shape, dtype=jnp.float32: nn.initializers.xavier_uniform(
+      in_axis=-2, out_axis=-1, batch_axis=tuple(range(len(shape) - 2)))(key, shape, dtype)
 
 
 class LaurelResidual(nn.Module):
@@ -197,7 +199,8 @@ class LaurelResidual(nn.Module):
                               (s.rank, d), ('laurel_rank', self.embed_axis))
       if s.form == 'gemma3n':  # Gemma 3n: x + norm(x) + RMSNorm(norm(x) A B), all over √2 below
         lr_out = nn.RMSNorm(dtype=x.dtype, param_dtype=self.param_dtype, name='lr_norm',
-                            scale_init=nn.initializers.ones)(x_normed @ a_DxR @ b_RxD)
+                            scale_init=nn.with_logical_partitioning(nn.initializers.ones, (self.embed_axis,)))(
+                                x_normed @ a_DxR @ b_RxD)
         g = g + x_normed + lr_out
       else:  # eq. 3 / eq. 5
         g = g + x @ a_DxR @ b_RxD

@@ -1,0 +1,303 @@
+"""LM input pipeline: documents -> tokens -> chunks of <= seq_len -> first-fit packing -> batches.
+
+Sources (`config.data.name`, fields in laurel.config_lib.lm_data):
+  c4         TFDS C4 through `tfds.data_source` (ArrayRecord, random access), SentencePiece tokens + EOS.
+  text       local files matching a glob ('' = this interpreter's standard library, *.py), byte tokens + EOS;
+             a stable hash of each file's relative path puts `validation_fraction` of the files in validation.
+  synthetic  generated documents of a small fixed vocabulary of words with a fixed successor table, so that
+             a model's loss falls clearly; byte tokens + EOS. For tests and smoke runs.
+
+Every batch is a dict of int32 numpy arrays of shape (batch_size, seq_len): 'tokens', 'segment_ids'
+(0 = padding, 1, 2, ... per packed chunk of a document) and 'positions' (restarting at 0 in each segment).
+Documents longer than seq_len are split into chunks, so no token is dropped; each chunk is its own segment.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import sysconfig
+from typing import Any
+
+from absl import flags
+from etils import epath
+import grain
+from grain import experimental as grain_exp
+import numpy as np
+
+from laurel.config_lib import BYTE_VOCAB_SIZE
+
+SOURCES = ('c4', 'text', 'synthetic')
+# Threads that read and tokenize documents ahead of packing (per process, per grain worker).
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)
+MIN_PACKING_BINS = 16  # more open bins pack tighter (less padding) at the cost of a little memory
+SYNTHETIC_TRAIN_DOCS = 1 << 20  # an epoch of synthetic data; documents are generated on demand
+SYNTHETIC_EVAL_DOCS = 512
+
+
+class ByteTokenizer:
+  """0 = padding, byte b -> b + 1, 257 = end of document (laurel.config_lib.BYTE_VOCAB_SIZE)."""
+
+  vocab_size = BYTE_VOCAB_SIZE
+  pad_id = 0
+  eos_id = BYTE_VOCAB_SIZE - 1
+
+  def encode(self, text: str) -> list[int]:
+    return [b + 1 for b in text.encode('utf-8')]
+
+  def document(self, text: str | bytes) -> np.ndarray:
+    """Tokens of one document, EOS appended; bytes are taken as they are (no decoding, lossless)."""
+    data = text.encode('utf-8') if isinstance(text, str) else bytes(text)
+    tokens_n = np.frombuffer(data, np.uint8).astype(np.int32) + 1
+    return np.append(tokens_n, np.int32(self.eos_id))
+
+
+class SentencePieceTokenizer:
+  """SentencePiece with the model's own ids: T5's model has pad = 0, eos = 1 (and unk = 2).
+
+  A model without a pad piece still pads with 0: padding is marked by segment_ids == 0, so the id it
+  carries there never reaches the loss. Pickles as the model proto (for grain worker processes).
+  """
+
+  def __init__(self, model_proto: bytes):
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+    self._proto = model_proto
+    self._sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+    self.vocab_size = self._sp.get_piece_size()
+    self.eos_id = self._sp.eos_id()
+    self.pad_id = max(self._sp.pad_id(), 0)
+
+  def __reduce__(self):
+    return (SentencePieceTokenizer, (self._proto,))
+
+  def encode(self, text: str) -> list[int]:
+    return self._sp.encode(text)
+
+  def document(self, text: str | bytes) -> np.ndarray:
+    if isinstance(text, bytes):
+      text = text.decode('utf-8', errors='replace')
+    return np.asarray(self._sp.encode(text) + [self.eos_id], np.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_vocab(path: str) -> bytes:
+  return epath.Path(path).read_bytes()  # epath reads gs:// where GCS is reachable
+
+
+def make_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
+  if data_cfg.name != 'c4':
+    return ByteTokenizer()
+  tokenizer = SentencePieceTokenizer(_read_vocab(data_cfg.vocab_path))
+  if tokenizer.eos_id < 0:
+    raise ValueError(f'data.vocab_path={data_cfg.vocab_path!r}: the SentencePiece model defines no EOS id')
+  return tokenizer
+
+
+def _glob_root(pattern: str) -> str:
+  """The directory before the first wildcard: relative paths (and so the split) do not depend on it."""
+  parts = pattern.split(os.sep)
+  fixed = []
+  for part in parts[:-1]:
+    if re.search(r'[*?[]', part):
+      break
+    fixed.append(part)
+  return os.sep.join(fixed) or (os.sep if pattern.startswith(os.sep) else os.curdir)
+
+
+@functools.lru_cache(maxsize=8)
+def _list_files(path: str) -> tuple[tuple[str, ...], str]:
+  """(sorted files, root). '' = the standard library's *.py, skipping installed packages."""
+  if path:
+    import glob  # pylint: disable=g-import-not-at-top
+    path = os.path.expanduser(path)
+    return tuple(sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))), _glob_root(path)
+  root = sysconfig.get_paths()['stdlib']
+  files = []
+  for folder, dirs, names in os.walk(root):
+    dirs[:] = [d for d in dirs if d not in ('site-packages', 'dist-packages', '__pycache__')]
+    files += [os.path.join(folder, n) for n in names if n.endswith('.py')]
+  return tuple(sorted(files)), root
+
+
+def _unit_hash(text: str) -> float:
+  """A stable (across runs, machines and Python versions) hash in [0, 1)."""
+  return int.from_bytes(hashlib.sha256(text.encode('utf-8')).digest()[:8], 'big') / 2.0**64
+
+
+def split_files(path: str, validation_fraction: float) -> tuple[list[str], list[str]]:
+  """(train, validation) files. A file is held out when its hash < fraction; each split keeps >= 1 file."""
+  files, root = _list_files(path)
+  keyed = sorted((_unit_hash(os.path.relpath(f, root)), f) for f in files)
+  num_val = sum(h < validation_fraction for h, _ in keyed)
+  num_val = min(max(num_val, 1), len(keyed) - 1)
+  return sorted(f for _, f in keyed[num_val:]), sorted(f for _, f in keyed[:num_val])
+
+
+class FileSource:
+  """Reads each file only when its document is asked for."""
+
+  def __init__(self, paths):
+    self._paths = list(paths)
+
+  def __len__(self) -> int:
+    return len(self._paths)
+
+  def __getitem__(self, index: int) -> bytes:
+    with open(self._paths[index], 'rb') as f:
+      return f.read()
+
+
+@functools.lru_cache(maxsize=1)
+def _synthetic_language() -> tuple[list[str], np.ndarray]:
+  """64 random words and 2 successors per word: a tiny Markov language with ~1 bit per word."""
+  rng = np.random.default_rng(1234)
+  letters = np.array(list('abcdefghijklmnopqrstuvwxyz'))
+  words = [''.join(rng.choice(letters, size=rng.integers(2, 8))) for _ in range(64)]
+  return words, rng.integers(0, len(words), size=(len(words), 2))
+
+
+class SyntheticSource:
+  """Document i of a split is a walk on the successor table, seeded by (split, i): deterministic, lazy."""
+
+  def __init__(self, num_docs: int, split: int):
+    self._num_docs, self._split = num_docs, split
+
+  def __len__(self) -> int:
+    return self._num_docs
+
+  def __getitem__(self, index: int) -> str:
+    words, successors = _synthetic_language()
+    rng = np.random.default_rng((self._split, index))
+    word, out = int(rng.integers(len(words))), []
+    for choice in rng.integers(0, 2, size=rng.integers(8, 128)):
+      out.append(words[word])
+      word = int(successors[word, choice])
+    return ' '.join(out) + '.\n'
+
+
+def _c4_source(data_cfg, train: bool):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets.text.c4  # pylint: disable=g-import-not-at-top,unused-import  # registers 'c4'
+  split = data_cfg.train_split if train else data_cfg.eval_split
+  return tfds.data_source(data_cfg.tfds_name, split=split, data_dir=data_cfg.tfds_data_dir or None)
+
+
+def _source(data_cfg, train: bool):
+  if data_cfg.name == 'c4':
+    return _c4_source(data_cfg, train)
+  if data_cfg.name == 'text':
+    train_files, val_files = split_files(data_cfg.path, data_cfg.validation_fraction)
+    return FileSource(train_files if train else val_files)
+  return SyntheticSource(SYNTHETIC_TRAIN_DOCS if train else SYNTHETIC_EVAL_DOCS, split=0 if train else 1)
+
+
+class _Tokenize:
+  """Record -> int32 tokens with EOS. A class, not a closure, so grain worker processes can pickle it."""
+
+  def __init__(self, tokenizer):
+    self._tokenizer = tokenizer
+
+  def __call__(self, record: Any) -> np.ndarray:
+    text = record['text'] if isinstance(record, dict) else record
+    return self._tokenizer.document(text)
+
+
+class _Chunk(grain_exp.FlatMapTransform):
+  """Tokens -> [{'tokens': chunk}] with chunks of <= seq_len, so packing can place every token."""
+
+  max_fan_out = 1 << 20  # only read by the MapDataset flat map; the IterDataset one takes any count
+
+  def __init__(self, seq_len: int):
+    self._seq_len = seq_len
+
+  def flat_map(self, tokens_n: np.ndarray) -> list[dict[str, np.ndarray]]:
+    return [{'tokens': tokens_n[i:i + self._seq_len]} for i in range(0, len(tokens_n), self._seq_len)]
+
+
+def _rename(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {
+      'tokens': packed['tokens'],
+      'segment_ids': packed['tokens_segment_ids'],
+      'positions': packed['tokens_positions'],
+  }
+
+
+def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
+               process_count: int = 1) -> grain.IterDataset:
+  """Endless batches for one process; `batch_size` is per process. See the module docstring.
+
+  train: the train split, shuffled with `seed` and reshuffled every epoch. Otherwise the validation split
+  in a fixed order (the same batches from every fresh iterator). Document i of the (shuffled) epoch goes
+  to process i % process_count. The iterator's get_state()/set_state() round-trip exactly (JSON-able).
+  """
+  tokenizer = make_tokenizer(data_cfg)
+  ds = grain.MapDataset.source(_source(data_cfg, train))
+  if train:
+    ds = ds.seed(seed).shuffle()
+  ds = ds[process_index::process_count]
+  if not len(ds):  # pylint: disable=g-explicit-length-test
+    raise ValueError(f'data.name={data_cfg.name!r}: no documents for process {process_index} of '
+                     f'{process_count} in the {"train" if train else "validation"} split')
+  # Repeat after the shard: each epoch reshuffles, and a process keeps its share of every epoch.
+  ds = ds.repeat().map(_Tokenize(tokenizer)).to_iter_dataset(READ_OPTIONS)
+  ds = grain_exp.FlatMapIterDataset(ds, _Chunk(data_cfg.seq_len))
+  ds = grain_exp.FirstFitPackIterDataset(
+      ds, length_struct={'tokens': data_cfg.seq_len}, num_packing_bins=max(batch_size, MIN_PACKING_BINS),
+      seed=seed, shuffle_bins=train, padding_struct={'tokens': tokenizer.pad_id})
+  ds = ds.map(_rename).batch(batch_size, drop_remainder=True)
+  if data_cfg.num_workers > 0:
+    if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside absl.app use their defaults
+      flags.FLAGS.mark_as_parsed()
+    options = grain.MultiprocessingOptions(num_workers=data_cfg.num_workers,
+                                           per_worker_buffer_size=max(data_cfg.prefetch, 1))
+    return ds.mp_prefetch(options)
+  if data_cfg.prefetch > 0:
+    return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=data_cfg.prefetch)
+  return ds
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def validate(data_cfg, vocab_size: int, field: str = 'data') -> None:
+  """One-line ValueErrors naming the bad field, before anything is traced or read in bulk."""
+  def fail(name, message):
+    raise ValueError(f'{field}.{name}={getattr(data_cfg, name)!r}: {message}')
+
+  if data_cfg.name not in SOURCES:
+    fail('name', f'must be one of {", ".join(SOURCES)}')
+  if not _is_int(data_cfg.seq_len) or data_cfg.seq_len <= 0:
+    fail('seq_len', 'must be a positive integer')
+  for name in ('num_workers', 'prefetch'):
+    if not _is_int(getattr(data_cfg, name)) or getattr(data_cfg, name) < 0:
+      fail(name, 'must be a non-negative integer')
+  fraction = data_cfg.validation_fraction
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+    fail('validation_fraction', 'must be in (0, 1)')
+
+  if data_cfg.name == 'text':
+    num_files = len(_list_files(data_cfg.path)[0])
+    if num_files == 0:
+      fail('path', 'matches no files')
+    if num_files == 1:
+      fail('path', 'matches 1 file; need at least 2 to split train and validation')
+  tokenizer_vocab = BYTE_VOCAB_SIZE
+  if data_cfg.name == 'c4':
+    path = data_cfg.vocab_path
+    if not path:
+      fail('vocab_path', 'c4 needs a SentencePiece model')
+    if path.startswith('gs://'):
+      return  # not checked here: GCS may only be reachable from the training hosts
+    if not os.path.isfile(path):
+      fail('vocab_path', 'no such file')
+    try:
+      tokenizer_vocab = make_tokenizer(data_cfg).vocab_size
+    except RuntimeError:  # sentencepiece's error for a file that is no model
+      tokenizer_vocab = None
+    if tokenizer_vocab is None:
+      fail('vocab_path', 'not a SentencePiece model')
+  if vocab_size < tokenizer_vocab:
+    raise ValueError(f"model.vocab_size={vocab_size}: smaller than the tokenizer's {tokenizer_vocab}")

@@ -1,0 +1,210 @@
+"""Image classification input pipelines on grain: ImageNet through TFDS, or synthetic learnable images.
+
+Both yield batches {'images': float32 (b, S, S, 3) normalised with the ImageNet mean/std, 'labels': int32 (b,)}
+from an infinite (by default) `grain.IterDataset`, whose iterators checkpoint with get_state/set_state.
+
+ImageNet: `tfds.data_source(tfds_name, split=..., data_dir=...)` (ArrayRecord files prepared beforehand; nothing
+is downloaded). TFDS decodes the JPEGs with PIL (no TensorFlow); we crop and resize with PIL. Train: Inception-
+style random-resized crop (area share in [min_crop_area, 1], log-uniform aspect ratio in [1/max, max], ten tries,
+then a centre crop, as torchvision) and a horizontal flip, seeded per element by grain's random_map so every
+crop is a function of (seed, process, element index). Eval: the centre crop of `eval_crop_fraction` of the
+shorter side resized to S, i.e. resize to S/0.875 then centre-crop S.
+
+Order: global shuffle (train; reshuffled each epoch), shard `[process_index::process_count]`, repeat, decode and
+augment, batch (drop remainder), prefetch. `batch_size` is per process.
+
+Synthetic: example i of a split is drawn from a generator seeded by (split, i): a label, then the class's colour
+and oriented stripe pattern plus Gaussian noise, generated at S×S. It goes through the same shuffle, shard,
+repeat, batch and normalisation, without augmentation, so a small network's loss falls within a few hundred steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from typing import Any
+
+import grain
+import numpy as np
+
+NAMES = ('imagenet', 'synthetic')
+MEAN_RGB = np.array([0.485, 0.456, 0.406], np.float32) * 255
+STDDEV_RGB = np.array([0.229, 0.224, 0.225], np.float32) * 255
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageDataConfig:
+  name: str = 'synthetic'  # 'imagenet' | 'synthetic'
+  image_size: int = 224
+  num_classes: int = 1000
+  tfds_name: str = 'imagenet2012'
+  tfds_data_dir: str = ''  # '' = TFDS's default
+  train_split: str = 'train'
+  eval_split: str = 'validation'
+  min_crop_area: float = 0.08
+  max_aspect_ratio: float = 4 / 3
+  eval_crop_fraction: float = 0.875
+  random_flip: bool = True
+  synthetic_train_examples: int = 10_000
+  synthetic_eval_examples: int = 1_000
+  synthetic_noise: float = 0.3
+  read_threads: int = 4
+  num_workers: int = 0
+  prefetch: int = 2
+
+
+def validate(data_cfg: Any, field: str = 'data') -> ImageDataConfig:
+  """Checks `config.data` without touching any file; errors name the field and the value."""
+  names = {f.name for f in dataclasses.fields(ImageDataConfig)}
+  values = dict(data_cfg.items())
+  unknown = sorted(set(values) - names)
+  if unknown:
+    raise ValueError(f'{field}.{unknown[0]}: unknown field (known: {", ".join(sorted(names))})')
+
+  def bad(name, why):
+    raise ValueError(f'{field}.{name}={values[name]!r}: {why}')
+
+  def check(name, ok, why):
+    if name in values and not ok(values[name]):
+      bad(name, why)
+
+  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+  is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  check('name', lambda v: v in NAMES, f'must be one of {", ".join(NAMES)}')
+  check('image_size', lambda v: is_int(v) and v >= 8, 'must be an integer >= 8')
+  for n in ('num_classes', 'synthetic_train_examples', 'synthetic_eval_examples'):
+    check(n, lambda v: is_int(v) and v >= 1, 'must be a positive integer')
+  for n in ('tfds_name', 'train_split', 'eval_split'):
+    check(n, lambda v: isinstance(v, str) and v, 'must be a non-empty string')
+  check('tfds_data_dir', lambda v: isinstance(v, str), "must be a string ('' = TFDS's default)")
+  check('min_crop_area', lambda v: is_num(v) and 0 < v <= 1, 'must be a number in (0, 1]')
+  check('max_aspect_ratio', lambda v: is_num(v) and v >= 1, 'must be a number >= 1')
+  check('eval_crop_fraction', lambda v: is_num(v) and 0 < v <= 1, 'must be a number in (0, 1]')
+  check('random_flip', lambda v: isinstance(v, bool), 'must be a bool')
+  check('synthetic_noise', lambda v: is_num(v) and v >= 0, 'must be a non-negative number')
+  for n in ('read_threads', 'num_workers', 'prefetch'):
+    check(n, lambda v: is_int(v) and v >= 0, 'must be a non-negative integer')
+  return ImageDataConfig(**values)
+
+
+def normalize(image_HxWx3: np.ndarray) -> np.ndarray:
+  return (np.asarray(image_HxWx3, np.float32) - MEAN_RGB) / STDDEV_RGB
+
+
+def _pil(image):
+  """An RGB PIL image from TFDS's decoded uint8 array (or raw encoded bytes)."""
+  from PIL import Image  # pillow: TFDS's own numpy decoder uses it too
+  if isinstance(image, (bytes, np.bytes_)):
+    return Image.open(io.BytesIO(image)).convert('RGB')
+  array = np.asarray(image, np.uint8)
+  if array.ndim == 3 and array.shape[-1] == 1:
+    array = array[..., 0]
+  return Image.fromarray(array).convert('RGB')
+
+
+def random_crop_box(height, width, rng, min_area, max_ratio):
+  """(left, top, right, bottom) of an Inception-style crop, as torchvision's RandomResizedCrop."""
+  log_ratio = (-math.log(max_ratio), math.log(max_ratio))
+  for _ in range(10):
+    area = height * width * rng.uniform(min_area, 1.0)
+    ratio = math.exp(rng.uniform(*log_ratio))
+    w, h = int(round(math.sqrt(area * ratio))), int(round(math.sqrt(area / ratio)))
+    if 0 < w <= width and 0 < h <= height:
+      top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
+      return left, top, left + w, top + h
+  ratio = width / height  # fallback: the whole image, clamped to the allowed aspect ratios
+  w, h = width, height
+  if ratio < 1 / max_ratio:
+    h = int(round(w * max_ratio))
+  elif ratio > max_ratio:
+    w = int(round(h * max_ratio))
+  top, left = (height - h) // 2, (width - w) // 2
+  return left, top, left + w, top + h
+
+
+def centre_crop_box(height, width, fraction):
+  side = min(height, width) * fraction
+  top, left = (height - side) / 2, (width - side) / 2
+  return left, top, left + side, top + side
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainTransform(grain.transforms.RandomMap):
+  cfg: ImageDataConfig
+
+  def random_map(self, example, rng: np.random.Generator):
+    from PIL import Image
+    image = _pil(example['image'])
+    box = random_crop_box(image.height, image.width, rng, self.cfg.min_crop_area, self.cfg.max_aspect_ratio)
+    s = self.cfg.image_size
+    out_SxSx3 = np.asarray(image.resize((s, s), Image.BILINEAR, box=box))
+    if self.cfg.random_flip and rng.random() < 0.5:
+      out_SxSx3 = out_SxSx3[:, ::-1]
+    return {'images': normalize(out_SxSx3), 'labels': np.int32(example['label'])}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTransform(grain.transforms.Map):
+  cfg: ImageDataConfig
+
+  def map(self, example):
+    from PIL import Image
+    image = _pil(example['image'])
+    box = centre_crop_box(image.height, image.width, self.cfg.eval_crop_fraction)
+    s = self.cfg.image_size
+    out_SxSx3 = np.asarray(image.resize((s, s), Image.BILINEAR, box=box))
+    return {'images': normalize(out_SxSx3), 'labels': np.int32(example['label'])}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticExample(grain.transforms.Map):
+  """Index -> a deterministic learnable example: class colour + class stripe orientation/frequency + noise."""
+  cfg: ImageDataConfig
+  split: int  # 0 train, 1 eval: disjoint generator streams
+
+  def map(self, index):
+    s, c = self.cfg.image_size, self.cfg.num_classes
+    rng = np.random.default_rng([self.split, int(index)])
+    label = int(rng.integers(c))
+    klass = np.random.default_rng([7, label])  # the class's fixed look
+    colour_3 = klass.uniform(0.2, 0.8, 3)
+    angle, freq, phase = klass.uniform(0, math.pi), klass.uniform(1, 4), rng.uniform(0, 2 * math.pi)
+    yy, xx = np.meshgrid(np.linspace(0, 1, s), np.linspace(0, 1, s), indexing='ij')
+    stripes_SxS = np.sin(2 * math.pi * freq * (xx * math.cos(angle) + yy * math.sin(angle)) + phase)
+    image = colour_3 + 0.15 * stripes_SxS[..., None] + self.cfg.synthetic_noise * rng.standard_normal((s, s, 3))
+    image_SxSx3 = np.clip(image, 0, 1) * 255
+    return {'images': normalize(image_SxSx3), 'labels': np.int32(label)}
+
+
+def _source(cfg: ImageDataConfig, train: bool) -> grain.MapDataset:
+  if cfg.name == 'synthetic':
+    n = cfg.synthetic_train_examples if train else cfg.synthetic_eval_examples
+    return grain.MapDataset.range(n).map(SyntheticExample(cfg, 0 if train else 1))
+  import tensorflow_datasets as tfds
+  split = cfg.train_split if train else cfg.eval_split
+  source = tfds.data_source(cfg.tfds_name, split=split, data_dir=cfg.tfds_data_dir or None, download=False)
+  return grain.MapDataset.source(source)
+
+
+def image_dataset(data_cfg: Any, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
+                  process_count: int = 1, num_epochs: int | None = None) -> grain.IterDataset:
+  """Batches of this process's shard, `batch_size` examples each; repeats forever unless num_epochs is set."""
+  cfg = data_cfg if isinstance(data_cfg, ImageDataConfig) else validate(data_cfg)
+  if not 0 <= process_index < process_count:
+    raise ValueError(f'process_index={process_index}: must be in [0, process_count={process_count})')
+  ds = _source(cfg, train)
+  if train:
+    ds = ds.shuffle(seed=seed % 2 ** 32)  # same permutation on every process, different each epoch
+  ds = ds[process_index::process_count]
+  ds = ds.repeat(num_epochs)
+  if cfg.name == 'imagenet':
+    # Fold the process in, so processes draw different crops for their (different) images.
+    aug_seed = int(np.random.SeedSequence([seed, process_index]).generate_state(1)[0])
+    ds = ds.random_map(TrainTransform(cfg), seed=aug_seed) if train else ds.map(EvalTransform(cfg))
+  read = grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(1, cfg.prefetch) * batch_size)
+  it = ds.to_iter_dataset(read).batch(batch_size, drop_remainder=True)
+  if cfg.num_workers > 0:
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers,
+                                                     per_worker_buffer_size=max(1, cfg.prefetch)))
+  return it

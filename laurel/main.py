@@ -1,0 +1,54 @@
+"""Entry point: python -m laurel.main --config=configs/<file>.py:<arg> --workdir=DIR [--config.<field>=<value>]
+
+Bad input exits with status 2 and one line on stderr, before anything is traced or any checkpoint touched.
+"""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 (multi-process).')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of processes (multi-process).')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process (multi-process).')
+
+
+def fail(message: str, code: int = 2):
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def main(argv):
+  if len(argv) > 1:
+    fail(f'unexpected arguments: {" ".join(argv[1:])}')
+  if _CONFIG.value is None:
+    fail('--config is required, e.g. --config=configs/c4_ablation.py:rw_lr,preset=tiny')
+  if not _WORKDIR.value:
+    fail('--workdir is required')
+  import jax
+  from laurel import train
+  if _COORDINATOR.value or _NUM_PROCESSES.value:  # TPU pods need none of these: jax finds its peers
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  elif jax.default_backend() == 'tpu':
+    jax.distributed.initialize()
+  try:
+    train.validate_config(_CONFIG.value)
+  except ValueError as e:
+    fail(str(e))
+  logging.set_verbosity(logging.WARNING)
+  try:
+    train.train(_CONFIG.value, _WORKDIR.value)
+  except ValueError as e:  # e.g. a workdir holding another model's checkpoints
+    fail(str(e))
+  except train.TrainingDiverged as e:
+    fail(str(e), code=3)
+
+
+def run():
+  app.run(main)
+
+
+if __name__ == '__main__':
+  run()

@@ -1,0 +1,59 @@
+"""Device mesh (data, fsdp, tensor) and logical-axis shardings for parameters, state and batches."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')
+
+
+def mesh_shape(mesh_cfg, num_devices: int, field: str = 'mesh') -> tuple[int, ...]:
+  """Resolves -1 and checks the mesh fits the devices; one-line ValueError otherwise."""
+  sizes = [mesh_cfg[a] for a in MESH_AXES]
+  for axis, size in zip(MESH_AXES, sizes):
+    if not isinstance(size, int) or (size < 1 and size != -1):
+      raise ValueError(f'{field}.{axis}={size!r}: must be a positive integer or -1')
+  if sizes.count(-1) > 1:
+    raise ValueError(f'{field}: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}')
+  fixed = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % fixed:
+      raise ValueError(f'{field}={dict(zip(MESH_AXES, sizes))}: the fixed axes ({fixed}) do not divide '
+                       f'the {num_devices} devices')
+    sizes[sizes.index(-1)] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ValueError(f'{field}={dict(zip(MESH_AXES, sizes))}: needs {fixed} devices, found {num_devices}')
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
+  devices = jax.devices() if devices is None else devices
+  shape = mesh_shape(mesh_cfg, len(devices))
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def logical_shardings(abstract_boxed_tree, mesh, rules):
+  """NamedShardings for a tree whose leaves may be flax `nn.Partitioned` boxes (unboxed structure)."""
+  specs = nn.get_partition_spec(abstract_boxed_tree)
+  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def global_batch(local_batch: dict, mesh) -> dict:
+  """Per-process numpy batch -> global jax.Arrays sharded over data x fsdp (multi-host safe)."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}

@@ -1,0 +1,113 @@
+"""Task definitions: what the one train loop needs from a model family (model, loss, metrics, data).
+
+A task's `loss` returns (scalar loss, (metrics, new_model_state)) where each metric is a (sum, weight) pair,
+so train and eval both report sum/weight however many batches or devices they span.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from laurel import lm
+
+
+class LMTask:
+  """Next-token prediction on packed sequences; the loss skips padding and document boundaries."""
+  unit = 'tokens'
+
+  def __init__(self, config):
+    self.config = config
+    self.model_cfg = lm.LMConfig.from_config(config.model)
+    self.model = lm.LM(self.model_cfg)
+
+  def validate(self):
+    from laurel import data
+    data.validate(self.config.data, self.model_cfg.vocab_size)
+
+  def units_per_example(self) -> int:
+    return self.config.data.seq_len
+
+  def example_batch(self, batch_size: int) -> dict:
+    shape = (batch_size, self.config.data.seq_len)
+    return {'tokens': np.zeros(shape, np.int32), 'segment_ids': np.ones(shape, np.int32),
+            'positions': np.zeros(shape, np.int32)}
+
+  def init(self, rng, batch) -> dict:
+    return self.model.init(rng, batch['tokens'], batch['positions'], batch['segment_ids'])
+
+  def loss(self, params, model_state, batch, train: bool):
+    del train  # no dropout
+    tokens_BxL, segments_BxL = batch['tokens'], batch['segment_ids']
+    logits_BxLxV = self.model.apply({'params': params, **model_state}, tokens_BxL, batch['positions'],
+                                    segments_BxL)
+    logits_BxLxV, targets_BxL = logits_BxLxV[:, :-1], tokens_BxL[:, 1:]
+    # Predict token t+1 only inside the document of token t, never into padding (segment 0).
+    weights_BxL = ((segments_BxL[:, 1:] == segments_BxL[:, :-1]) & (segments_BxL[:, 1:] > 0)).astype(jnp.float32)
+    nll_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+    correct_BxL = (jnp.argmax(logits_BxLxV, -1) == targets_BxL).astype(jnp.float32)
+    n = weights_BxL.sum()
+    metrics = {'loss': ((nll_BxL * weights_BxL).sum(), n), 'accuracy': ((correct_BxL * weights_BxL).sum(), n)}
+    return metrics['loss'][0] / jnp.maximum(n, 1.0), (metrics, model_state)
+
+  def dataset(self, *, train, batch_size, seed, process_index, process_count):
+    from laurel import data
+    return data.lm_dataset(self.config.data, train=train, batch_size=batch_size, seed=seed,
+                           process_index=process_index, process_count=process_count)
+
+
+class ClassificationTask:
+  """Image classification with top-1/top-5 accuracy; BatchNorm statistics are the model state."""
+  unit = 'images'
+
+  def __init__(self, config):
+    from laurel import resnet
+    self.config = config
+    self.model_cfg = resnet.ResNetConfig.from_config(config.model)
+    self.model = resnet.ResNet(self.model_cfg)
+
+  def validate(self):
+    from laurel import image_data
+    image_data.validate(self.config.data)
+
+  def units_per_example(self) -> int:
+    return 1
+
+  def example_batch(self, batch_size: int) -> dict:
+    s = self.config.data.image_size
+    return {'images': np.zeros((batch_size, s, s, 3), np.float32), 'labels': np.zeros((batch_size,), np.int32)}
+
+  def init(self, rng, batch) -> dict:
+    return self.model.init(rng, batch['images'], train=False)
+
+  def loss(self, params, model_state, batch, train: bool):
+    variables = {'params': params, **model_state}
+    if train:
+      logits_BxC, updates = self.model.apply(variables, batch['images'], train=True, mutable=['batch_stats'])
+      model_state = {**model_state, **updates}
+    else:
+      logits_BxC = self.model.apply(variables, batch['images'], train=False)
+    labels_B = batch['labels']
+    ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BxC, labels_B)
+    top5_BxK = jax.lax.top_k(logits_BxC, min(5, logits_BxC.shape[-1]))[1]
+    n = jnp.asarray(labels_B.shape[0], jnp.float32)
+    metrics = {'loss': (ce_B.sum(), n),
+               'top1': ((jnp.argmax(logits_BxC, -1) == labels_B).sum().astype(jnp.float32), n),
+               'top5': ((top5_BxK == labels_B[:, None]).any(-1).sum().astype(jnp.float32), n)}
+    return ce_B.mean(), (metrics, model_state)
+
+  def dataset(self, *, train, batch_size, seed, process_index, process_count):
+    from laurel import image_data
+    return image_data.image_dataset(self.config.data, train=train, batch_size=batch_size, seed=seed,
+                                    process_index=process_index, process_count=process_count)
+
+
+TASKS = {'lm': LMTask, 'classification': ClassificationTask}
+
+
+def get_task(config):
+  if config.task not in TASKS:
+    raise ValueError(f'task={config.task!r}: must be one of {", ".join(TASKS)}')
+  return TASKS[config.task](config)

@@ -1,0 +1,247 @@
+"""laurel.data: packing invariants, no data loss, splits, sharding, resumable iterators, c4 offline, validate."""
+
+import json
+import os
+import pickle
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from laurel import config_lib
+from laurel import data
+
+SEQ_LEN = 128
+EOS = config_lib.BYTE_VOCAB_SIZE - 1
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  """60 files in nested folders with unique contents, some longer than SEQ_LEN, some non-UTF-8 bytes."""
+  root = tmp_path_factory.mktemp('corpus')
+  rng = np.random.default_rng(0)
+  for i in range(60):
+    folder = root / f'd{i % 3}' / f'e{i % 2}'
+    folder.mkdir(parents=True, exist_ok=True)
+    body = rng.integers(0, 256, size=int(rng.integers(50, 400)), dtype=np.uint8).tobytes()
+    (folder / f'f{i}.txt').write_bytes(f'file {i}\n'.encode() + body)
+  (root / 'ignored.bin').write_bytes(b'not matched by the glob')
+  return root
+
+
+def text_cfg(root, seq_len=SEQ_LEN, fraction=0.3):
+  cfg = config_lib.lm_data('text', seq_len)
+  cfg.path = os.path.join(str(root), '**', '*.txt')
+  cfg.validation_fraction = fraction
+  return cfg
+
+
+def file_chunks(paths, seq_len=SEQ_LEN) -> set[tuple[int, ...]]:
+  """The segments a file must become: byte tokens + EOS, cut every seq_len tokens."""
+  out = set()
+  for path in paths:
+    tokens = list(np.frombuffer(open(path, 'rb').read(), np.uint8).astype(int) + 1) + [EOS]
+    out.update(tuple(tokens[i:i + seq_len]) for i in range(0, len(tokens), seq_len))
+  return out
+
+
+def segments(batch) -> list[tuple[int, ...]]:
+  """Checks the packing invariants of one batch and returns the token tuple of every segment."""
+  tokens, seg, pos = batch['tokens'], batch['segment_ids'], batch['positions']
+  assert tokens.dtype == seg.dtype == pos.dtype == np.int32
+  assert tokens.shape == seg.shape == pos.shape
+  out = []
+  for tokens_l, seg_l, pos_l in zip(tokens, seg, pos):
+    ids = seg_l[seg_l > 0]
+    assert list(np.unique(ids)) == list(range(1, len(np.unique(ids)) + 1))  # 1, 2, ... in a row
+    assert (np.diff(seg_l[seg_l > 0]) >= 0).all()  # each segment is contiguous
+    assert (tokens_l[seg_l == 0] == 0).all() and (pos_l[seg_l == 0] == 0).all()  # padding
+    assert (seg_l[np.argmax(seg_l == 0):] == 0).all() or (seg_l > 0).all()  # padding only at the end
+    for s in np.unique(ids):
+      np.testing.assert_array_equal(pos_l[seg_l == s], np.arange((seg_l == s).sum()))
+      out.append(tuple(int(t) for t in tokens_l[seg_l == s]))
+  return out
+
+
+def take_segments(ds, num_batches) -> set[tuple[int, ...]]:
+  it = iter(ds)
+  out = set()
+  for _ in range(num_batches):
+    out.update(segments(next(it)))
+  it.close()
+  return out
+
+
+def test_split_is_disjoint_deterministic_and_depends_only_on_relative_paths(corpus, tmp_path):
+  cfg = text_cfg(corpus)
+  train, val = data.split_files(cfg.path, cfg.validation_fraction)
+  assert len(train) + len(val) == 60 and not set(train) & set(val)
+  assert 5 <= len(val) <= 35  # about 30% of 60
+  assert data.split_files(cfg.path, cfg.validation_fraction) == (train, val)
+  shutil.copytree(corpus, tmp_path / 'copy')
+  train2, val2 = data.split_files(text_cfg(tmp_path / 'copy').path, cfg.validation_fraction)
+  rel = lambda paths, root: sorted(os.path.relpath(p, root) for p in paths)
+  assert rel(train2, tmp_path / 'copy') == rel(train, corpus)
+  assert rel(val2, tmp_path / 'copy') == rel(val, corpus)
+
+
+@pytest.mark.parametrize('train', [True, False])
+def test_text_batches_hold_every_byte_and_nothing_else(corpus, train):
+  cfg = text_cfg(corpus)
+  train_files, val_files = data.split_files(cfg.path, cfg.validation_fraction)
+  ds = data.lm_dataset(cfg, train=train, batch_size=4, seed=3)
+  batch = next(iter(ds))
+  assert {k: v.shape for k, v in batch.items()} == {k: (4, SEQ_LEN) for k in ('tokens', 'segment_ids', 'positions')}
+  seen = take_segments(ds, 40)  # > 2 epochs of either split
+  assert seen == file_chunks(train_files if train else val_files)
+
+
+def test_per_process_shards_are_disjoint_and_cover_the_split(corpus):
+  cfg = text_cfg(corpus)
+  shards = [take_segments(data.lm_dataset(cfg, train=False, batch_size=2, seed=0, process_index=i,
+                                          process_count=2), 30) for i in range(2)]
+  assert not shards[0] & shards[1]
+  assert shards[0] | shards[1] == file_chunks(data.split_files(cfg.path, cfg.validation_fraction)[1])
+  # Train: the first batch lies inside the first (shuffled) epoch, whose halves are disjoint.
+  first = [take_segments(data.lm_dataset(cfg, train=True, batch_size=2, seed=5, process_index=i,
+                                         process_count=2), 1) for i in range(2)]
+  assert first[0] and first[1] and not first[0] & first[1]
+
+
+def test_train_order_depends_on_seed_and_eval_order_is_fixed(corpus):
+  cfg = text_cfg(corpus)
+  first = lambda **kw: next(iter(data.lm_dataset(cfg, batch_size=2, **kw)))['tokens']
+  np.testing.assert_array_equal(first(train=True, seed=1), first(train=True, seed=1))
+  assert not np.array_equal(first(train=True, seed=1), first(train=True, seed=2))
+  np.testing.assert_array_equal(first(train=False, seed=1), first(train=False, seed=2))
+
+
+@pytest.mark.parametrize('name,train,prefetch', [('text', True, 2), ('text', False, 0), ('synthetic', True, 2)])
+def test_iterator_state_round_trips(corpus, name, train, prefetch):
+  cfg = text_cfg(corpus, seq_len=64) if name == 'text' else config_lib.lm_data(name, 64)
+  cfg.prefetch = prefetch
+  ds = data.lm_dataset(cfg, train=train, batch_size=3, seed=7)
+  it = iter(ds)
+  for _ in range(5):
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))  # grain's CheckpointSave stores it as JSON
+  expected = [next(it) for _ in range(4)]
+  resumed = iter(ds)
+  resumed.set_state(state)
+  for want, got in zip(expected, [next(resumed) for _ in range(4)]):
+    for key in want:
+      np.testing.assert_array_equal(want[key], got[key])
+  it.close()
+  resumed.close()
+
+
+def test_synthetic_is_deterministic_and_byte_level():
+  cfg = config_lib.lm_data('synthetic', 64)
+  data.validate(cfg, config_lib.BYTE_VOCAB_SIZE)
+  a = next(iter(data.lm_dataset(cfg, train=False, batch_size=2, seed=0)))
+  b = next(iter(data.lm_dataset(cfg, train=False, batch_size=2, seed=0)))
+  np.testing.assert_array_equal(a['tokens'], b['tokens'])
+  assert a['tokens'].max() < config_lib.BYTE_VOCAB_SIZE
+  segments(a)
+  assert data.SyntheticSource(10, 0)[3] != data.SyntheticSource(10, 1)[3]  # train and validation differ
+
+
+def test_multiprocess_prefetch_resumes(corpus):
+  cfg = text_cfg(corpus, seq_len=64)
+  cfg.num_workers = 1
+  ds = data.lm_dataset(cfg, train=True, batch_size=2, seed=0)
+  it = iter(ds)
+  next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = [next(it) for _ in range(2)]
+  it.close()
+  resumed = iter(ds)
+  resumed.set_state(state)
+  for want in expected:
+    np.testing.assert_array_equal(want['tokens'], next(resumed)['tokens'])
+  resumed.close()
+
+
+@pytest.fixture(scope='module')
+def sp_model(tmp_path_factory):
+  """A tiny SentencePiece model with T5's special ids (pad 0, eos 1, unk 2), trained on mock-like text."""
+  sentencepiece = pytest.importorskip('sentencepiece')
+  root = tmp_path_factory.mktemp('sp')
+  rng = np.random.default_rng(0)
+  lines = [''.join(rng.choice(list('abcdefghij '), size=40)) for _ in range(300)]
+  (root / 'corpus.txt').write_text('\n'.join(lines))
+  sentencepiece.SentencePieceTrainer.train(
+      input=str(root / 'corpus.txt'), model_prefix=str(root / 'sp'), vocab_size=40, model_type='bpe',
+      pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+  return str(root / 'sp.model')
+
+
+def test_c4_with_mock_tfds_and_sentencepiece(sp_model):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  cfg = config_lib.lm_data('c4', 32)
+  cfg.vocab_path = sp_model
+  data.validate(cfg, 64)
+  tokenizer = data.make_tokenizer(cfg)
+  assert (tokenizer.vocab_size, tokenizer.pad_id, tokenizer.eos_id) == (40, 0, 1)
+  assert pickle.loads(pickle.dumps(tokenizer)).encode('abc def') == tokenizer.encode('abc def')
+  with tfds.testing.mock_data(num_examples=20):
+    for train in (True, False):
+      it = iter(data.lm_dataset(cfg, train=train, batch_size=2, seed=0))
+      batch = next(it)
+      it.close()
+      assert batch['tokens'].shape == (2, 32)
+      segments(batch)
+      assert batch['tokens'].max() < 40 and (batch['tokens'] == tokenizer.eos_id).any()
+
+
+def test_default_corpus_is_the_standard_library():
+  cfg = config_lib.lm_data('text', 64)
+  assert cfg.path == ''
+  data.validate(cfg, config_lib.BYTE_VOCAB_SIZE)
+  train, val = data.split_files('', cfg.validation_fraction)
+  assert len(val) > 10 and len(train) > 10 * len(val)
+  assert not any('site-packages' in p for p in train + val)
+  it = iter(data.lm_dataset(cfg, train=True, batch_size=2, seed=0, process_index=1, process_count=4))
+  assert next(it)['tokens'].shape == (2, 64)
+  it.close()
+
+
+@pytest.mark.parametrize('name,field,value,message', [
+    ('text', 'name', 'foo', "data.name='foo': must be one of c4, text, synthetic"),
+    ('text', 'seq_len', 0, 'data.seq_len=0: must be a positive integer'),
+    ('text', 'seq_len', 1.5, 'data.seq_len=1.5'),
+    ('text', 'path', '/nope/*.txt', "data.path='/nope/*.txt': matches no files"),
+    ('text', 'validation_fraction', 1.0, 'data.validation_fraction=1.0'),
+    ('text', 'validation_fraction', 0.0, 'data.validation_fraction=0.0'),
+    ('text', 'num_workers', -1, 'data.num_workers=-1'),
+    ('text', 'prefetch', -2, 'data.prefetch=-2'),
+    ('c4', 'vocab_path', '/nope/sp.model', "data.vocab_path='/nope/sp.model'"),
+    ('c4', 'vocab_path', '', "data.vocab_path=''"),
+])
+def test_validate_names_the_bad_field(name, field, value, message):
+  cfg = config_lib.lm_data(name, 64)
+  with cfg.ignore_type():
+    setattr(cfg, field, value)
+  with pytest.raises(ValueError, match='^' + re.escape(message)) as e:
+    data.validate(cfg, 32128)
+  assert '\n' not in str(e.value)
+
+
+def test_validate_vocab_sizes_and_fields(corpus, sp_model, tmp_path):
+  with pytest.raises(ValueError, match=r"^model.vocab_size=100: smaller than the tokenizer's 258$"):
+    data.validate(config_lib.lm_data('synthetic', 8), 100)
+  cfg = config_lib.lm_data('c4', 8)
+  data.validate(cfg, 32128)  # gs:// is not read here
+  cfg.vocab_path = sp_model
+  with pytest.raises(ValueError, match=r"^model.vocab_size=39: smaller than the tokenizer's 40$"):
+    data.validate(cfg, 39)
+  (tmp_path / 'bad.model').write_bytes(b'not a model')
+  cfg.vocab_path = str(tmp_path / 'bad.model')
+  with pytest.raises(ValueError, match='not a SentencePiece model'):
+    data.validate(cfg, 32128)
+  (tmp_path / 'one').mkdir()
+  (tmp_path / 'one' / 'a.txt').write_text('x')
+  with pytest.raises(ValueError, match=r'^eval_data.path=.*matches 1 file'):
+    data.validate(text_cfg(tmp_path / 'one'), 258, field='eval_data')
+  data.validate(text_cfg(corpus), 258)

@@ -1,0 +1,371 @@
+"""Tests of laurel.residual: every LAuReL variant against a direct NumPy evaluation of its equation.
+
+The NumPy references below are written from the paper (arXiv 2411.07501, §2, eqs. 2–6, §2.4; §3.3 for the
+initialisation) and from Gemma 3n's LAuReL block, not from the module's code.
+"""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laurel.residual import LaurelResidual, LaurelSpec, closed_form_params, column_orthogonal_init
+
+D, RANK, BATCH, LEN = 16, 4, 2, 3
+
+
+def _spec(variant, **kw):
+  kw.setdefault('rank', RANK)
+  return LaurelSpec(variant=variant, **kw)
+
+
+# (id, spec): every variant of §2, eqs. 3–6, §2.4's per-dimension RW and the Gemma 3n form.
+VARIANTS = [
+    ('none', _spec('none')),
+    ('rw_softmax', _spec('rw')),
+    ('rw_sigmoid', _spec('rw', rw_norm='sigmoid')),
+    ('rw_softmax_per_dim', _spec('rw', rw_per_dim=True)),
+    ('rw_sigmoid_per_dim', _spec('rw', rw_norm='sigmoid', rw_per_dim=True)),
+    ('rw_softmax_scale1', _spec('rw', rw_scale=1.0)),
+    ('lr', _spec('lr')),
+    ('lr_xavier', _spec('lr', a_init='xavier')),
+    ('lr_rank1', _spec('lr', rank=1)),
+    ('pa_identity_k1', _spec('pa', k=1)),
+    ('pa_identity_k2', _spec('pa', k=2)),
+    ('pa_identity_k3', _spec('pa', k=3)),
+    ('pa_low_rank_k1', _spec('pa', pa_h='low_rank', k=1)),
+    ('pa_low_rank_k2', _spec('pa', pa_h='low_rank', k=2)),
+    ('pa_low_rank_k4', _spec('pa', pa_h='low_rank', k=4)),
+    ('rw_lr', _spec('rw+lr')),  # eq. 5
+    ('rw_lr_sigmoid_per_dim', _spec('rw+lr', rw_norm='sigmoid', rw_per_dim=True)),
+    ('rw_pa_identity', _spec('rw+pa', k=3)),
+    ('rw_pa_low_rank', _spec('rw+pa', pa_h='low_rank', k=2)),
+    ('rw_lr_pa_k1', _spec('rw+lr+pa', k=1)),  # eq. 6
+    ('rw_lr_pa_k3', _spec('rw+lr+pa', k=3)),  # eq. 6
+    ('rw_lr_pa_k3_xavier', _spec('rw+lr+pa', k=3, a_init='xavier')),
+    ('rw_lr_pa_per_dim', _spec('rw+lr+pa', k=2, rw_per_dim=True)),
+    ('lr_pa_k2', _spec('lr+pa', k=2)),
+    ('pa_lr_order', _spec('pa+lr', k=3)),  # component order does not matter
+    ('gemma3n_lr', _spec('lr', form='gemma3n')),
+    ('gemma3n_rw_lr', _spec('rw+lr', form='gemma3n')),
+]
+PAPER_VARIANTS = [(i, s) for i, s in VARIANTS if s.form == 'paper' and s.rw_scale == 2.0]
+
+
+def _inputs(spec, seed, d=D):
+  """Random fx, x, history (x_{i-1}, …, x_{i-k+1}) and x_normed, each (B, L, D) float32."""
+  rng = np.random.default_rng(seed)
+  draw = lambda: rng.normal(size=(BATCH, LEN, d)).astype(np.float32)
+  fx_BxLxD, x_BxLxD, xn_BxLxD = draw(), draw(), draw()
+  history = [draw() for _ in range(spec.history_len)]
+  return fx_BxLxD, x_BxLxD, history, xn_BxLxD
+
+
+def _init(spec, d=D, seed=0):
+  """The site's (boxed) params; {} for the plain residual."""
+  fx, x, history, xn = _inputs(spec, 0, d)
+  return LaurelResidual(spec).init(jax.random.key(seed), fx, x, history, xn).get('params', {})
+
+
+def _apply(spec, params, fx, x, history, xn):
+  return np.asarray(LaurelResidual(spec).apply({'params': params}, fx, x, history, xn))
+
+
+def _perturb(params, seed, scale=0.5):
+  """Moves every parameter away from its initial value by N(0, scale²) noise."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda p: p + jnp.asarray(rng.normal(0, scale, p.shape), p.dtype), nn.unbox(params))
+
+
+def _num_params(params):
+  return sum(int(np.size(p)) for p in jax.tree.leaves(nn.unbox(params)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# NumPy references, from the paper's equations.
+
+def _np_softmax(w, axis=0):
+  e = np.exp(w - w.max(axis=axis, keepdims=True))
+  return e / e.sum(axis=axis, keepdims=True)
+
+
+def _np_sigmoid(w):
+  return 1.0 / (1.0 + np.exp(-w))
+
+
+def _np_rmsnorm(y, scale, eps=1e-6):
+  # flax.linen.RMSNorm: y * rsqrt(mean(y², -1) + epsilon) * scale, epsilon = 1e-6 by default.
+  return y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps) * scale
+
+
+def _np_reference(spec, params, fx, x, history, xn):
+  """x_{i+1} = α·f(x_i) + g(x_i, …, x_{i−k+1}) evaluated in float64, one equation at a time."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), nn.unbox(params))
+  fx, x, xn = (np.asarray(a, np.float64) for a in (fx, x, xn))
+  xs = [x] + [np.asarray(h, np.float64) for h in history]  # xs[j] = x_{i-j}
+  comps = set() if spec.variant == 'none' else set(spec.variant.split('+'))
+
+  if not comps:  # eq. 1
+    return fx + x
+
+  # §2.1: α, β = rw_scale·softmax(w) or rw_scale·σ(w), rw_scale·σ(−w); §2.4: D-vectors if per-dim.
+  alpha = beta = 1.0
+  if 'rw' in comps:
+    w = p['rw_w']
+    if spec.rw_norm == 'softmax':
+      ab = spec.rw_scale * _np_softmax(w, axis=0)
+      alpha, beta = ab[0], ab[1]
+    else:
+      alpha, beta = spec.rw_scale * _np_sigmoid(w), spec.rw_scale * _np_sigmoid(-w)
+
+  if spec.form == 'gemma3n':  # Gemma 3n: (α f + β (x + xn + RMSNorm(xn A B))) / √2
+    low_rank = xn @ p['lr_a'] @ p['lr_b']
+    inner = x + xn + _np_rmsnorm(low_rank, p['lr_norm']['scale'])
+    return (alpha * fx + beta * inner) / math.sqrt(2.0)
+
+  inner = x.copy()
+  if 'lr' in comps and 'pa' not in comps:  # eq. 3 (β = 1) and eq. 5: x + B A x, i.e. x + x @ A @ B
+    inner = inner + x @ p['lr_a'] @ p['lr_b']
+  if 'pa' in comps:  # eq. 4: x_i + Σ_j γ_j h(x_{i−j}); eq. 6: h_j = A_j B_j
+    gamma = p['pa_gamma']
+    for j in range(spec.k):
+      if 'lr' in comps:
+        h = xs[j] @ p['pa_a'][j] @ p['pa_b'][j]
+      elif spec.pa_h == 'low_rank':
+        h = xs[j] @ p['pa_a'] @ p['pa_b']
+      else:
+        h = xs[j]
+      inner = inner + gamma[j] * h
+  return alpha * fx + beta * inner
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward values.
+
+@pytest.mark.parametrize('spec', [s for _, s in VARIANTS], ids=[i for i, _ in VARIANTS])
+def test_matches_numpy_reference_random_weights_BxLxD(spec):
+  params = _perturb(_init(spec), seed=1)
+  fx, x, history, xn = _inputs(spec, seed=2)
+  out_BxLxD = _apply(spec, params, fx, x, history, xn)
+  assert out_BxLxD.shape == (BATCH, LEN, D) and out_BxLxD.dtype == np.float32
+  np.testing.assert_allclose(out_BxLxD, _np_reference(spec, params, fx, x, history, xn), rtol=1e-5, atol=1e-5)
+  if spec.variant != 'none':  # the random parameters really are used
+    assert not np.allclose(out_BxLxD, fx + x, atol=1e-3)
+
+
+def test_rw_softmax_pinned_value_D():
+  # w = (log 3, 0): softmax = (3/4, 1/4); rw_scale 2 gives α = 1.5, β = 0.5.
+  spec = _spec('rw')
+  params = {'rw_w': jnp.asarray([math.log(3.0), 0.0], jnp.float32)}
+  fx_D, x_D = np.array([1.0, 2.0], np.float32), np.array([4.0, -8.0], np.float32)
+  out_D = np.asarray(LaurelResidual(spec).apply({'params': params}, fx_D, x_D))
+  np.testing.assert_allclose(out_D, [1.5 * 1 + 0.5 * 4, 1.5 * 2 - 0.5 * 8], rtol=1e-6)
+
+
+def test_rw_sigmoid_alpha_plus_beta_is_scale_D():
+  # σ(w) + σ(−w) = 1: with fx = x the output is rw_scale·x for any w.
+  spec = _spec('rw', rw_norm='sigmoid', rw_per_dim=True, rw_scale=3.0)
+  rng = np.random.default_rng(0)
+  params = {'rw_w': jnp.asarray(rng.normal(size=(D,)), jnp.float32)}
+  x_D = rng.normal(size=(D,)).astype(np.float32)
+  out_D = np.asarray(LaurelResidual(spec).apply({'params': params}, x_D, x_D))
+  np.testing.assert_allclose(out_D, 3.0 * x_D, rtol=1e-6, atol=1e-6)
+
+
+def test_pa_needs_k_minus_1_previous_activations():
+  spec = _spec('pa', k=3)
+  fx, x, history, xn = _inputs(spec, seed=0)
+  params = _init(spec)
+  with pytest.raises(ValueError, match='k-1=2'):
+    LaurelResidual(spec).apply({'params': params}, fx, x, history[:1], xn)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Initialisation.
+
+@pytest.mark.parametrize('spec', [s for _, s in PAPER_VARIANTS], ids=[i for i, _ in PAPER_VARIANTS])
+def test_paper_form_starts_as_plain_residual_BxLxD(spec):
+  params = _init(spec, seed=3)
+  fx, x, history, xn = _inputs(spec, seed=4)
+  out_BxLxD = _apply(spec, params, fx, x, history, xn)
+  np.testing.assert_array_equal(out_BxLxD, fx + x)
+
+
+@pytest.mark.parametrize('variant', ['rw', 'rw+lr', 'rw+pa', 'rw+lr+pa'])
+@pytest.mark.parametrize('rw_norm', ['softmax', 'sigmoid'])
+def test_rw_scale_1_starts_at_half_sum_BxLxD(variant, rw_norm):
+  # The paper's literal normalisation (α + β = 1) starts at (x + f(x)) / 2: a documented departure.
+  spec = _spec(variant, rw_norm=rw_norm, rw_scale=1.0, k=2)
+  fx, x, history, xn = _inputs(spec, seed=5)
+  out_BxLxD = _apply(spec, _init(spec), fx, x, history, xn)
+  np.testing.assert_allclose(out_BxLxD, (x + fx) / 2, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('variant', ['lr', 'rw+lr'])
+def test_gemma3n_starts_at_scaled_sum_with_normed_input_BxLxD(variant):
+  # Gemma 3n's block starts at (x + f(x) + x_normed) / √2: a documented departure.
+  spec = _spec(variant, form='gemma3n')
+  fx, x, history, xn = _inputs(spec, seed=6)
+  out_BxLxD = _apply(spec, _init(spec), fx, x, history, xn)
+  np.testing.assert_allclose(out_BxLxD, (x + fx + xn) / math.sqrt(2.0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('d,r', [(4, 2), (16, 4), (10, 3), (8, 8), (5, 1)])
+def test_column_orthogonal_init_values_DxR(d, r):
+  a_DxR = np.asarray(column_orthogonal_init(jax.random.key(0), (d, r)))
+  assert a_DxR.shape == (d, r) and a_DxR.dtype == np.float32
+  for i in range(d):
+    for j in range(r):
+      want = 1.0 / math.sqrt(r * d) if i % r == j else 0.0
+      assert a_DxR[i, j] == pytest.approx(want, rel=1e-6, abs=0.0), (i, j)
+  gram_RxR = a_DxR.T @ a_DxR  # columns are orthogonal
+  np.testing.assert_allclose(gram_RxR - np.diag(np.diag(gram_RxR)), 0.0, atol=1e-7)
+
+
+def test_column_orthogonal_init_pinned_4x2():
+  c = 1.0 / math.sqrt(8.0)
+  np.testing.assert_allclose(np.asarray(column_orthogonal_init(None, (4, 2))),
+                             [[c, 0], [0, c], [c, 0], [0, c]], rtol=1e-7)
+
+
+def test_column_orthogonal_init_stacked_KxDxR():
+  a_KxDxR = np.asarray(column_orthogonal_init(jax.random.key(0), (3, 16, 4), jnp.bfloat16))
+  assert a_KxDxR.shape == (3, 16, 4) and a_KxDxR.dtype == jnp.bfloat16
+  want_DxR = np.asarray(column_orthogonal_init(None, (16, 4)), np.float32)
+  for j in range(3):
+    np.testing.assert_allclose(a_KxDxR[j].astype(np.float32), want_DxR, rtol=1e-2)
+
+
+@pytest.mark.parametrize('variant,a_name,b_name', [('lr', 'lr_a', 'lr_b'), ('pa', 'pa_a', 'pa_b'),
+                                                   ('rw+lr+pa', 'pa_a', 'pa_b')])
+def test_init_uses_column_orthogonal_a_and_zero_b(variant, a_name, b_name):
+  spec = _spec(variant, k=3, pa_h='low_rank')
+  params = nn.unbox(_init(spec))
+  a, b = np.asarray(params[a_name]), np.asarray(params[b_name])
+  want_DxR = np.asarray(column_orthogonal_init(None, (D, RANK)))
+  np.testing.assert_array_equal(a, np.broadcast_to(want_DxR, a.shape))
+  np.testing.assert_array_equal(b, 0.0)
+  if spec.pa:  # γ = 1 with low-rank h (B = 0 already zeroes the sum); γ = 0 with identity h
+    np.testing.assert_array_equal(np.asarray(params['pa_gamma']), np.ones(spec.k))
+  identity = nn.unbox(_init(_spec('pa', k=3)))
+  np.testing.assert_array_equal(np.asarray(identity['pa_gamma']), np.zeros(3))
+
+
+@pytest.mark.parametrize('variant,a_name', [('lr', 'lr_a'), ('rw+lr+pa', 'pa_a')])
+def test_xavier_init_scale_DxR(variant, a_name):
+  # Xavier uniform on A (D×r): limit sqrt(6 / (D + r)); eq. 6's leading k axis is a batch axis.
+  d, r = 64, 8
+  spec = _spec(variant, rank=r, k=3, a_init='xavier')
+  a = np.asarray(nn.unbox(_init(spec, d=d, seed=7))[a_name])
+  assert a.shape[-2:] == (d, r)
+  limit = math.sqrt(6.0 / (d + r))
+  assert np.abs(a).max() <= limit
+  assert np.abs(a).max() > 0.9 * limit
+  assert a.std() == pytest.approx(limit / math.sqrt(3.0), rel=0.15)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parameter counts (§2, Table 4): numbers written out for D = 16, r = 4.
+
+PARAM_COUNTS = [
+    # (id, spec, extra params per site)
+    ('none', _spec('none'), 0),
+    ('rw_softmax', _spec('rw'), 2),
+    ('rw_sigmoid', _spec('rw', rw_norm='sigmoid'), 1),
+    ('rw_softmax_per_dim', _spec('rw', rw_per_dim=True), 32),  # 2D
+    ('rw_sigmoid_per_dim', _spec('rw', rw_norm='sigmoid', rw_per_dim=True), 16),  # D
+    ('lr', _spec('lr'), 128),  # 2rD
+    ('lr_rank1', _spec('lr', rank=1), 32),
+    ('pa_identity_k1', _spec('pa', k=1), 1),  # k
+    ('pa_identity_k3', _spec('pa', k=3), 3),
+    ('pa_low_rank_k1', _spec('pa', pa_h='low_rank', k=1), 129),  # 2rD + k
+    ('pa_low_rank_k3', _spec('pa', pa_h='low_rank', k=3), 131),
+    ('rw_lr', _spec('rw+lr'), 130),  # 2rD + 2
+    ('rw_pa_identity_k3', _spec('rw+pa', k=3), 5),
+    ('rw_pa_low_rank_k3', _spec('rw+pa', pa_h='low_rank', k=3), 133),
+    ('lr_pa_k3', _spec('lr+pa', k=3), 387),  # eq. 6 without RW: 2rkD + k
+    ('rw_lr_pa_k1', _spec('rw+lr+pa', k=1), 131),  # 2rkD + k + 2
+    ('rw_lr_pa_k3', _spec('rw+lr+pa', k=3), 389),
+    ('rw_lr_pa_k3_per_dim', _spec('rw+lr+pa', k=3, rw_per_dim=True), 419),  # 2rkD + k + 2D
+    ('gemma3n_lr', _spec('lr', form='gemma3n'), 144),  # 2rD + D (RMSNorm scale)
+    ('gemma3n_rw_lr', _spec('rw+lr', form='gemma3n'), 146),
+]
+
+
+@pytest.mark.parametrize('spec,expected', [(s, n) for _, s, n in PARAM_COUNTS], ids=[i for i, _, _ in PARAM_COUNTS])
+def test_param_count_matches_closed_form(spec, expected):
+  assert closed_form_params(spec, D) == expected
+  assert _num_params(_init(spec)) == expected
+
+
+def test_param_count_closed_form_table5_shape():
+  # D = 768, r = 32, k = 3: the per-site numbers behind Table 5.
+  at = lambda variant, **kw: closed_form_params(LaurelSpec(variant=variant, rank=32, k=3, **kw), 768)
+  assert at('rw') == 2
+  assert at('lr') == 49_152
+  assert at('pa') == 3
+  assert at('rw+lr') == 49_154
+  assert at('rw+lr+pa') == 147_461
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation: ValueError naming `model.laurel.<field>` and the value.
+
+BAD_SPECS = [
+    # (id, overrides, field, value as it appears in the message)
+    ('rank_0', dict(variant='lr', rank=0), 'rank', '0'),
+    ('rank_negative', dict(variant='rw+lr', rank=-3), 'rank', '-3'),
+    ('rank_above_d', dict(variant='lr', rank=D + 1), 'rank', str(D + 1)),
+    ('rank_float', dict(variant='lr', rank=4.0), 'rank', '4.0'),
+    ('rank_0_low_rank_pa', dict(variant='pa', pa_h='low_rank', rank=0), 'rank', '0'),
+    ('rank_above_d_eq6', dict(variant='rw+lr+pa', k=2, rank=D + 1), 'rank', str(D + 1)),
+    ('k_0', dict(variant='pa', k=0), 'k', '0'),
+    ('k_above_sites', dict(variant='pa', k=5), 'k', '5'),
+    ('k_above_sites_eq6', dict(variant='rw+lr+pa', k=5), 'k', '5'),
+    ('variant_unknown_component', dict(variant='rw+xx'), 'variant', "'rw+xx'"),
+    ('variant_foo', dict(variant='foo'), 'variant', "'foo'"),
+    ('variant_duplicate', dict(variant='rw+rw'), 'variant', "'rw+rw'"),
+    ('variant_empty', dict(variant=''), 'variant', "''"),
+    ('variant_trailing_plus', dict(variant='lr+'), 'variant', "'lr+'"),
+    ('rw_norm', dict(variant='rw', rw_norm='tanh'), 'rw_norm', "'tanh'"),
+    ('rw_scale_0', dict(variant='rw', rw_scale=0.0), 'rw_scale', '0.0'),
+    ('a_init', dict(variant='lr', a_init='orthogonal'), 'a_init', "'orthogonal'"),
+    ('pa_h', dict(variant='pa', pa_h='mlp'), 'pa_h', "'mlp'"),
+    ('form', dict(variant='lr', form='gemma'), 'form', "'gemma'"),
+    ('form_gemma3n_without_lr', dict(variant='rw', form='gemma3n'), 'form', "'gemma3n'"),
+    ('form_gemma3n_with_pa', dict(variant='lr+pa', k=2, form='gemma3n'), 'form', "'gemma3n'"),
+    ('site', dict(variant='lr', site='layer'), 'site', "'layer'"),
+]
+
+
+@pytest.mark.parametrize('overrides,field,value', [b[1:] for b in BAD_SPECS], ids=[b[0] for b in BAD_SPECS])
+def test_from_config_rejects_bad_value(overrides, field, value):
+  with pytest.raises(ValueError) as info:
+    LaurelSpec.from_config({'rank': RANK, **overrides}, d_model=D, num_sites=4)
+  assert f'model.laurel.{field}={value}' in str(info.value)
+
+
+def test_from_config_rejects_unknown_field():
+  with pytest.raises(ValueError, match=r'model\.laurel\.rnak: unknown field'):
+    LaurelSpec.from_config({'variant': 'lr', 'rnak': 4}, d_model=D, num_sites=4)
+
+
+def test_from_config_names_custom_field_prefix():
+  with pytest.raises(ValueError, match=r"model\.blocks\.laurel\.variant='xx'"):
+    LaurelSpec.from_config({'variant': 'xx'}, d_model=D, num_sites=4, field='model.blocks.laurel')
+
+
+@pytest.mark.parametrize('overrides', [
+    dict(variant='rw', rank=10 * D),  # rank unused without LR or low-rank PA
+    dict(variant='pa', pa_h='identity', rank=0),
+    dict(variant='lr', k=0),  # k unused without PA
+    dict(variant='pa', k=4),  # k equal to the number of sites is allowed
+    dict(variant='lr', rank=D),  # r = D is allowed
+], ids=['rank_unused_rw', 'rank_unused_pa_identity', 'k_unused_lr', 'k_equals_sites', 'rank_equals_d'])
+def test_from_config_accepts_boundary_and_unused_values(overrides):
+  overrides = {'rank': RANK, **overrides}
+  spec = LaurelSpec.from_config(overrides, d_model=D, num_sites=4)
+  assert spec == LaurelSpec(**overrides)
