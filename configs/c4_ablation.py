@@ -59,7 +59,8 @@ def get_config(arg=None):
     c.checkpoint_every = 2000
   else:
     laurel = config_lib.laurel_config(rank=8, k=3, **laurel_overrides)
-    c.model = config_lib.lm_model(layers // 4, 128, 4, 384, config_lib.BYTE_VOCAB_SIZE, laurel)
+    # Byte vocabulary (258) padded to 264 so the vocab axis divides over tensor-parallel sizes up to 8.
+    c.model = config_lib.lm_model(layers // 4, 128, 4, 384, 264, laurel)
     c.data = config_lib.lm_data("text", seq_len=256)
     c.batch_size = 16
     c.steps = 600

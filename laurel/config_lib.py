@@ -130,6 +130,7 @@ def trainer_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 500
   c.keep_checkpoints = 3
   c.tensorboard = True
+  c.data_shards = 0  # input shards; 0 = one per process. Fixing it makes batches independent of host count.
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 3e-3

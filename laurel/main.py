@@ -3,6 +3,7 @@
 Bad input exits with status 2 and one line on stderr, before anything is traced or any checkpoint touched.
 """
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -46,8 +47,27 @@ def main(argv):
     fail(str(e), code=3)
 
 
+def _parse_flags(argv):
+  """absl's parser, with a bad override reported as one line instead of a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    root = e
+    while root.__cause__ or root.__context__:  # the config file's own ValueError, if there is one
+      root = root.__cause__ or root.__context__
+    message = ' '.join(str(root).replace('\\n', ' ').split())
+    if isinstance(root, (AttributeError, KeyError)):  # a locked config rejects unknown fields this way
+      field = re.search(r"'(\w+)'", message)
+      bad = [a.split('=')[0][2:] for a in argv[1:]
+             if a.startswith('--config.') and field and field.group(1) in a.split('=')[0].split('.')]
+      message = f'{bad[0] if bad else message}: unknown config field'
+    elif root is not e and 'config' not in message and str(e).startswith('flag '):
+      message = f'{str(e).split(": ")[0]}: {message}'  # name the flag, e.g. --config.steps=abc
+    fail(message)
+
+
 def run():
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == '__main__':

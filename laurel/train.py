@@ -77,7 +77,47 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   need(micro % (data * fsdp) == 0, 'batch_size',
        f'each micro-batch ({micro}) must divide over the data-parallel size data*fsdp={data * fsdp}')
   need(config.batch_size % process_count == 0, 'batch_size', f'must divide over {process_count} processes')
+  need(isinstance(config.data_shards, int) and config.data_shards >= 0 and config.data_shards % process_count == 0,
+       'data_shards', f'must be 0 (one per process) or a multiple of the {process_count} processes')
+  need(config.batch_size % max(config.data_shards, 1) == 0, 'batch_size',
+       f'must divide over data_shards={config.data_shards}')
   return task
+
+
+class ShardedBatches(grain.IterDataset):
+  """Batches made of several independent input shards, concatenated along the batch axis.
+
+  Shard s of `num_shards` belongs to process s % process_count, so the global batch (all processes'
+  rows in process order) is the same whatever the number of processes: config.data_shards fixes it.
+  """
+
+  def __init__(self, shards):
+    super().__init__(shards)
+
+  def __iter__(self):
+    return _ShardedBatchIterator([iter(p) for p in self.parents])
+
+
+class _ShardedBatchIterator(grain.DatasetIterator):
+
+  def __next__(self):
+    parts = [next(it) for it in self._parents]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def get_state(self):
+    return {'shards': [it.get_state() for it in self._parents]}
+
+  def set_state(self, state):
+    for it, shard_state in zip(self._parents, state['shards']):
+      it.set_state(shard_state)
+
+
+def local_dataset(task, config, *, train: bool):
+  nproc, pid = jax.process_count(), jax.process_index()
+  num_shards = config.data_shards or nproc
+  mine = range(pid, num_shards, nproc)
+  return ShardedBatches([task.dataset(train=train, batch_size=config.batch_size // num_shards, seed=config.seed,
+                                      process_index=s, process_count=num_shards) for s in mine])
 
 
 def _get(config, dotted):
@@ -110,18 +150,19 @@ def make_train_step(task, tx, schedule, grad_accum_steps):
       k = grad_accum_steps
       micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
-      def body(carry, mb):
+      def body(carry, mb):  # grads weighted by each micro-batch's loss weight: exactly the full batch's mean
         g, m, ms = micro_step(state.params, carry[2], mb)
+        g = jax.tree.map(lambda x: x * m['loss'][1], g)
         return (jax.tree.map(jnp.add, carry[0], g), jax.tree.map(jnp.add, carry[1], m), ms), None
 
       zeros = jax.eval_shape(micro_step, state.params, state.model_state, jax.tree.map(lambda x: x[0], micro))
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros[:2])
       (grads, metrics, model_state), _ = jax.lax.scan(body, (*zeros, state.model_state), micro)
-      grads = jax.tree.map(lambda g: g / k, grads)
+      grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['loss'][1], 1.0), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     out = {name: s / jnp.maximum(w, 1.0) for name, (s, w) in metrics.items()}
-    out.update(grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
+    out.update(grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
     return TrainState(state.step + 1, params, opt_state, model_state), out
 
   return train_step
@@ -244,20 +285,20 @@ def compile_step(task, config, mesh):
   return compiled, init, abstract, state_shardings
 
 
-def train(config, workdir: str) -> dict:
-  task = validate_config(config)
+def train(config, workdir: str, devices=None) -> dict:
+  """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json."""
+  devices = jax.devices() if devices is None else devices
+  task = validate_config(config, num_devices=len(devices))
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  mesh = sharding.make_mesh(config.mesh)
+  mesh = sharding.make_mesh(config.mesh, devices)
   pid, nproc = jax.process_index(), jax.process_count()
-  local_bs = config.batch_size // nproc
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     compiled, init_state, abstract_state, state_shardings = compile_step(task, config, mesh)
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
-    train_iter = iter(task.dataset(train=True, batch_size=local_bs, seed=config.seed, process_index=pid,
-                                   process_count=nproc))
+    train_iter = iter(local_dataset(task, config, train=True))
     mngr = ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
         max_to_keep=config.keep_checkpoints, create=True))
     state, start = _restore_latest(mngr, workdir, config, abstract_state, train_iter)
@@ -282,8 +323,7 @@ def train(config, workdir: str) -> dict:
           f'peak memory of the compiled step {peak_memory / 2**20:,.1f} MiB', flush=True)
 
     def evaluate():
-      it = iter(task.dataset(train=False, batch_size=local_bs, seed=config.seed, process_index=pid,
-                             process_count=nproc))
+      it = iter(local_dataset(task, config, train=False))
       totals = {}
       for _ in range(config.eval_steps):
         for name, (s, w) in jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh))).items():

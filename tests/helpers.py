@@ -1,0 +1,57 @@
+"""Shared test helpers: tiny configs for the train loop, run in-process or through the CLI."""
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# A model and batch small enough that a step takes milliseconds on one CPU core.
+TINY_LM = {
+    'model.d_model': 32, 'model.num_heads': 4, 'model.d_ff': 64, 'model.num_layers': 3,
+    'model.laurel.rank': 4, 'model.laurel.k': 2, 'data.name': 'synthetic', 'data.seq_len': 32,
+    'batch_size': 8, 'steps': 6, 'log_every': 1, 'eval_every': 1000, 'eval_steps': 2,
+    'checkpoint_every': 1000, 'tensorboard': False, 'optimizer.warmup_steps': 2, 'data.prefetch': 0,
+}
+
+
+def load_config(spec: str, overrides: dict | None = None):
+  """`spec` is 'configs/<file>.py:<arg>'; overrides are dotted field names, as on the command line."""
+  path, _, arg = spec.partition(':')
+  module_spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, ROOT / path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(arg or None)
+  for dotted, value in (overrides or {}).items():
+    *parents, leaf = dotted.split('.')
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def cli_args(spec: str, workdir, overrides: dict) -> list[str]:
+  args = [sys.executable, '-m', 'laurel.main', f'--config={ROOT / spec.split(":")[0]}:{spec.split(":")[1]}',
+          f'--workdir={workdir}']
+  return args + [f'--config.{k}={v}' for k, v in overrides.items()]
+
+
+def cli_env(num_devices: int = 1) -> dict:
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={num_devices}'
+  env['JAX_PLATFORMS'] = 'cpu'
+  env['PYTHONPATH'] = str(ROOT)
+  return env
+
+
+def run_cli(spec, workdir, overrides, num_devices=1, timeout=300, extra=()):
+  return subprocess.run(cli_args(spec, workdir, overrides) + list(extra), env=cli_env(num_devices), cwd=ROOT,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def losses(workdir) -> dict[int, float]:
+  rows = [json.loads(l) for l in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines() if l]
+  return {r['step']: r['loss'] for r in rows if 'loss' in r}

@@ -1,0 +1,188 @@
+"""The train loop: exact resume, preemption, meshes, multi-process, bad input, NaN, unreadable checkpoints."""
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TINY_LM, cli_args, cli_env, load_config, losses, run_cli
+from laurel import train
+
+SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
+
+
+def _wait_for(predicate, proc, timeout=240):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return
+    assert proc.poll() is None, f'run ended early: {proc.stderr.read()[-2000:]}'
+    time.sleep(0.02)
+  raise TimeoutError
+
+
+def _finished_checkpoints(workdir):
+  d = pathlib.Path(workdir) / 'checkpoints'
+  return {int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.exists() else set()
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+  overrides = {**TINY_LM, 'steps': 60, 'checkpoint_every': 10}
+  ref = run_cli(SPEC, tmp_path / 'ref', overrides)
+  assert ref.returncode == 0, ref.stderr[-2000:]
+
+  workdir = tmp_path / 'killed'
+  proc = subprocess.Popen(cli_args(SPEC, workdir, overrides), env=cli_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  _wait_for(lambda: 10 in _finished_checkpoints(workdir) and max(losses(workdir), default=0) >= 12, proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  killed_at = max(losses(workdir))
+  assert killed_at < 60, 'the run finished before it could be killed'
+
+  again = run_cli(SPEC, workdir, overrides)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert 'resumed from checkpoint' in again.stdout
+  assert losses(workdir) == losses(tmp_path / 'ref')  # every step, bit for bit
+  assert json.loads((workdir / 'final.json').read_text())['eval_loss'] == pytest.approx(
+      json.loads((tmp_path / 'ref' / 'final.json').read_text())['eval_loss'], rel=1e-6)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+  proc = subprocess.Popen(cli_args(SPEC, tmp_path, {**TINY_LM, 'steps': 100_000}), env=cli_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _wait_for(lambda: (tmp_path / 'metrics.jsonl').exists() and max(losses(tmp_path), default=0) >= 3, proc)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-2000:]
+  assert 'preempted: saved checkpoint' in out
+  saved = _finished_checkpoints(tmp_path)
+  assert saved and max(saved) >= 3
+
+
+def _in_process_losses(workdir, devices, mesh, **extra):
+  config = load_config(SPEC, {**TINY_LM, 'mesh.data': mesh[0], 'mesh.fsdp': mesh[1], 'mesh.tensor': mesh[2],
+                              **extra})
+  train.train(config, str(workdir), devices=devices)
+  return losses(workdir)
+
+
+@pytest.mark.parametrize('mesh', [(8, 1, 1), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 8, 1)])
+def test_sharded_meshes_match_one_device(tmp_path, mesh):
+  assert jax.device_count() == 8
+  one = _in_process_losses(tmp_path / 'one', jax.devices()[:1], (1, 1, 1))
+  many = _in_process_losses(tmp_path / 'many', jax.devices(), mesh)
+  assert one.keys() == many.keys()
+  np.testing.assert_allclose([many[s] for s in sorted(many)], [one[s] for s in sorted(one)], rtol=2e-5)
+
+
+def test_two_processes_match_one_process_with_eight_devices(tmp_path):
+  overrides = {**TINY_LM, 'data_shards': 2, 'mesh.data': 4, 'mesh.fsdp': 2}
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(cli_args(SPEC, tmp_path / 'two', overrides) + [
+      f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
+      env=cli_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  for p in procs:
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+  one = _in_process_losses(tmp_path / 'one', jax.devices(), (4, 2, 1), data_shards=2)
+  two = losses(tmp_path / 'two')
+  assert one.keys() == two.keys()
+  np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
+
+
+def _tree_snapshot(path):
+  return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in pathlib.Path(path).rglob('*')}
+
+
+BAD_INPUTS = [
+    ({'foo': 1}, 'config.foo'),
+    ({'model.laurel.rank': 0}, 'model.laurel.rank=0'),
+    ({'model.laurel.rank': 99}, 'model.laurel.rank=99'),
+    ({'model.laurel.k': 9}, 'model.laurel.k=9'),
+    ({'model.laurel.variant': 'rw+zz'}, "model.laurel.variant='rw+zz'"),
+    ({'steps': -3}, 'steps=-3'),
+    ({'data.name': 'text', 'data.path': '/nonexistent/*.txt'}, "data.path='/nonexistent/*.txt'"),
+    ({'batch_size': 12, 'mesh.data': 8}, 'batch_size=12'),
+    ({'mesh.tensor': 3}, 'mesh='),
+]
+
+
+@pytest.fixture(scope='module')
+def finished_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('finished')
+  result = run_cli(SPEC, workdir, {**TINY_LM, 'checkpoint_every': 3})
+  assert result.returncode == 0, result.stderr[-2000:]
+  return workdir
+
+
+@pytest.mark.parametrize('bad, message', BAD_INPUTS)
+def test_bad_input_fails_fast_with_one_line_and_leaves_checkpoints(finished_run, bad, message):
+  before = _tree_snapshot(finished_run)
+  start = time.time()
+  result = run_cli(SPEC, finished_run, {**TINY_LM, **bad}, num_devices=8)
+  assert time.time() - start < 60
+  assert result.returncode == 2
+  lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
+  assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr
+  assert _tree_snapshot(finished_run) == before
+
+
+def test_workdir_of_another_model_is_refused_untouched(finished_run):
+  before = _tree_snapshot(finished_run)
+  result = run_cli(SPEC, finished_run, {**TINY_LM, 'model.d_model': 64, 'steps': 8})
+  assert result.returncode == 2 and 'different task/model' in result.stderr
+  assert _tree_snapshot(finished_run) == before
+
+
+def test_unreadable_latest_checkpoint_is_moved_aside_not_deleted(tmp_path):
+  overrides = {**TINY_LM, 'checkpoint_every': 3}
+  assert run_cli(SPEC, tmp_path, overrides).returncode == 0
+  assert _finished_checkpoints(tmp_path) == {3, 6}
+  for f in (tmp_path / 'checkpoints' / '6' / 'state').rglob('*'):
+    if f.is_file():
+      f.write_bytes(b'garbage')
+  result = run_cli(SPEC, tmp_path, {**overrides, 'steps': 8})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'checkpoint 6 is unreadable' in result.stderr
+  assert 'resumed from checkpoint 3' in result.stdout
+  assert list((tmp_path / 'unreadable_checkpoints').iterdir())  # kept for inspection
+  assert 8 in _finished_checkpoints(tmp_path)
+
+
+def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path):
+  result = run_cli(SPEC, tmp_path, {**TINY_LM, 'steps': 30, 'checkpoint_every': 2,
+                                    'optimizer.learning_rate': 1e30, 'optimizer.warmup_steps': 0})
+  assert result.returncode == 3, result.stderr[-2000:]
+  line = [l for l in result.stderr.splitlines() if l.startswith('error:')][0]
+  assert 'at step' in line and 'last good checkpoint' in line
+
+
+def test_training_reduces_loss_and_writes_outputs(tmp_path):
+  config = load_config(SPEC, {**TINY_LM, 'steps': 40, 'log_every': 5, 'eval_every': 20, 'tensorboard': True,
+                              'optimizer.learning_rate': 1e-2})
+  final = train.train(config, str(tmp_path), devices=jax.devices()[:1])
+  rows = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  logged = [r for r in rows if 'loss' in r]
+  assert logged[-1]['loss'] < 0.7 * logged[0]['loss']
+  for key in ('step', 'loss', 'learning_rate', 'grad_norm', 'step_time_s', 'tokens_per_s', 'peak_memory_bytes'):
+    assert key in logged[0]
+  assert [r['step'] for r in rows if 'eval_loss' in r] == [20, 40]
+  assert final['eval_loss'] == json.loads((tmp_path / 'final.json').read_text())['eval_loss']
+  assert list((tmp_path / 'tensorboard').iterdir())
+
+
+def test_gradient_accumulation_matches_the_full_batch(tmp_path):
+  full = _in_process_losses(tmp_path / 'full', jax.devices()[:1], (1, 1, 1), steps=3)
+  accum = _in_process_losses(tmp_path / 'accum', jax.devices()[:1], (1, 1, 1), steps=3,
+                             **{'optimizer.grad_accum_steps': 2})
+  np.testing.assert_allclose([accum[s] for s in sorted(accum)], [full[s] for s in sorted(full)], rtol=1e-5)
