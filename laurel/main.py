@@ -28,6 +28,7 @@ def main(argv):
     fail('--config is required, e.g. --config=configs/c4_ablation.py:rw_lr,preset=tiny')
   if not _WORKDIR.value:
     fail('--workdir is required')
+  logging.set_verbosity(logging.WARNING)
   import jax
   from laurel import train
   if _COORDINATOR.value or _NUM_PROCESSES.value:  # TPU pods need none of these: jax finds its peers
@@ -38,7 +39,6 @@ def main(argv):
     train.validate_config(_CONFIG.value)
   except ValueError as e:
     fail(str(e))
-  logging.set_verbosity(logging.WARNING)
   try:
     train.train(_CONFIG.value, _WORKDIR.value)
   except ValueError as e:  # e.g. a workdir holding another model's checkpoints

@@ -30,6 +30,9 @@ class LMTask:
   def units_per_example(self) -> int:
     return self.config.data.seq_len
 
+  def laurel_site_widths(self) -> list[int]:
+    return [self.model_cfg.d_model] * self.model_cfg.num_sites
+
   def example_batch(self, batch_size: int) -> dict:
     shape = (batch_size, self.config.data.seq_len)
     return {'tokens': np.zeros(shape, np.int32), 'segment_ids': np.ones(shape, np.int32),
@@ -74,6 +77,10 @@ class ClassificationTask:
 
   def units_per_example(self) -> int:
     return 1
+
+  def laurel_site_widths(self) -> list[int]:
+    from laurel import resnet
+    return resnet.laurel_site_widths(self.model_cfg)
 
   def example_batch(self, batch_size: int) -> dict:
     s = self.config.data.image_size
