@@ -83,6 +83,7 @@ def get_config(arg=None):
   c = config_lib.trainer_config()
   c.task = 'classification'
   c.row = row
+  c.baseline_row = 'baseline'
   c.preset = opts['preset']
   c.paper_params_added_pct = PAPER_PARAMS_ADDED_PCT[row]
   c.paper_top1 = PAPER_TOP1[row]

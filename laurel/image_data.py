@@ -11,7 +11,8 @@ crop is a function of (seed, process, element index). Eval: the centre crop of `
 shorter side resized to S, i.e. resize to S/0.875 then centre-crop S.
 
 Order: global shuffle (train; reshuffled each epoch), shard `[process_index::process_count]`, repeat, decode and
-augment, batch (drop remainder), prefetch. `batch_size` is per process.
+augment, batch (drop remainder), prefetch. `batch_size` is per process. num_workers > 0 runs grain's
+mp_prefetch, which reads absl flags: call it under absl.app (or mark the flags parsed) and close the iterator.
 
 Synthetic: example i of a split is drawn from a generator seeded by (split, i): a label, then the class's colour
 and oriented stripe pattern plus Gaussian noise, generated at S×S. It goes through the same shuffle, shard,

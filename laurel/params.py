@@ -50,7 +50,7 @@ def report(config, config_filename: str) -> dict:
     base = count(_load_config_module(config_filename).get_config(arg))['total_params']
     out.update(baseline_row=baseline_row, baseline_params=base, added_params=out['total_params'] - base,
                added_pct=round(100.0 * (out['total_params'] - base) / base, 4))
-  for key in ('paper_params_m', 'paper_added_pct'):
+  for key in ('paper_params_m', 'paper_params_added_pct', 'paper_top1'):
     if config.get(key) is not None:
       out[key] = config[key]
   return out

@@ -18,7 +18,7 @@ block (a stage boundary) the history is reset to zeros and the projected shortcu
 the next block. Inside a stage, block j therefore sees min(j, k−1) real previous activations and zeros for the
 rest, exactly as the first blocks of the LM do. Every block still owns all k (γ, A, B) entries, so parameter
 counts match the closed form; the entries that only ever meet zeros (e.g. x_{i−2} in a stage's second block)
-get zero gradient and stay at their initial values. Nothing else is carried across a stage boundary.
+get zero gradient (only weight decay moves them). Nothing else is carried across a stage boundary.
 
 BatchNorm keeps running statistics in the 'batch_stats' collection (`use_running_average=not train`,
 momentum 0.9, epsilon 1e-5); under SPMD jax.jit it needs no axis_name (XLA reduces over the global batch).
@@ -39,7 +39,7 @@ from laurel import residual
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 EXPANSION = 4  # bottleneck output channels = 4·f
 ACT_AXES = ('act_batch', None, None, 'act_channels')  # NHWC activations
-KERNEL_AXES = ('spatial', 'spatial', 'conv_in', 'conv_out')
+KERNEL_AXES = (None, None, 'conv_in', 'conv_out')  # flax forbids one logical name twice in an array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,11 @@ class ResNet(nn.Module):
                                                                    ('conv_in', 'classes')),
                           bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('classes',)))(pooled_BxC)
     return nn.with_logical_constraint(logits_BxK.astype(jnp.float32), ('act_batch', 'classes'))
+
+
+def laurel_site_widths(cfg: ResNetConfig) -> list[int]:
+  """The width D of every LAuReL site (one per block, in order), for parameter accounting."""
+  return list(cfg.block_channels)
 
 
 def param_counts(cfg: ResNetConfig, image_size: int = 32) -> tuple[int, int]:

@@ -281,7 +281,9 @@ def compile_step(task, config, mesh):
                     in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, repl),
                     donate_argnums=0)
   compiled = step_fn.lower(abstract, abstract_batch).compile()
-  init = jax.jit(init_state, out_shardings=state_shardings)
+  # Initialisation runs once and its RNG code compiles slowly on CPU at full optimisation; values are the same.
+  init = jax.jit(init_state, out_shardings=state_shardings,
+                 compiler_options={'xla_backend_optimization_level': 0})
   return compiled, init, abstract, state_shardings
 
 

@@ -1,7 +1,7 @@
 """The train loop: exact resume, preemption, meshes, multi-process, bad input, NaN, unreadable checkpoints."""
 import json
-import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -186,3 +186,29 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   accum = _in_process_losses(tmp_path / 'accum', jax.devices()[:1], (1, 1, 1), steps=3,
                              **{'optimizer.grad_accum_steps': 2})
   np.testing.assert_allclose([accum[s] for s in sorted(accum)], [full[s] for s in sorted(full)], rtol=1e-5)
+
+
+RESNET = 'configs/imagenet_resnet50.py:rw_lr_pa,preset=tiny'
+TINY_RESNET = {'steps': 30, 'log_every': 5, 'eval_every': 1000, 'eval_steps': 2, 'checkpoint_every': 10,
+               'keep_checkpoints': 5, 'tensorboard': False}
+
+
+def test_resnet_trains_through_the_same_loop_with_accuracy(tmp_path):
+  config = load_config(RESNET, {**TINY_RESNET, 'steps': 60, 'eval_every': 60})
+  final = train.train(config, str(tmp_path), devices=jax.devices()[:1])
+  rows = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  logged = [r for r in rows if 'loss' in r]
+  assert logged[-1]['loss'] < 0.6 * logged[0]['loss']
+  assert {'top1', 'top5', 'images_per_s'} <= logged[0].keys()
+  assert final['eval_top1'] > 0.3 and 0 <= final['eval_top1'] <= final['eval_top5'] <= 1
+
+
+def test_resnet_resume_restores_batchnorm_statistics_exactly(tmp_path):
+  config = load_config(RESNET, TINY_RESNET)
+  train.train(config, str(tmp_path / 'full'), devices=jax.devices()[:1])
+  resumed = tmp_path / 'resumed'
+  # Resume from step 10 of the same run: later checkpoints and outputs are left behind.
+  shutil.copytree(tmp_path / 'full' / 'checkpoints' / '10', resumed / 'checkpoints' / '10')
+  (resumed / 'metrics.jsonl').write_text((tmp_path / 'full' / 'metrics.jsonl').read_text())
+  train.train(config, str(resumed), devices=jax.devices()[:1])
+  assert losses(resumed) == losses(tmp_path / 'full')

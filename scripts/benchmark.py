@@ -1,0 +1,344 @@
+"""Step time, throughput, MFU and peak memory of every Table 5 row, measured in one process.
+
+  python scripts/benchmark.py [--out=results/benchmark_cpu.json] [--rows=baseline_24,rw_lr] [--batch_size=N]
+      [--seq_len=N] [--steps=N] [--steps_per_round=N] [--nofull_shape_memory] [--set=<field>=<value> ...]
+
+Every row is compiled (laurel.train.compile_step) and initialised first; then the rows are timed in rounds, each
+round running --steps_per_round steps of every row in turn, the order rotating from round to round. A change in
+the machine's load thus hits every row alike. Each row first runs --warmup untimed steps; every timed step ends
+in jax.block_until_ready. Per row: the median step time, its ratio to Baseline-24's median, and the median over
+rounds of the ratio within a round (`step_time_ratio_paired`, the steadier of the two on a shared machine).
+Baseline-24 is always measured, whatever --rows says.
+
+Shape. Defaults depend on the platform. On CPU: the true Table 5 model (24 layers, D=768, F=2048, 12 heads,
+vocabulary 32,768: the paper preset of configs/c4_ablation.py) at batch 1 x 512 tokens, float32, no remat:
+a small batch rather than a shrunken model, whose r/D and vocabulary share would distort the ratios
+(/work/shared/NOTES.md). On GPU/TPU: 32 sequences x 1024 tokens per device (Table 5's 512 x 1024 on 16 chips),
+with the preset's bfloat16 and remat. Each flag below overrides its default; --set overrides any config field.
+
+MFU = FLOPs per step / step time / (peak FLOP/s per device x devices), peak from laurel.train.PEAK_FLOPS (null
+where unknown, e.g. CPU). XLA's cost analysis counts a scanned layer stack's body once, so the FLOPs are those
+of the same train step lowered (not compiled) with the layers unrolled; `xla_flops_compiled` is the raw figure
+of the scanned step, for reference.
+
+Full-shape memory (--full_shape_memory, on by default): each row's step compiled, not run, at Table 5's
+per-device shape (32 x 1024 tokens per device, the preset's bfloat16 and remat), with XLA's peak memory for it.
+On CPU this is the CPU compiler's buffer assignment: compare the ratios with Table 5's, not the bytes.
+
+Multi-host (TPU pods): run on every host with --distributed; process 0 writes --out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import common  # puts the repo root on sys.path
+from absl import app, flags, logging
+
+C4_ABLATION = 'configs/c4_ablation.py'
+ROWS = ('baseline_24', 'baseline_28', 'rw', 'lr', 'pa', 'rw_lr', 'rw_lr_pa')
+BASELINE = 'baseline_24'
+# Table 5 (TPU v6e 4x4): step-time ratio, peak-memory ratio, peak memory (GB).
+PAPER = {'baseline_24': (1.000, 1.000, 11.65), 'baseline_28': (1.105, 1.136, 13.23), 'rw': (1.000, 1.024, 11.93),
+         'lr': (1.032, 1.055, 12.29), 'pa': (1.053, 1.077, 12.55), 'rw_lr': (1.042, 1.079, 12.57),
+         'rw_lr_pa': (1.095, 1.107, 12.90)}
+
+_OUT = flags.DEFINE_string('out', '', 'Write the results as JSON here (besides the table on stdout).')
+_ROWS = flags.DEFINE_list('rows', list(ROWS), 'Table 5 rows to measure; baseline_24 is always added.')
+_PRESET = flags.DEFINE_enum('preset', 'paper', ['paper', 'tiny'], 'Preset of configs/c4_ablation.py.')
+_BATCH = flags.DEFINE_integer('batch_size', None, 'Global batch (sequences). Default: 1 on CPU, else 32/device.')
+_SEQ_LEN = flags.DEFINE_integer('seq_len', None, 'Tokens per sequence. Default: 512 on CPU, else 1024.')
+_DTYPE = flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'],
+                           "Compute dtype. Default: float32 on CPU, else the preset's.")
+_REMAT = flags.DEFINE_enum('remat', None, ['none', 'full', 'dots', 'dots_no_batch'],
+                           "Remat policy. Default: none on CPU, else the preset's.")
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps per row before the first round.')
+_STEPS = flags.DEFINE_integer('steps', None, 'Timed steps per row. Default: 3 on CPU, else 30.')
+_STEPS_PER_ROUND = flags.DEFINE_integer('steps_per_round', None,
+                                        'Steps of a row per round. Default: 1 on CPU, else 5.')
+_FULL = flags.DEFINE_bool('full_shape_memory', True, "Also compile each row at Table 5's per-device shape.")
+_FULL_BATCH = flags.DEFINE_integer('full_shape_batch_per_device', 32, 'Full-shape sequences per device.')
+_FULL_SEQ_LEN = flags.DEFINE_integer('full_shape_seq_len', 1024, 'Full-shape tokens per sequence.')
+_SET = flags.DEFINE_multi_string('set', [], '<field>=<value> config override for every row, e.g. '
+                                 'model.laurel.rank=16 (applied last, to both shapes).')
+_DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (TPU pods).')
+
+
+def row_config(row, *, batch_size, seq_len, dtype=None, remat=None):
+  """The row's config at the benchmark's shape; synthetic data, so nothing is read or downloaded."""
+  c = common.load_config(C4_ABLATION, f'{row},preset={_PRESET.value}')
+  c.batch_size = batch_size
+  c.data.seq_len = seq_len
+  c.data.name = 'synthetic'
+  c.data.vocab_path = ''
+  c.tensorboard = False
+  if dtype:
+    c.model.dtype = dtype
+  if remat:
+    c.model.remat = remat
+  for assignment in _SET.value:
+    common.set_field(c, *common.parse_assignment(assignment))
+  return c
+
+
+def shape_of(configs: dict) -> dict:
+  c = configs[BASELINE]
+  m = c.model
+  return {'num_layers': {row: configs[row].model.num_layers for row in configs}, 'd_model': m.d_model,
+          'd_ff': m.d_ff, 'num_heads': m.num_heads, 'vocab_size': m.vocab_size, 'mlp': m.mlp,
+          'laurel_rank': m.laurel.rank, 'laurel_k': m.laurel.k, 'batch_size': c.batch_size,
+          'seq_len': c.data.seq_len, 'tokens_per_step': c.batch_size * c.data.seq_len, 'dtype': m.dtype,
+          'param_dtype': m.param_dtype, 'remat': m.remat, 'scan_layers': m.scan_layers, 'preset': c.preset,
+          'mesh': {k: c.mesh[k] for k in ('data', 'fsdp', 'tensor')}, 'set': list(_SET.value)}
+
+
+def compile_row(config, mesh):
+  import flax.linen as nn
+  import jax
+  from laurel import train
+  task = train.validate_config(config)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
+    compiled, init_state, abstract, _ = train.compile_step(task, config, mesh)
+  return task, compiled, init_state, abstract, time.perf_counter() - start
+
+
+def unrolled_flops(config) -> float:
+  """FLOPs of one train step on the global batch, from XLA's cost analysis of the step lowered with the layers
+  unrolled (a scan's body is counted once). Lowered only: tracing, no compilation."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from laurel import tasks, train
+  config = config.copy_and_resolve_references()
+  config.model.scan_layers = False
+  task = tasks.get_task(config)
+  tx, schedule = train.make_optimizer(config.optimizer, config.steps)
+  step = train.make_train_step(task, tx, schedule, config.optimizer.grad_accum_steps)
+  example = task.example_batch(config.batch_size)
+
+  def init_state(rng):
+    variables = nn.unbox(task.init(rng, example))
+    params = variables.pop('params')
+    return train.TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), dict(variables))
+
+  with nn.logical_axis_rules(config.logical_axis_rules):
+    abstract = jax.eval_shape(init_state, jax.random.key(0))
+    cost = jax.jit(step).lower(abstract, example).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float((cost or {}).get('flops', 0.0))
+
+
+def synthetic_batch(task, config, mesh):
+  """One fixed batch of random tokens, one document per row, placed like the train loop places its batches."""
+  import jax
+  import numpy as np
+  from laurel import sharding
+  local = config.batch_size // jax.process_count()
+  rng = np.random.default_rng(jax.process_index())
+  batch = task.example_batch(local)
+  batch['tokens'] = rng.integers(1, config.model.vocab_size, batch['tokens'].shape, dtype=np.int32)
+  batch['positions'] = np.broadcast_to(np.arange(config.data.seq_len, dtype=np.int32), batch['tokens'].shape).copy()
+  return sharding.global_batch(batch, mesh)
+
+
+def memory_breakdown(compiled) -> dict:
+  """The step's buffers: arguments + temporaries + outputs not written in place of an argument. XLA's own
+  `peak_memory_in_bytes` (laurel.train._peak_memory_bytes) leaves the temporaries out on CPU, where it is about
+  the size of the train state whatever the batch; it is kept as `xla_peak_memory_bytes`."""
+  from laurel import train
+  m = compiled.memory_analysis()
+  step = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  return {'peak_memory_bytes': int(step), 'argument_bytes': int(m.argument_size_in_bytes),
+          'temp_bytes': int(m.temp_size_in_bytes),
+          'xla_peak_memory_bytes': train._peak_memory_bytes(compiled)}  # pylint: disable=protected-access
+
+
+def time_rows(rows: dict, batch, warmup: int, steps: int, steps_per_round: int) -> dict:
+  """Interleaved timing: {row: [[step seconds of round 0], [round 1], ...]}."""
+  import jax
+
+  def run(r, n):
+    times = []
+    for _ in range(n):
+      start = time.perf_counter()
+      r['state'], r['metrics'] = r['compiled'](r['state'], batch)
+      jax.block_until_ready((r['state'], r['metrics']))
+      times.append(time.perf_counter() - start)
+    return times
+
+  names = list(rows)
+  for name in names:
+    run(rows[name], warmup)
+  rounds = math.ceil(steps / steps_per_round)
+  times = {name: [] for name in names}
+  for i in range(rounds):
+    n = min(steps_per_round, steps - i * steps_per_round)
+    order = names[i % len(names):] + names[:i % len(names)]
+    for name in order:
+      times[name].append(run(rows[name], n))
+    print(f'round {i + 1}/{rounds}: ' + ', '.join(f'{name} {statistics.median(times[name][-1]):.3f}s'
+                                                  for name in names), flush=True)
+  return times
+
+
+def device_info() -> dict:
+  import jax
+  from laurel import train
+  kind = jax.devices()[0].device_kind
+  return {'platform': jax.default_backend(), 'device_kind': kind, 'device_count': jax.device_count(),
+          'process_count': jax.process_count(), 'peak_flops_per_device': train.PEAK_FLOPS.get(kind),
+          'host_cpus': os.cpu_count(), 'hostname': platform.node(), 'jax_version': jax.__version__}
+
+
+def ratio(value, base):
+  return round(value / base, 4) if value is not None and base else None
+
+
+def print_table(result):
+  rows = result['rows']
+  full = {r['name']: r for r in result.get('full_shape_memory', [])}
+  s = result['shape']
+  print(f"\n{result['device']['device_kind']} x{result['device']['device_count']} | batch {s['batch_size']} x "
+        f"{s['seq_len']} tokens | {s['dtype']} | remat {s['remat']} | D={s['d_model']} F={s['d_ff']} "
+        f"V={s['vocab_size']}")
+  header = (f"{'row':<12}{'params':>12}{'step s':>9}{'ratio':>8}{'paired':>8}{'paper':>7}{'tokens/s':>10}"
+            f"{'MFU':>7}{'peak MiB':>10}{'ratio':>7}{'paper':>7}")
+  if full:
+    header += f"{'full GiB':>10}{'ratio':>7}"
+  print(header)
+  for r in rows:
+    mfu = f"{100 * r['mfu']:.1f}%" if r['mfu'] is not None else '-'
+    line = (f"{r['name']:<12}{r['params']:>12,}{r['step_time_s']:>9.3f}{r['step_time_ratio']:>8.3f}"
+            f"{r['step_time_ratio_paired']:>8.3f}{r['paper_step_time_ratio']:>7.3f}{r['tokens_per_s']:>10,.0f}"
+            f"{mfu:>7}{r['peak_memory_bytes'] / 2**20:>10,.1f}{r['peak_memory_ratio']:>7.3f}"
+            f"{r['paper_peak_memory_ratio']:>7.3f}")
+    if r['name'] in full:
+      f = full[r['name']]
+      line += f"{f['peak_memory_bytes'] / 2**30:>10.2f}{f['peak_memory_ratio']:>7.3f}"
+    print(line)
+
+
+def benchmark() -> dict:
+  import jax
+  from laurel import sharding, train
+  cpu = jax.default_backend() == 'cpu'
+  n = jax.device_count()
+  batch_size = _BATCH.value or (1 if cpu else 32 * n)
+  seq_len = _SEQ_LEN.value or (512 if cpu else 1024)
+  dtype = _DTYPE.value or ('float32' if cpu else None)
+  remat = _REMAT.value or ('none' if cpu else None)
+  steps = _STEPS.value or (3 if cpu else 30)
+  steps_per_round = _STEPS_PER_ROUND.value or (1 if cpu else 5)
+  names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value) if r != BASELINE]
+  unknown = [r for r in names if r not in ROWS]
+  if unknown:
+    raise ValueError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(ROWS)})')
+  if steps < 1 or steps_per_round < 1 or _WARMUP.value < 0:
+    raise ValueError('--steps and --steps_per_round must be >= 1, --warmup >= 0')
+
+  configs = {r: row_config(r, batch_size=batch_size, seq_len=seq_len, dtype=dtype, remat=remat) for r in names}
+  for c in configs.values():
+    train.validate_config(c)
+  mesh = sharding.make_mesh(configs[BASELINE].mesh)
+  result = {'device': device_info(), 'shape': shape_of(configs)}
+  print(f"{result['device']['device_kind']} x{n}: {len(names)} rows at batch {batch_size} x {seq_len}, "
+        f"{configs[BASELINE].model.dtype}, remat {configs[BASELINE].model.remat}", flush=True)
+
+  rows, batch = {}, None
+  for name in names:
+    task, compiled, init_state, abstract, compile_s = compile_row(configs[name], mesh)
+    with jax.set_mesh(mesh):
+      state = init_state(jax.random.key(configs[name].seed))
+    batch = batch if batch is not None else synthetic_batch(task, configs[name], mesh)
+    rows[name] = {'compiled': compiled, 'state': state, 'metrics': None, 'compile_s': compile_s,
+                  'params': int(sum(x.size for x in jax.tree.leaves(abstract.params))),
+                  'flops': unrolled_flops(configs[name]),
+                  'xla_flops_compiled': train._flops(compiled) * n,  # pylint: disable=protected-access
+                  **memory_breakdown(compiled)}
+    print(f"compiled {name}: {compile_s:.1f}s, {rows[name]['params']:,} params, peak memory "
+          f"{rows[name]['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)
+
+  times = time_rows(rows, batch, _WARMUP.value, steps, steps_per_round)
+  peak_flops = result['device']['peak_flops_per_device']
+  tokens = batch_size * seq_len
+  median = {name: statistics.median(t for rnd in times[name] for t in rnd) for name in names}
+  base = rows[BASELINE]
+  result['rows'] = []
+  for name in names:
+    r = rows[name]
+    loss = float(jax.device_get(r['metrics']['loss']))
+    paired = [statistics.fmean(a) / statistics.fmean(b) for a, b in zip(times[name], times[BASELINE])]
+    all_times = [t for rnd in times[name] for t in rnd]
+    result['rows'].append({
+        'name': name, 'params': r['params'], 'params_ratio': ratio(r['params'], base['params']),
+        'step_time_s': median[name], 'step_time_ratio': ratio(median[name], median[BASELINE]),
+        'step_time_ratio_paired': round(statistics.median(paired), 4),
+        'step_time_min_s': min(all_times), 'step_time_max_s': max(all_times), 'step_times_s': times[name],
+        'tokens_per_s': tokens / median[name],
+        'mfu': r['flops'] / median[name] / (peak_flops * n) if peak_flops and r['flops'] else None,
+        'flops_per_step': r['flops'], 'flops_ratio': ratio(r['flops'], base['flops']),
+        'xla_flops_compiled': r['xla_flops_compiled'],
+        'peak_memory_bytes': r['peak_memory_bytes'],
+        'peak_memory_ratio': ratio(r['peak_memory_bytes'], base['peak_memory_bytes']),
+        'argument_bytes': r['argument_bytes'], 'temp_bytes': r['temp_bytes'], 'compile_s': r['compile_s'],
+        'final_loss': loss, 'paper_step_time_ratio': PAPER[name][0], 'paper_peak_memory_ratio': PAPER[name][1]})
+    if not math.isfinite(loss):
+      raise RuntimeError(f'{name}: loss is {loss} after the timed steps')
+  rows.clear()  # frees the train states before the full-shape compiles
+
+  if _FULL.value:
+    full = {r: row_config(r, batch_size=_FULL_BATCH.value * n, seq_len=_FULL_SEQ_LEN.value) for r in names}
+    result['full_shape'] = {k: v for k, v in shape_of(full).items()}
+    result['full_shape']['batch_per_device'] = _FULL_BATCH.value
+    result['full_shape']['note'] = ('compiled, not run; XLA buffer assignment for ' + jax.default_backend()
+                                    + ('; compare ratios with Table 5, not bytes' if cpu else ''))
+    result['full_shape_memory'] = []
+    for name in names:
+      _, compiled, _, _, compile_s = compile_row(full[name], mesh)
+      result['full_shape_memory'].append({'name': name, **memory_breakdown(compiled), 'compile_s': compile_s,
+                                          'paper_peak_memory_gb': PAPER[name][2],
+                                          'paper_peak_memory_ratio': PAPER[name][1]})
+      print(f"full shape {name}: peak memory {result['full_shape_memory'][-1]['peak_memory_bytes'] / 2**30:.2f} "
+            f"GiB ({compile_s:.1f}s to compile)", flush=True)
+      del compiled
+    base_bytes = result['full_shape_memory'][0]['peak_memory_bytes']
+    for r in result['full_shape_memory']:
+      r['peak_memory_ratio'] = ratio(r['peak_memory_bytes'], base_bytes)
+  return result
+
+
+def main(argv):
+  if len(argv) > 1:
+    common.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+  logging.set_verbosity(logging.WARNING)
+  import jax
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  command = shlex.join(getattr(sys, 'orig_argv', [sys.executable, *sys.argv]))
+  start = time.time()
+  try:
+    result = benchmark()
+  except ValueError as e:
+    common.fail(str(e))
+  result['command'] = command
+  result['wall_s'] = round(time.time() - start, 1)
+  if jax.process_index() != 0:
+    return
+  print_table(result)
+  if _OUT.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    with open(_OUT.value, 'w') as f:
+      f.write(json.dumps(result, indent=2) + '\n')
+    print(f'wrote {_OUT.value} ({result["wall_s"]:.0f}s)')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,289 @@
+"""ResNet with LAuReL residuals: exact parameter counts, shapes, BatchNorm modes, LAuReL = baseline at init."""
+
+import dataclasses
+import functools
+import re
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import imagenet_resnet50
+from laurel import residual, resnet
+
+RESNET50 = 25_557_032
+RESNET50_BATCH_STATS = 53_120
+# A small net with a stage boundary and a two-block stage, so PA sees real and reset history.
+SMALL = resnet.ResNetConfig(num_classes=5, stage_sizes=(1, 2), base_width=4)
+VARIANTS = {
+    'rw': dict(variant='rw'),
+    'rw_sigmoid_per_dim': dict(variant='rw', rw_norm='sigmoid', rw_per_dim=True),
+    'lr': dict(variant='lr'),
+    'pa': dict(variant='pa'),
+    'pa_low_rank': dict(variant='pa', pa_h='low_rank'),
+    'rw_lr': dict(variant='rw+lr'),
+    'rw_pa': dict(variant='rw+pa'),
+    'rw_lr_pa': dict(variant='rw+lr+pa'),
+}
+
+
+def paper_cfg(row, preset='paper'):
+  return resnet.ResNetConfig.from_config(imagenet_resnet50.get_config(f'{row},preset={preset}').model)
+
+
+def small_cfg(**laurel):
+  return dataclasses.replace(SMALL, laurel=residual.LaurelSpec(a_init='xavier', rank=2, k=3, **laurel))
+
+
+def images(n=4, size=16, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=(n, size, size, 3)), jnp.float32)
+
+
+# Small models run eagerly: XLA:CPU compiles a whole init (threefry per parameter) slowly on 2 cores, while
+# op-by-op compiles are cached across variants (same conv/BN shapes). unsafe_rbg compiles faster than threefry.
+@functools.cache
+def init_vars(cfg):
+  """Boxed variables; parameters and statistics do not depend on the input's batch or image size."""
+  return resnet.ResNet(cfg).init(jax.random.key(0, impl='unsafe_rbg'), jnp.zeros((1, 16, 16, 3)), train=False)
+
+
+def apply_fn(cfg, train):
+  """(logits, {'batch_stats': ...}): train=True updates the statistics, train=False must leave them."""
+  return lambda v, x: resnet.ResNet(cfg).apply(v, x, train=train, mutable=['batch_stats'])
+
+
+def flat(tree):
+  return flax.traverse_util.flatten_dict(nn.unbox(tree))
+
+
+def unflat(d):
+  return flax.traverse_util.unflatten_dict(d)
+
+
+# --- parameter counts (shapes only: jax.eval_shape allocates nothing) ---
+
+def test_resnet50_baseline_count_is_exact():
+  assert resnet.param_counts(paper_cfg('baseline')) == (RESNET50, RESNET50_BATCH_STATS)
+
+
+def test_baseline_plus_one_block_adds_one_identity_bottleneck():
+  params, stats = resnet.param_counts(paper_cfg('baseline_plus_1'))
+  assert params - RESNET50 == 1_117_184  # 1024·256 + 9·256² + 256·1024 + 2·(256+256+1024)
+  assert round(100 * (params - RESNET50) / RESNET50, 2) == 4.37  # Table 1
+  assert stats - RESNET50_BATCH_STATS == 2 * (256 + 256 + 1024)
+
+
+@pytest.mark.parametrize('row,added', [('rw', 32), ('rw_lr', 483_360), ('rw_lr_pa', 1_450_064)])
+def test_table1_laurel_rows_add_the_closed_form(row, added):
+  cfg = paper_cfg(row)
+  assert cfg.laurel.a_init == 'xavier'
+  closed = sum(residual.closed_form_params(cfg.laurel, d) for d in (256,) * 3 + (512,) * 4 + (1024,) * 6 + (2048,) * 3)
+  assert closed == cfg.laurel_params() == added
+  assert resnet.param_counts(cfg) == (RESNET50 + added, RESNET50_BATCH_STATS)
+
+
+@pytest.mark.parametrize('name', VARIANTS)
+def test_every_variant_adds_the_closed_form_per_block(name):
+  cfg = small_cfg(**VARIANTS[name])
+  base, base_stats = resnet.param_counts(SMALL)
+  params, stats = resnet.param_counts(cfg)
+  assert params - base == sum(residual.closed_form_params(cfg.laurel, d) for d in (16, 32, 32)) > 0
+  assert stats == base_stats
+
+
+def test_every_parameter_has_logical_axis_names():
+  cfg = paper_cfg('rw_lr_pa')
+  shapes = jax.eval_shape(lambda x: resnet.ResNet(cfg).init(jax.random.key(0), x, train=False),
+                          jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32))
+  leaves = jax.tree.leaves(shapes['params'], is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  assert all(isinstance(p, nn.Partitioned) and len(p.names) == p.value.ndim for p in leaves)
+  names = flax.traverse_util.flatten_dict(shapes['params'])
+  assert names[('stage1_block0', 'conv2', 'kernel')].names == resnet.KERNEL_AXES
+  assert names[('stage4_block2', 'laurel', 'pa_a')].names == ('laurel_k', 'conv_out', 'laurel_rank')
+
+
+# --- forward ---
+
+@pytest.mark.parametrize('size,dtype', [(32, 'float32'), (48, 'bfloat16')])
+def test_forward_shapes(size, dtype):
+  cfg = dataclasses.replace(paper_cfg('rw_lr_pa', 'tiny'), dtype=dtype)
+  x = jax.ShapeDtypeStruct((3, size, size, 3), jnp.float32)
+  for train in (False, True):
+    def fwd(x, train=train):
+      model = resnet.ResNet(cfg)
+      variables = model.init(jax.random.key(0), x, train=False)
+      return model.apply(variables, x, train=train, mutable=['batch_stats'] if train else False)
+    out = jax.eval_shape(fwd, x)
+    logits = out[0] if train else out
+    assert logits.shape == (3, 10) and logits.dtype == jnp.float32
+
+
+def test_resnet50_forward_shape_at_224():
+  out = jax.eval_shape(lambda x: resnet.ResNet(paper_cfg('rw_lr')).init_with_output(
+      jax.random.key(0), x, train=False)[0], jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32))
+  assert out.shape == (2, 1000) and out.dtype == jnp.float32
+
+
+def test_batchnorm_train_updates_statistics_and_eval_uses_them():
+  cfg = small_cfg(variant='rw+lr+pa')
+  x = images()
+  variables = init_vars(cfg)
+  stats0 = variables['batch_stats']
+  logits, updates = apply_fn(cfg, True)(variables, x)
+  assert logits.shape == (4, 5)
+  s0, s1 = flat(stats0), flat(updates['batch_stats'])
+  moved = [k for k in s0 if not np.allclose(s0[k], s1[k])]
+  assert len(moved) == len(s0)  # every mean and var moved, momentum 0.9 of the batch statistics
+  mean_key = ('stem_bn', 'mean')
+  stem_out = nn.Conv(4, (7, 7), 2, padding=[(3, 3)] * 2, use_bias=False).apply(
+      {'params': {'kernel': nn.unbox(variables['params'])['stem_conv']['kernel']}}, x)
+  np.testing.assert_allclose(s1[mean_key], 0.1 * stem_out.mean((0, 1, 2)), rtol=1e-4, atol=1e-6)
+
+  # Eval: batch-independent, a function of the running statistics, and leaves them as they are.
+  eval_fn = apply_fn(cfg, False)
+  new = {**variables, 'batch_stats': updates['batch_stats']}
+  full, state = eval_fn(new, x)
+  assert jax.tree.all(jax.tree.map(np.array_equal, state['batch_stats'], new['batch_stats']))
+  np.testing.assert_allclose(full[:2], eval_fn(new, x[:2])[0], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(full, eval_fn(variables, x)[0], atol=1e-5)
+  # Train mode normalises with the batch: the same image scores differently in another batch.
+  other, _ = apply_fn(cfg, True)(variables, jnp.concatenate([x[:2], images(seed=1)[:2]]))
+  assert not np.allclose(logits[:2], other[:2], atol=1e-5)
+
+
+# --- LAuReL at initialisation equals the plain residual ---
+
+def shared_weights(variables, seed=0):
+  """Gives the zero-initialised last BN scales random values, so f(x) != 0 and the comparison means something."""
+  rng = np.random.default_rng(seed)
+  params = {k: (rng.normal(size=v.shape).astype(v.dtype) if k[-2] == 'bn3' and k[-1] == 'scale' else v)
+            for k, v in flat(variables['params']).items()}
+  return {'params': unflat(params), 'batch_stats': nn.unbox(variables['batch_stats'])}
+
+
+def without_laurel(variables):
+  return {'params': unflat({k: v for k, v in flat(variables['params']).items() if 'laurel' not in k}),
+          'batch_stats': variables['batch_stats']}
+
+
+@pytest.mark.parametrize('name', VARIANTS)
+def test_laurel_at_init_equals_baseline(name):
+  cfg = small_cfg(**VARIANTS[name])
+  x = images()
+  variables = shared_weights(init_vars(cfg))
+  base = without_laurel(variables)
+  small_shapes = jax.eval_shape(lambda x: resnet.ResNet(SMALL).init(jax.random.key(0), x, train=False), x)
+  assert flat(base['params']).keys() == flat(small_shapes['params']).keys()
+  np.testing.assert_allclose(apply_fn(cfg, False)(variables, x)[0], apply_fn(SMALL, False)(base, x)[0],
+                             rtol=1e-5, atol=1e-5)
+  if name == 'rw_lr_pa':  # train mode (batch statistics) too, for the full combination
+    np.testing.assert_allclose(apply_fn(cfg, True)(variables, x)[0], apply_fn(SMALL, True)(base, x)[0],
+                               rtol=1e-5, atol=1e-5)
+  # The comparison is not vacuous: moving one LAuReL parameter off its init changes the output.
+  params = flat(variables['params'])
+  key = next(k for k in sorted(params) if k[0] == 'stage2_block1' and k[-1] in ('rw_w', 'lr_b', 'pa_b', 'pa_gamma'))
+  params[key] = params[key] + 0.5 if params[key].ndim == 0 else params[key].at[0].add(0.5)
+  moved = apply_fn(cfg, False)({**variables, 'params': unflat(params)}, x)[0]
+  assert not np.allclose(moved, apply_fn(cfg, False)(variables, x)[0], atol=1e-4)
+
+
+def test_pa_history_restarts_at_each_stage():
+  cfg = small_cfg(variant='pa')  # identity h: x_{i+1} = f(x_i) + x_i + Σ_j γ_j x_{i-j}, γ = 0 at init
+  x = images()
+  variables = shared_weights(init_vars(cfg))
+  ref = apply_fn(cfg, False)(variables, x)[0]
+
+  def with_gamma(block, j):
+    params = flat(variables['params'])
+    params[(block, 'laurel', 'pa_gamma')] = params[(block, 'laurel', 'pa_gamma')].at[j].set(1.0)
+    return apply_fn(cfg, False)({**variables, 'params': unflat(params)}, x)[0]
+
+  # First block of a stage: its history is all zeros (stage2_block0 drops stage 1's activations).
+  for block in ('stage1_block0', 'stage2_block0'):
+    np.testing.assert_array_equal(with_gamma(block, 1), ref)
+    np.testing.assert_array_equal(with_gamma(block, 2), ref)
+  # Second block: x_{i-1} is the first block's projected shortcut; x_{i-2} would be in stage 1, so zero.
+  assert not np.allclose(with_gamma('stage2_block1', 1), ref, atol=1e-4)
+  np.testing.assert_array_equal(with_gamma('stage2_block1', 2), ref)
+  # γ_0 weighs x_i itself, in every block.
+  assert not np.allclose(with_gamma('stage2_block0', 0), ref, atol=1e-4)
+
+
+# --- config validation ---
+
+@pytest.mark.parametrize('path,value,match', [
+    (('laurel', 'site'), 'sublayer', "model.laurel.site='sublayer'"),
+    (('laurel', 'form'), 'gemma3n', "model.laurel.form='gemma3n'"),
+    (('laurel', 'rank'), 33, 'model.laurel.rank=33'),  # tiny: the narrowest block has D = 32
+    (('laurel', 'variant'), 'rw+xx', "model.laurel.variant='rw+xx'"),
+    (('stage_sizes',), (), 'model.stage_sizes=()'),
+    (('stage_sizes',), (2, 0), 'model.stage_sizes=(2, 0)'),
+    (('base_width',), 0, 'model.base_width=0'),
+    (('num_classes',), -1, 'model.num_classes=-1'),
+    (('dtype',), 'float16', "model.dtype='float16'"),
+    (('bn_momentum',), 1.0, 'model.bn_momentum=1.0'),
+    (('bn_epsilon',), 0.0, 'model.bn_epsilon=0.0'),
+    (('zero_init_last_bn',), 1, 'model.zero_init_last_bn=1'),
+    (('bogus',), 1, 'model.bogus: unknown field'),
+])
+def test_from_config_errors_name_field_and_value(path, value, match):
+  model = imagenet_resnet50.get_config('rw_lr_pa,preset=tiny').model.to_dict()
+  node = model
+  for p in path[:-1]:
+    node = node[p]
+  node[path[-1]] = value
+  with pytest.raises(ValueError, match=re.escape(match)) as err:
+    resnet.ResNetConfig.from_config(model)
+  assert '\n' not in str(err.value)
+
+
+@pytest.mark.parametrize('preset', ['paper', 'tiny'])
+@pytest.mark.parametrize('row', imagenet_resnet50.ROWS)
+def test_config_rows(row, preset):
+  c = imagenet_resnet50.get_config(f'{row},preset={preset}')
+  cfg = resnet.ResNetConfig.from_config(c.model)
+  assert c.task == 'classification' and c.row == row
+  assert set(c.model.keys()) == {f.name for f in dataclasses.fields(resnet.ResNetConfig)}
+  assert set(c.model.laurel.keys()) == {f.name for f in dataclasses.fields(residual.LaurelSpec)}
+  assert c.paper_top1 == imagenet_resnet50.PAPER_TOP1[row]
+  assert c.paper_params_added_pct == imagenet_resnet50.PAPER_PARAMS_ADDED_PCT[row]
+  assert cfg.num_classes == c.data.num_classes
+  if preset == 'paper':
+    assert (c.data.image_size, c.data.name, c.batch_size) == (224, 'imagenet', 1024)
+  else:
+    assert (c.data.image_size, c.data.name, c.batch_size, cfg.base_width) == (32, 'synthetic', 32, 8)
+  with pytest.raises(ValueError, match="config row 'nope'"):
+    imagenet_resnet50.get_config('nope')
+
+
+# --- SPMD: BatchNorm needs no axis_name ---
+
+def test_sharded_train_step_matches_single_device():
+  """Batch over data x fsdp, parameters by their logical names: same logits and global-batch statistics."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from laurel import config_lib
+  n = jax.device_count()
+  fsdp = 2 if n % 2 == 0 else 1
+  mesh = jax.make_mesh((n // fsdp, fsdp, 1), ('data', 'fsdp', 'tensor'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  cfg = small_cfg(variant='rw+lr+pa')
+  x = images(n=2 * n)
+  variables = init_vars(cfg)
+  want_logits, want_state = apply_fn(cfg, True)(variables, x)
+
+  rules = config_lib.LOGICAL_AXIS_RULES
+  param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh, rules)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    sharded = jax.device_put(variables, param_shardings)
+    xs = jax.device_put(x, NamedSharding(mesh, P(('data', 'fsdp'))))
+    # Unoptimised XLA code: compiling is what costs here, and numerics do not depend on it.
+    train_fn = jax.jit(lambda v, x: resnet.ResNet(cfg).apply(v, x, train=True, mutable=['batch_stats']),
+                       compiler_options={'xla_backend_optimization_level': 0})
+    logits, state = train_fn(sharded, xs)
+  assert sharded['params']['stage2_block1']['conv3']['kernel'].value.sharding.spec == P(None, None, None, 'fsdp')
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,175 @@
+"""scripts/: launch_tpu's exact gcloud commands, sweep (print, and a tiny local sweep end to end), benchmark."""
+import csv
+import importlib.metadata
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, cli_env
+
+sys.path.insert(0, str(ROOT / 'scripts'))
+import common  # noqa: E402  (scripts/common.py)
+
+# TINY_LM as --set overrides, smaller still: the sweep runs laurel.main once per point.
+TINY_SETS = {'model.d_model': 32, 'model.num_heads': 4, 'model.d_ff': 64, 'model.num_layers': 2,
+             'data.name': 'synthetic', 'data.seq_len': 32, 'data.prefetch': 0, 'batch_size': 8, 'steps': 2,
+             'log_every': 1, 'eval_every': 1000, 'eval_steps': 1, 'checkpoint_every': 1000, 'tensorboard': False,
+             'optimizer.warmup_steps': 1}
+
+
+def fast_env() -> dict:
+  """One CPU device, and XLA's quick CPU codegen: these tests check plumbing, not speed (3x faster compiles)."""
+  env = cli_env()
+  env['XLA_FLAGS'] += ' --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+  return env
+
+
+def script(name, *args, env=None, timeout=300):
+  return subprocess.run([sys.executable, str(ROOT / 'scripts' / name), *map(str, args)], cwd=ROOT, text=True,
+                        capture_output=True, env=env or fast_env(), timeout=timeout)
+
+
+def sets(overrides):
+  return [f'--set={k}={v}' for k, v in overrides.items()]
+
+
+def test_launch_tpu_dry_run_prints_the_exact_gcloud_commands(tmp_path):
+  env = {**fast_env(), 'TMPDIR': str(tmp_path)}
+  r = script('launch_tpu.py', '--dry-run', '--create', '--tpu=my-v6e-16', '--zone=us-east5-b', '--accelerator=v6e-16',
+             '--config=configs/c4_ablation.py:rw_lr', '--workdir=gs://bucket/runs/rw_lr',
+             '--config.model.laurel.rank=16', '--config.data.tfds_data_dir=gs://bucket/tfds', env=env)
+  assert r.returncode == 0, r.stderr
+  tarball = tmp_path / 'laurel-src-my-v6e-16.tar.gz'
+  jax_version = importlib.metadata.version('jax')
+  assert r.stdout.splitlines() == [
+      'gcloud compute tpus tpu-vm create my-v6e-16 --zone=us-east5-b --accelerator-type=v6e-16 '
+      '--version=v2-alpha-tpuv6e',
+      f'# pack the working tree (git ls-files -co --exclude-standard) into {tarball}',
+      f'gcloud compute tpus tpu-vm scp {tarball} my-v6e-16:laurel-src.tar.gz --zone=us-east5-b --worker=all',
+      "gcloud compute tpus tpu-vm ssh my-v6e-16 --zone=us-east5-b --worker=all --command='set -e; mkdir -p laurel && "
+      'tar xzf laurel-src.tar.gz -C laurel && rm laurel-src.tar.gz && cd laurel && python3 -m pip install -q --user '
+      'uv && python3 -m uv venv -q --allow-existing --python 3.11 .venv && python3 -m uv pip install -q --python '
+      f""".venv/bin/python "jax[tpu]=={jax_version}" gcsfs -e .'""",
+      "gcloud compute tpus tpu-vm ssh my-v6e-16 --zone=us-east5-b --worker=all --command='cd laurel && "
+      '.venv/bin/python -m laurel.main --config=configs/c4_ablation.py:rw_lr --workdir=gs://bucket/runs/rw_lr '
+      "--num_processes=4 --config.model.laurel.rank=16 --config.data.tfds_data_dir=gs://bucket/tfds'",
+  ]
+  assert not tarball.exists()  # a dry run packs nothing
+
+
+@pytest.mark.parametrize('accelerator, message', [
+    ('v6e-12', "error: --accelerator='v6e-12': no such v6e slice"),
+    ('v7x-8', "error: --accelerator='v7x-8': unknown TPU accelerator type"),
+])
+def test_launch_tpu_bad_accelerator_is_one_line(accelerator, message):
+  r = script('launch_tpu.py', '--dry-run', '--tpu=t', '--zone=z', f'--accelerator={accelerator}',
+             '--config=configs/c4_ablation.py:rw_lr', '--workdir=gs://b/r')
+  assert r.returncode == 2 and r.stdout == ''
+  assert r.stderr.startswith(message) and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_launch_tpu_checks_the_config_for_the_slice():
+  r = script('launch_tpu.py', '--dry-run', '--tpu=t', '--zone=z', '--accelerator=v6e-16',
+             '--config=configs/c4_ablation.py:rw_lr', '--workdir=gs://b/r', '--config.batch_size=24')
+  assert r.returncode == 2 and r.stdout == ''
+  assert r.stderr.strip() == ('error: batch_size=24: each micro-batch (24) must divide over the data-parallel '
+                              'size data*fsdp=16')
+
+
+def test_accelerator_names():
+  assert {k: common.parse_accelerator('v6e-16')[k] for k in ('chips', 'hosts', 'topology')} == {
+      'chips': 16, 'hosts': 4, 'topology': '4x4'}
+  assert common.parse_accelerator('v5e-8')['create_flags'] == ['--accelerator-type=v5litepod-8']
+  assert common.parse_accelerator('v5litepod-8')['hosts'] == 1
+  assert {k: common.parse_accelerator('v4-32')[k] for k in ('chips', 'hosts', 'topology')} == {
+      'chips': 16, 'hosts': 4, 'topology': '2x2x4'}
+  assert common.parse_accelerator('v4-16', '1x2x4')['create_flags'] == ['--type=v4', '--topology=1x2x4']
+  for bad in (('v4-12',), ('v6e-16', '2x8'), ('v4-16', '2x2x4'), ('tpu-v6e-16',)):
+    with pytest.raises(ValueError):
+      common.parse_accelerator(*bad)
+
+
+@pytest.mark.parametrize('spec, field, values, extra, points', [
+    ('configs/c4_ablation.py:rw_lr', 'model.laurel.rank', '4,8,16,32,64', [], ['rank=4', 'rank=8', 'rank=16',
+                                                                              'rank=32', 'rank=64']),
+    ('configs/imagenet_resnet50.py:rw_lr', 'model.laurel.rank', '8,16', ['--seeds=0,1'],
+     ['rank=8,seed=0', 'rank=8,seed=1', 'rank=16,seed=0', 'rank=16,seed=1']),
+])
+def test_sweep_print_gives_one_command_per_point(spec, field, values, extra, points):
+  r = script('sweep.py', f'--config={spec}', f'--field={field}', f'--values={values}', '--launch=print',
+             '--workdir=gs://b/sweep', '--tpu=my-tpu', '--zone=z', '--accelerator=v6e-16', '--set=steps=100', *extra)
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.splitlines()
+  assert len(lines) == len(points)
+  for line, point in zip(lines, points):
+    value, seed = point.split(',')[0].split('=')[1], (point.split('seed=')[1] if 'seed=' in point else None)
+    assert line == ("gcloud compute tpus tpu-vm ssh my-tpu --zone=z --worker=all --command='cd laurel && "
+                    f'.venv/bin/python -m laurel.main --config={spec} --workdir=gs://b/sweep/{point} '
+                    f'--num_processes=4 --config.steps=100 --config.{field}={value}'
+                    + (f' --config.seed={seed}' if seed else '') + "'")
+
+
+def test_sweep_rejects_an_unknown_field_before_running_anything(tmp_path):
+  r = script('sweep.py', '--config=configs/c4_ablation.py:rw_lr,preset=tiny', '--field=model.laurel.rnak',
+             '--values=4,8', f'--workdir={tmp_path}')
+  assert r.returncode == 2 and r.stderr.strip() == 'error: model.laurel.rnak: unknown config field'
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_local_sweep_end_to_end_and_resumable(tmp_path):
+  args = ['--config=configs/c4_ablation.py:rw_lr,preset=tiny', '--field=model.laurel.rank', '--values=2,4',
+          f'--workdir={tmp_path}', *sets(TINY_SETS)]
+  r = script('sweep.py', *args)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  for name in ('sweep.csv', 'sweep.json', 'sweep.md', 'sweep.png'):
+    assert (tmp_path / name).exists(), name
+  assert (tmp_path / 'sweep.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  rows = list(csv.DictReader((tmp_path / 'sweep.csv').open()))
+  assert [(r['model.laurel.rank'], r['status'], r['step']) for r in rows] == [('2', 'done', '2'), ('4', 'done', '2')]
+  losses = [float(r['eval_loss']) for r in rows]
+  assert int(rows[1]['params']) - int(rows[0]['params']) == 2 * 2 * (4 - 2) * 32  # 2 sites x 2rD
+  result = json.loads((tmp_path / 'sweep.json').read_text())
+  assert [s['eval_loss'] for s in result['summary']] == pytest.approx(losses)
+  assert '| 4 | 1 |' in (tmp_path / 'sweep.md').read_text()
+
+  # Rerun: finished points are skipped. A point without final.json (killed at the very end) resumes from its
+  # last checkpoint, and its metric still comes from the evaluation it logged.
+  (tmp_path / 'rank=4' / 'final.json').unlink()
+  r = script('sweep.py', *args)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert '[1/2 rank=2] finished, skipped' in r.stdout
+  assert '[2/2 rank=4] resumed from checkpoint 2' in r.stdout
+  rows = list(csv.DictReader((tmp_path / 'sweep.csv').open()))
+  assert [float(r['eval_loss']) for r in rows] == pytest.approx(losses)
+  r = script('sweep.py', *args)
+  assert r.stdout.count('finished, skipped') == 2 and 'laurel.main' not in r.stdout
+
+
+def test_benchmark_tiny_writes_every_key(tmp_path):
+  out = tmp_path / 'bench.json'
+  tiny = {k: v for k, v in TINY_SETS.items() if k.startswith('model.')}
+  r = script('benchmark.py', '--preset=tiny', '--rows=rw_lr,baseline_24', '--batch_size=2', '--seq_len=32',
+             '--steps=2', '--warmup=1', '--full_shape_batch_per_device=4', '--full_shape_seq_len=64',
+             f'--out={out}', *sets(tiny))
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert set(result) >= {'device', 'shape', 'rows', 'full_shape', 'full_shape_memory', 'command'}
+  assert 'scripts/benchmark.py --preset=tiny --rows=rw_lr,baseline_24' in result['command']
+  assert result['shape']['batch_size'] == 2 and result['shape']['seq_len'] == 32
+  assert result['shape']['d_model'] == 32 and result['shape']['dtype'] == 'float32'
+  rows = {row['name']: row for row in result['rows']}
+  assert list(rows) == ['baseline_24', 'rw_lr']  # the baseline first, always
+  for row in rows.values():
+    assert set(row) >= {'name', 'step_time_s', 'step_time_ratio', 'peak_memory_bytes', 'peak_memory_ratio',
+                        'tokens_per_s', 'mfu', 'flops_per_step', 'params'}
+    assert len(row['step_times_s']) == 2 and row['mfu'] is None  # no known peak FLOP/s on CPU
+  base, lr = rows['baseline_24'], rows['rw_lr']
+  assert base['step_time_ratio'] == 1.0 and base['peak_memory_ratio'] == 1.0
+  assert lr['params'] > base['params'] and lr['flops_per_step'] > base['flops_per_step']
+  assert base['tokens_per_s'] == pytest.approx(64 / base['step_time_s'])
+  full = {row['name']: row for row in result['full_shape_memory']}
+  assert full['baseline_24']['peak_memory_ratio'] == 1.0 and full['rw_lr']['peak_memory_bytes'] > 0
+  assert result['full_shape']['batch_size'] == 4 and result['full_shape']['seq_len'] == 64
+  assert 'rw_lr' in r.stdout and 'baseline_24' in r.stdout  # the table
