@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
 # Logical axis -> mesh axes. Parameters shard over fsdp (and tensor for the wide dims); activations shard
@@ -31,6 +33,21 @@ LOGICAL_AXIS_RULES = (
     ('classes', None),
     ('spatial', None),
 )
+
+
+def known_fields(cls, cfg, field: str, skip=('laurel',)) -> dict:
+  """The entries of `cfg` that are fields of dataclass `cls`; an unknown one is a one-line ValueError."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  values = {k: v for k, v in cfg.items() if k not in skip}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    raise ValueError(f'{field}.{unknown[0]}: unknown field (known: {", ".join(sorted(names - set(skip)))})')
+  return values
+
+
+def require(ok: bool, field: str, value, why: str) -> None:
+  if not ok:
+    raise ValueError(f'{field}={value!r}: {why}')
 
 
 def parse_arg(arg: str | None, rows, default_row: str, options: dict) -> tuple[str, dict]:

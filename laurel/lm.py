@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from laurel import residual
+from laurel import config_lib, residual
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 REMAT_POLICIES = {
@@ -60,17 +60,15 @@ class LMConfig:
   @classmethod
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'LMConfig':
     """Validates `config.model`; errors name the field and the value."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in model_cfg.items() if k != 'laurel'}
-    unknown = sorted(set(values) - names)
-    if unknown:
-      raise ValueError(f'{field}.{unknown[0]}: unknown field')
+    values = config_lib.known_fields(cls, model_cfg, field)
     for name, choices in CHOICES.items():
-      if name in values and values[name] not in choices:
-        raise ValueError(f'{field}.{name}={values[name]!r}: must be one of {", ".join(choices)}')
+      if name in values:
+        config_lib.require(values[name] in choices, f'{field}.{name}', values[name],
+                           f'must be one of {", ".join(choices)}')
     for name in ('vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_layers', 'max_len'):
-      if name in values and not (isinstance(values[name], int) and values[name] >= 1):
-        raise ValueError(f'{field}.{name}={values[name]!r}: must be a positive integer')
+      if name in values:
+        config_lib.require(isinstance(values[name], int) and values[name] >= 1, f'{field}.{name}', values[name],
+                           'must be a positive integer')
     cfg = cls(**values)
     if cfg.d_model % cfg.num_heads:
       raise ValueError(f'{field}.num_heads={cfg.num_heads}: must divide d_model={cfg.d_model}')

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from laurel import config_lib
+
 COMPONENTS = ('rw', 'lr', 'pa')
 RW_NORMS = ('softmax', 'sigmoid')
 A_INITS = ('column_orthogonal', 'xavier')
@@ -79,11 +81,7 @@ class LaurelSpec:
   @classmethod
   def from_config(cls, cfg: Any, d_model: int, num_sites: int, field: str = 'model.laurel') -> 'LaurelSpec':
     """Builds and validates a spec; raises ValueError naming `field.<name>` and the value."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {n: cfg[n] for n in names if n in cfg}
-    unknown = sorted(set(cfg.keys()) - names) if hasattr(cfg, 'keys') else []
-    if unknown:
-      raise ValueError(f'{field}.{unknown[0]}: unknown field (known: {", ".join(sorted(names))})')
+    values = config_lib.known_fields(cls, cfg, field, skip=())
     spec = cls(**values)
     spec.validate(d_model, num_sites, field)
     return spec

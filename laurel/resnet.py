@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from laurel import residual
+from laurel import config_lib, residual
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 EXPANSION = 4  # bottleneck output channels = 4·f
@@ -70,11 +70,7 @@ class ResNetConfig:
   @classmethod
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'ResNetConfig':
     """Validates `config.model`; errors name the field and the value."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in model_cfg.items() if k != 'laurel'}
-    unknown = sorted(set(values) - names)
-    if unknown:
-      raise ValueError(f'{field}.{unknown[0]}: unknown field (known: {", ".join(sorted(names))})')
+    values = config_lib.known_fields(cls, model_cfg, field)
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     for name in ('dtype', 'param_dtype'):
       if name in values and values[name] not in DTYPES:

@@ -161,32 +161,44 @@ def memory_breakdown(compiled) -> dict:
           'xla_peak_memory_bytes': train._peak_memory_bytes(compiled)}  # pylint: disable=protected-access
 
 
-def time_rows(rows: dict, batch, warmup: int, steps: int, steps_per_round: int) -> dict:
-  """Interleaved timing: {row: [[step seconds of round 0], [round 1], ...]}."""
+def time_rows(rows: dict, batch, warmup: int, steps: int, steps_per_round: int) -> tuple[dict, dict]:
+  """Interleaved timing: wall and process CPU seconds, each {row: [[steps of round 0], [round 1], ...]}.
+  On CPU the process time (all of XLA's threads) is less sensitive than the wall time to other processes."""
   import jax
 
   def run(r, n):
-    times = []
+    wall, cpu = [], []
     for _ in range(n):
-      start = time.perf_counter()
+      start, start_cpu = time.perf_counter(), time.process_time()
       r['state'], r['metrics'] = r['compiled'](r['state'], batch)
       jax.block_until_ready((r['state'], r['metrics']))
-      times.append(time.perf_counter() - start)
-    return times
+      wall.append(time.perf_counter() - start)
+      cpu.append(time.process_time() - start_cpu)
+    return wall, cpu
 
   names = list(rows)
   for name in names:
     run(rows[name], warmup)
   rounds = math.ceil(steps / steps_per_round)
-  times = {name: [] for name in names}
+  wall, cpu = {name: [] for name in names}, {name: [] for name in names}
   for i in range(rounds):
     n = min(steps_per_round, steps - i * steps_per_round)
     order = names[i % len(names):] + names[:i % len(names)]
     for name in order:
-      times[name].append(run(rows[name], n))
-    print(f'round {i + 1}/{rounds}: ' + ', '.join(f'{name} {statistics.median(times[name][-1]):.3f}s'
+      w, c = run(rows[name], n)
+      wall[name].append(w)
+      cpu[name].append(c)
+    print(f'round {i + 1}/{rounds}: ' + ', '.join(f'{name} {statistics.median(wall[name][-1]):.3f}s'
                                                   for name in names), flush=True)
-  return times
+  return wall, cpu
+
+
+def summarize(rounds, base_rounds) -> tuple[float, float, float]:
+  """Median over all steps, its ratio to the baseline's, and the median over rounds of the in-round ratio."""
+  median = statistics.median(t for rnd in rounds for t in rnd)
+  base = statistics.median(t for rnd in base_rounds for t in rnd)
+  paired = statistics.median(statistics.fmean(a) / statistics.fmean(b) for a, b in zip(rounds, base_rounds))
+  return median, ratio(median, base), round(paired, 4)
 
 
 def device_info() -> dict:
@@ -203,27 +215,32 @@ def ratio(value, base):
 
 
 def print_table(result):
-  rows = result['rows']
   full = {r['name']: r for r in result.get('full_shape_memory', [])}
-  s = result['shape']
-  print(f"\n{result['device']['device_kind']} x{result['device']['device_count']} | batch {s['batch_size']} x "
-        f"{s['seq_len']} tokens | {s['dtype']} | remat {s['remat']} | D={s['d_model']} F={s['d_ff']} "
-        f"V={s['vocab_size']}")
-  header = (f"{'row':<12}{'params':>12}{'step s':>9}{'ratio':>8}{'paired':>8}{'paper':>7}{'tokens/s':>10}"
-            f"{'MFU':>7}{'peak MiB':>10}{'ratio':>7}{'paper':>7}")
+  s, d = result['shape'], result['device']
+  print(f"\n{d['device_kind']} x{d['device_count']} | batch {s['batch_size']} x {s['seq_len']} tokens | {s['dtype']} | "
+        f"remat {s['remat']} | D={s['d_model']} F={s['d_ff']} V={s['vocab_size']} | ratios are to {BASELINE}")
+  # (header, width, value of a row): ratios to the baseline beside Table 5's.
+  columns = [('row', 12, lambda r, f: r['name']), ('params', 12, lambda r, f: f"{r['params']:,}"),
+             ('step s', 9, lambda r, f: f"{r['step_time_s']:.3f}"),
+             ('ratio', 7, lambda r, f: f"{r['step_time_ratio']:.3f}"),
+             ('paired', 7, lambda r, f: f"{r['step_time_ratio_paired']:.3f}")]
+  if 'cpu_time_s' in result['rows'][0]:
+    columns += [('cpu s', 9, lambda r, f: f"{r['cpu_time_s']:.3f}"),
+                ('ratio', 7, lambda r, f: f"{r['cpu_time_ratio']:.3f}")]
+  columns += [('FLOPs', 7, lambda r, f: f"{r['flops_ratio']:.3f}" if r['flops_ratio'] else '-'),
+              ('Table5', 7, lambda r, f: f"{r['paper_step_time_ratio']:.3f}"),
+              ('tokens/s', 10, lambda r, f: f"{r['tokens_per_s']:,.0f}"),
+              ('MFU', 7, lambda r, f: f"{100 * r['mfu']:.1f}%" if r['mfu'] is not None else '-'),
+              ('mem MiB', 10, lambda r, f: f"{r['peak_memory_bytes'] / 2**20:,.1f}"),
+              ('ratio', 7, lambda r, f: f"{r['peak_memory_ratio']:.3f}")]
   if full:
-    header += f"{'full GiB':>10}{'ratio':>7}"
-  print(header)
-  for r in rows:
-    mfu = f"{100 * r['mfu']:.1f}%" if r['mfu'] is not None else '-'
-    line = (f"{r['name']:<12}{r['params']:>12,}{r['step_time_s']:>9.3f}{r['step_time_ratio']:>8.3f}"
-            f"{r['step_time_ratio_paired']:>8.3f}{r['paper_step_time_ratio']:>7.3f}{r['tokens_per_s']:>10,.0f}"
-            f"{mfu:>7}{r['peak_memory_bytes'] / 2**20:>10,.1f}{r['peak_memory_ratio']:>7.3f}"
-            f"{r['paper_peak_memory_ratio']:>7.3f}")
-    if r['name'] in full:
-      f = full[r['name']]
-      line += f"{f['peak_memory_bytes'] / 2**30:>10.2f}{f['peak_memory_ratio']:>7.3f}"
-    print(line)
+    columns += [('full GiB', 9, lambda r, f: f"{f['peak_memory_bytes'] / 2**30:.2f}"),
+                ('ratio', 7, lambda r, f: f"{f['peak_memory_ratio']:.3f}")]
+  columns += [('Table5', 7, lambda r, f: f"{r['paper_peak_memory_ratio']:.3f}")]
+  print(''.join(f'{h:<{w}}' if i == 0 else f'{h:>{w}}' for i, (h, w, _) in enumerate(columns)))
+  for r in result['rows']:
+    f = full.get(r['name'])
+    print(''.join(f'{v(r, f):<{w}}' if i == 0 else f'{v(r, f):>{w}}' for i, (_, w, v) in enumerate(columns)))
 
 
 def benchmark() -> dict:
@@ -266,30 +283,32 @@ def benchmark() -> dict:
     print(f"compiled {name}: {compile_s:.1f}s, {rows[name]['params']:,} params, peak memory "
           f"{rows[name]['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)
 
-  times = time_rows(rows, batch, _WARMUP.value, steps, steps_per_round)
+  wall, cpu_times = time_rows(rows, batch, _WARMUP.value, steps, steps_per_round)
   peak_flops = result['device']['peak_flops_per_device']
   tokens = batch_size * seq_len
-  median = {name: statistics.median(t for rnd in times[name] for t in rnd) for name in names}
   base = rows[BASELINE]
   result['rows'] = []
   for name in names:
     r = rows[name]
     loss = float(jax.device_get(r['metrics']['loss']))
-    paired = [statistics.fmean(a) / statistics.fmean(b) for a, b in zip(times[name], times[BASELINE])]
-    all_times = [t for rnd in times[name] for t in rnd]
-    result['rows'].append({
+    step_time, step_ratio, step_paired = summarize(wall[name], wall[BASELINE])
+    all_times = [t for rnd in wall[name] for t in rnd]
+    row = {
         'name': name, 'params': r['params'], 'params_ratio': ratio(r['params'], base['params']),
-        'step_time_s': median[name], 'step_time_ratio': ratio(median[name], median[BASELINE]),
-        'step_time_ratio_paired': round(statistics.median(paired), 4),
-        'step_time_min_s': min(all_times), 'step_time_max_s': max(all_times), 'step_times_s': times[name],
-        'tokens_per_s': tokens / median[name],
-        'mfu': r['flops'] / median[name] / (peak_flops * n) if peak_flops and r['flops'] else None,
+        'step_time_s': step_time, 'step_time_ratio': step_ratio, 'step_time_ratio_paired': step_paired,
+        'step_time_min_s': min(all_times), 'step_time_max_s': max(all_times), 'step_times_s': wall[name],
+        'tokens_per_s': tokens / step_time,
+        'mfu': r['flops'] / step_time / (peak_flops * n) if peak_flops and r['flops'] else None,
         'flops_per_step': r['flops'], 'flops_ratio': ratio(r['flops'], base['flops']),
         'xla_flops_compiled': r['xla_flops_compiled'],
         'peak_memory_bytes': r['peak_memory_bytes'],
         'peak_memory_ratio': ratio(r['peak_memory_bytes'], base['peak_memory_bytes']),
         'argument_bytes': r['argument_bytes'], 'temp_bytes': r['temp_bytes'], 'compile_s': r['compile_s'],
-        'final_loss': loss, 'paper_step_time_ratio': PAPER[name][0], 'paper_peak_memory_ratio': PAPER[name][1]})
+        'final_loss': loss, 'paper_step_time_ratio': PAPER[name][0], 'paper_peak_memory_ratio': PAPER[name][1]}
+    if cpu:  # process CPU seconds per step: meaningful where the host does the work
+      row['cpu_time_s'], row['cpu_time_ratio'], row['cpu_time_ratio_paired'] = summarize(cpu_times[name],
+                                                                                         cpu_times[BASELINE])
+    result['rows'].append(row)
     if not math.isfinite(loss):
       raise RuntimeError(f'{name}: loss is {loss} after the timed steps')
   rows.clear()  # frees the train states before the full-shape compiles

@@ -1,5 +1,14 @@
-"""Every test sees 8 host CPU devices, so mesh tests run in-process; set before jax initialises."""
-import os
+"""Test-wide JAX settings, set before jax initialises (subprocesses inherit them through tests/helpers.py).
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+8 host CPU devices so mesh tests run in-process; low XLA optimisation and a persistent compilation cache,
+because compiling dominates these tests' time on a 2-core machine (results are compared within one setting).
+"""
+import os
+import tempfile
+
+TEST_XLA_FLAGS = '--xla_backend_optimization_level=0'
+os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'laurel_test_jax_cache'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+from conftest import TEST_XLA_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # A model and batch small enough that a step takes milliseconds on one CPU core.
@@ -41,7 +43,7 @@ def cli_args(spec: str, workdir, overrides: dict) -> list[str]:
 
 def cli_env(num_devices: int = 1) -> dict:
   env = dict(os.environ)
-  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={num_devices}'
+  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={num_devices} {TEST_XLA_FLAGS}'
   env['JAX_PLATFORMS'] = 'cpu'
   env['PYTHONPATH'] = str(ROOT)
   return env

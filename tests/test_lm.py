@@ -20,14 +20,6 @@ from laurel.residual import LaurelResidual, LaurelSpec, closed_form_params
 VOCAB, D, HEADS, FF, LAYERS, LEN, BATCH, RANK = 32, 16, 2, 32, 2, 8, 4, 4
 
 
-@pytest.fixture(autouse=True, scope='module')
-def _fast_compiles():
-  """Every test here compiles small programs; XLA's optimisation passes would dominate their run time."""
-  before = jax.config.read('jax_disable_most_optimizations')
-  jax.config.update('jax_disable_most_optimizations', True)
-  yield
-  jax.config.update('jax_disable_most_optimizations', before)
-
 
 def _cfg(variant='none', site='block', k=2, laurel=None, **model):
   """A tiny LMConfig; `laurel` holds extra LaurelSpec fields.

@@ -17,14 +17,6 @@ from laurel.residual import LaurelResidual, LaurelSpec, closed_form_params, colu
 D, RANK, BATCH, LEN = 16, 4, 2, 3
 
 
-@pytest.fixture(autouse=True, scope='module')
-def _fast_compiles():
-  """Every test here compiles small programs; XLA's optimisation passes would dominate their run time."""
-  before = jax.config.read('jax_disable_most_optimizations')
-  jax.config.update('jax_disable_most_optimizations', True)
-  yield
-  jax.config.update('jax_disable_most_optimizations', before)
-
 
 def _spec(variant, **kw):
   kw.setdefault('rank', RANK)

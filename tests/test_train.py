@@ -73,10 +73,15 @@ def _in_process_losses(workdir, devices, mesh, **extra):
   return losses(workdir)
 
 
+@pytest.fixture(scope='module')
+def one_device_losses(tmp_path_factory):
+  return _in_process_losses(tmp_path_factory.mktemp('one_device'), jax.devices()[:1], (1, 1, 1))
+
+
 @pytest.mark.parametrize('mesh', [(8, 1, 1), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 8, 1)])
-def test_sharded_meshes_match_one_device(tmp_path, mesh):
+def test_sharded_meshes_match_one_device(tmp_path, mesh, one_device_losses):
   assert jax.device_count() == 8
-  one = _in_process_losses(tmp_path / 'one', jax.devices()[:1], (1, 1, 1))
+  one = one_device_losses
   many = _in_process_losses(tmp_path / 'many', jax.devices(), mesh)
   assert one.keys() == many.keys()
   np.testing.assert_allclose([many[s] for s in sorted(many)], [one[s] for s in sorted(one)], rtol=2e-5)
@@ -193,19 +198,15 @@ TINY_RESNET = {'steps': 30, 'log_every': 5, 'eval_every': 1000, 'eval_steps': 2,
                'keep_checkpoints': 5, 'tensorboard': False}
 
 
-def test_resnet_trains_through_the_same_loop_with_accuracy(tmp_path):
-  config = load_config(RESNET, {**TINY_RESNET, 'steps': 60, 'eval_every': 60})
-  final = train.train(config, str(tmp_path), devices=jax.devices()[:1])
-  rows = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
-  logged = [r for r in rows if 'loss' in r]
-  assert logged[-1]['loss'] < 0.6 * logged[0]['loss']
+def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tmp_path):
+  config = load_config(RESNET, {**TINY_RESNET, 'eval_every': 30})
+  final = train.train(config, str(tmp_path / 'full'), devices=jax.devices()[:1])
+  logged = [json.loads(l) for l in (tmp_path / 'full' / 'metrics.jsonl').read_text().splitlines()]
+  logged = [r for r in logged if 'loss' in r]
+  assert logged[-1]['loss'] < 0.7 * logged[0]['loss']
   assert {'top1', 'top5', 'images_per_s'} <= logged[0].keys()
-  assert final['eval_top1'] > 0.3 and 0 <= final['eval_top1'] <= final['eval_top5'] <= 1
+  assert 0 <= final['eval_top1'] <= final['eval_top5'] <= 1 and final['eval_top1'] > 0.2
 
-
-def test_resnet_resume_restores_batchnorm_statistics_exactly(tmp_path):
-  config = load_config(RESNET, TINY_RESNET)
-  train.train(config, str(tmp_path / 'full'), devices=jax.devices()[:1])
   resumed = tmp_path / 'resumed'
   # Resume from step 10 of the same run: later checkpoints and outputs are left behind.
   shutil.copytree(tmp_path / 'full' / 'checkpoints' / '10', resumed / 'checkpoints' / '10')
