@@ -92,7 +92,8 @@ class Dense(nn.Module):
   scale: float = 1.0
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, out_scale=None):
+    """`out_scale` (a scalar or a vector over the last output axis) multiplies the kernel, not the output."""
     n = self.in_ndim
     shape = x.shape[x.ndim - n:] + self.features
     init = nn.initializers.variance_scaling(self.scale, 'fan_in', 'truncated_normal', in_axis=tuple(range(n)),
@@ -100,8 +101,9 @@ class Dense(nn.Module):
     kernel = self.param('kernel', nn.with_logical_partitioning(init, self.names), shape,
                         DTYPES[self.cfg.param_dtype])
     dtype = DTYPES[self.cfg.dtype]
+    kernel = kernel.astype(dtype) if out_scale is None else (kernel * out_scale).astype(dtype)
     contract = (tuple(range(x.ndim - n, x.ndim)), tuple(range(n)))
-    return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
+    return jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())))
 
 
 def _dense(features, names, cfg, name, axis=-1, scale=1.0):
@@ -127,7 +129,7 @@ class Attention(nn.Module):
   cfg: LMConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, out_scale=None):
     cfg = self.cfg
     h, k = cfg.num_heads, cfg.d_model // cfg.num_heads
     proj = lambda n: _dense((h, k), ('embed', 'heads', 'kv'), cfg, n)(x_BxLxD)
@@ -144,16 +146,16 @@ class Attention(nn.Module):
     logits_BxHxLxL = jnp.where(mask_Bx1xLxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
     probs_BxHxLxL = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
     out_BxLxHxK = jnp.einsum('bhqs,bshk->bqhk', probs_BxHxLxL, v_BxLxHxK)
-    out_scale = 1.0 / (2 * cfg.num_layers)  # keeps the residual stream's variance flat with depth
+    init_scale = 1.0 / (2 * cfg.num_layers)  # keeps the residual stream's variance flat with depth
     return _dense(cfg.d_model, ('heads', 'kv', 'embed'), cfg, 'out', axis=(-2, -1),
-                  scale=out_scale)(out_BxLxHxK)
+                  scale=init_scale)(out_BxLxHxK, out_scale)
 
 
 class Mlp(nn.Module):
   cfg: LMConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxLxD, out_scale=None):
     cfg = self.cfg
     up = lambda n: _dense(cfg.d_ff, ('embed', 'mlp'), cfg, n)(x_BxLxD)
     if cfg.mlp == 'swiglu':
@@ -161,7 +163,7 @@ class Mlp(nn.Module):
     else:
       h_BxLxF = jax.nn.gelu(up('up'))
     h_BxLxF = nn.with_logical_constraint(h_BxLxF, ('act_batch', 'act_len', 'act_mlp'))
-    return _dense(cfg.d_model, ('mlp', 'embed'), cfg, 'down', scale=1.0 / (2 * cfg.num_layers))(h_BxLxF)
+    return _dense(cfg.d_model, ('mlp', 'embed'), cfg, 'down', scale=1.0 / (2 * cfg.num_layers))(h_BxLxF, out_scale)
 
 
 class Block(nn.Module):
@@ -174,25 +176,33 @@ class Block(nn.Module):
     pre = cfg.norm_position == 'pre'
     x_BxLxD, history = carry
     norm_attn, norm_mlp = _norm(cfg, 'norm_attn'), _norm(cfg, 'norm_mlp')
-    site = lambda name: residual.LaurelResidual(spec, DTYPES[cfg.param_dtype], name=name)
+    site = lambda name: residual.LaurelResidual(spec, cfg.d_model, DTYPES[cfg.param_dtype], name=name)
     push = lambda h, x: (x,) + tuple(h[:-1]) if h else h
 
+    # RW's α is folded into the last projection of f (LaurelResidual.alpha), so autodiff keeps no extra
+    # activation for its gradient.
     xn_BxLxD = norm_attn(x_BxLxD) if pre else x_BxLxD
-    attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL)
     if spec.site == 'sublayer':
-      h_BxLxD = site('laurel_attn')(attn_BxLxD, x_BxLxD, history, xn_BxLxD)
+      laurel_attn, laurel_mlp = site('laurel_attn'), site('laurel_mlp')
+      attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL, laurel_attn.alpha())
+      h_BxLxD = laurel_attn(attn_BxLxD, x_BxLxD, history, xn_BxLxD, alpha_applied=True)
       history = push(history, x_BxLxD)
     else:
+      laurel = site('laurel')
+      alpha = laurel.alpha()
+      attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL)
       h_BxLxD = x_BxLxD + attn_BxLxD
     h_BxLxD = h_BxLxD if pre else norm_attn(h_BxLxD)
     hn_BxLxD = norm_mlp(h_BxLxD) if pre else h_BxLxD
-    mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD)
     if spec.site == 'sublayer':
-      out_BxLxD = site('laurel_mlp')(mlp_BxLxD, h_BxLxD, history, hn_BxLxD)
+      mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD, laurel_mlp.alpha())
+      out_BxLxD = laurel_mlp(mlp_BxLxD, h_BxLxD, history, hn_BxLxD, alpha_applied=True)
       history = push(history, h_BxLxD)
     else:  # f(x) = block(x) - x: attention + MLP (plus the post-norm shift of h)
-      fx_BxLxD = attn_BxLxD + mlp_BxLxD if pre else (h_BxLxD - x_BxLxD) + mlp_BxLxD
-      out_BxLxD = site('laurel')(fx_BxLxD, x_BxLxD, history, xn_BxLxD)
+      mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD, alpha)
+      attn_part_BxLxD = attn_BxLxD if pre else h_BxLxD - x_BxLxD
+      fx_BxLxD = mlp_BxLxD + (attn_part_BxLxD if alpha is None else alpha.astype(x_BxLxD.dtype) * attn_part_BxLxD)
+      out_BxLxD = laurel(fx_BxLxD, x_BxLxD, history, xn_BxLxD, alpha_applied=True)
       history = push(history, x_BxLxD)
     out_BxLxD = out_BxLxD if pre else norm_mlp(out_BxLxD)
     out_BxLxD = nn.with_logical_constraint(out_BxLxD, ('act_batch', 'act_len', 'act_embed'))

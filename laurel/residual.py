@@ -151,77 +151,95 @@ def _a_init(name: str):
 class LaurelResidual(nn.Module):
   """x_{i+1} = α·f(x_i) + g(x_i, …), a drop-in for `x + f(x)` (eq. 2).
 
-  Call with `fx` = f(x_i) and `x` = x_i, both (..., D). PA also takes `history`: a sequence of
-  k−1 arrays x_{i−1}, …, x_{i−k+1} (zeros where the network has none yet). form='gemma3n' takes
+  Call with `fx` = f(x_i) and `x` = x_i, both (..., D) with D = `features`. PA also takes `history`: a
+  sequence of k−1 arrays x_{i−1}, …, x_{i−k+1} (zeros where the network has none yet). form='gemma3n' takes
   `x_normed`, the normalised input f read. `axes` names the logical axes of x for sharding.
+
+  Memory: a scalar times an activation makes autodiff keep that activation for the scalar's gradient. So β
+  is folded into B (β·xAB = xA·(βB)), and a model may fold α into f's last linear map itself: it reads
+  `alpha()` and passes `alpha_applied=True`, and α's gradient then flows through weights, not activations.
   """
   spec: LaurelSpec
+  features: int
   param_dtype: Any = jnp.float32
   axes: tuple = ('act_batch', 'act_len', 'act_embed')
   embed_axis: str = 'embed'
 
-  @nn.compact
-  def __call__(self, fx, x, history: Optional[Sequence[jax.Array]] = None, x_normed=None):
+  def setup(self):
+    s, d = self.spec, self.features
+    param = lambda name, init, shape, names: self.param(
+        name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
+    low_rank = lambda name, lead, lead_names: (
+        param(f'{name}_a', _a_init(s.a_init), lead + (d, s.rank), lead_names + (self.embed_axis, 'laurel_rank')),
+        param(f'{name}_b', nn.initializers.zeros, lead + (s.rank, d), lead_names + ('laurel_rank', self.embed_axis)))
+    if s.rw:  # §2.1: w = 0 at init
+      per_dim = ((d,), (self.embed_axis,)) if s.rw_per_dim else ((), ())
+      two = ((2,), ('laurel_rw',)) if s.rw_norm == 'softmax' else ((), ())
+      self.rw_w = param('rw_w', nn.initializers.zeros, two[0] + per_dim[0], two[1] + per_dim[1])
+    if s.pa:
+      low_rank_h = s.lr or s.pa_h == 'low_rank'
+      self.pa_gamma = param('pa_gamma', nn.initializers.ones if low_rank_h else nn.initializers.zeros,
+                            (s.k,), ('laurel_k',))
+      if s.lr:  # eq. 6: one (A_j, B_j) pair per previous activation
+        self.pa_a, self.pa_b = low_rank('pa', (s.k,), ('laurel_k',))
+      elif s.pa_h == 'low_rank':  # eq. 4 with a shared low-rank h_i
+        self.pa_a, self.pa_b = low_rank('pa', (), ())
+    elif s.lr:
+      self.lr_a, self.lr_b = low_rank('lr', (), ())
+      if s.form == 'gemma3n':
+        self.lr_norm = nn.RMSNorm(param_dtype=self.param_dtype, scale_init=nn.with_logical_partitioning(
+            nn.initializers.ones, (self.embed_axis,)))
+
+  def alpha(self):
+    """α of eq. 2 (a scalar, or a D-vector with rw_per_dim), or None where it is fixed at 1."""
+    return self._residual_weights()[0] if self.spec.rw else None
+
+  def __call__(self, fx, x, history: Optional[Sequence[jax.Array]] = None, x_normed=None,
+               alpha_applied: bool = False):
     s = self.spec
     if not s.components:
       return fx + x
-    d = x.shape[-1]
-    param = lambda name, init, shape, names: self.param(
-        name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
-    low_rank = lambda name, shape_a, names_a, shape_b, names_b: (
-        param(f'{name}_a', _a_init(s.a_init), shape_a, names_a).astype(x.dtype),
-        param(f'{name}_b', nn.initializers.zeros, shape_b, names_b).astype(x.dtype))
+    alpha, beta = self._residual_weights() if s.rw else (None, None)
+    cast = lambda v: v.astype(x.dtype)
+    scale_b = (lambda b: b) if beta is None else (lambda b: b * cast(beta))  # β·(…B) = …(βB)
 
-    g = x
+    g_rest = None  # the part of g that is not x_i: β applies to it through B or γ
     if s.pa:
-      stack_KxD = [x] + list(history or [])
-      if len(stack_KxD) != s.k:
-        raise ValueError(f'PA needs k-1={s.k - 1} previous activations, got {len(stack_KxD) - 1}')
-      xs = jnp.stack(stack_KxD)  # (k, ..., D); j-th entry is x_{i-j}
-      low_rank_h = s.lr or s.pa_h == 'low_rank'
-      gamma_K = param('pa_gamma', nn.initializers.ones if low_rank_h else nn.initializers.zeros,
-                      (s.k,), ('laurel_k',)).astype(x.dtype)
-      if s.lr:  # eq. 6: Σ_j γ_j·x_{i-j} A_j B_j, one contraction over (j, r)
-        a_KxDxR, b_KxRxD = low_rank('pa', (s.k, d, s.rank), ('laurel_k', self.embed_axis, 'laurel_rank'),
-                                    (s.k, s.rank, d), ('laurel_k', 'laurel_rank', self.embed_axis))
-        xa = jnp.einsum('k...d,kdr->...kr', xs, a_KxDxR)
-        g = g + jnp.einsum('...kr,krd->...d', xa, b_KxRxD * gamma_K[:, None, None])
-      elif s.pa_h == 'low_rank':  # eq. 4 with a shared low-rank h_i: (Σ_j γ_j x_{i-j}) A B
-        a_DxR, b_RxD = low_rank('pa', (d, s.rank), (self.embed_axis, 'laurel_rank'),
-                                (s.rank, d), ('laurel_rank', self.embed_axis))
-        g = g + jnp.einsum('k...d,k->...d', xs, gamma_K) @ a_DxR @ b_RxD
-      else:  # eq. 4 with identity h_i
-        g = g + jnp.einsum('k...d,k->...d', xs, gamma_K)
-    elif s.lr:
-      a_DxR, b_RxD = low_rank('lr', (d, s.rank), (self.embed_axis, 'laurel_rank'),
-                              (s.rank, d), ('laurel_rank', self.embed_axis))
-      if s.form == 'gemma3n':  # Gemma 3n: x + norm(x) + RMSNorm(norm(x) A B), all over √2 below
-        lr_out = nn.RMSNorm(dtype=x.dtype, param_dtype=self.param_dtype, name='lr_norm',
-                            scale_init=nn.with_logical_partitioning(nn.initializers.ones, (self.embed_axis,)))(
-                                x_normed @ a_DxR @ b_RxD)
-        g = g + x_normed + lr_out
-      else:  # eq. 3 / eq. 5
-        g = g + x @ a_DxR @ b_RxD
+      stack = [x] + list(history or [])
+      if len(stack) != s.k:
+        raise ValueError(f'PA needs k-1={s.k - 1} previous activations, got {len(stack) - 1}')
+      xs_KxD = jnp.stack(stack)  # (k, ..., D); the j-th entry is x_{i-j}
+      gamma_K = cast(self.pa_gamma)
+      if beta is not None and not (s.lr or s.pa_h == 'low_rank'):
+        gamma_K = gamma_K * cast(beta) if not s.rw_per_dim else gamma_K
+      if s.lr:  # eq. 6: Σ_j γ_j·x_{i-j} A_j B_j, as one contraction over (j, r)
+        xa_KxR = jnp.einsum('k...d,kdr->...kr', xs_KxD, cast(self.pa_a))
+        g_rest = jnp.einsum('...kr,krd->...d', xa_KxR, scale_b(cast(self.pa_b) * gamma_K[:, None, None]))
+      elif s.pa_h == 'low_rank':  # eq. 4, shared h_i: (Σ_j γ_j x_{i-j}) A B
+        g_rest = jnp.einsum('k...d,k->...d', xs_KxD, gamma_K) @ cast(self.pa_a) @ scale_b(cast(self.pa_b))
+      else:  # eq. 4, identity h_i
+        g_rest = jnp.einsum('k...d,k->...d', xs_KxD, gamma_K)
+        if beta is not None and s.rw_per_dim:
+          g_rest = g_rest * cast(beta)
+    elif s.lr and s.form == 'gemma3n':  # Gemma 3n: x + norm(x) + RMSNorm(norm(x) A B), all over √2 below
+      lr_out = self.lr_norm(x_normed @ cast(self.lr_a) @ cast(self.lr_b)).astype(x.dtype)
+      g_rest = x_normed + lr_out if beta is None else (x_normed + lr_out) * cast(beta)
+    elif s.lr:  # eq. 3 / eq. 5
+      g_rest = x @ cast(self.lr_a) @ scale_b(cast(self.lr_b))
 
-    if s.rw:
-      alpha, beta = self._residual_weights(d)
-      out = alpha.astype(x.dtype) * fx + beta.astype(x.dtype) * g
-    else:
-      out = fx + g
+    out = x if beta is None else cast(beta) * x
+    out = out + (fx if alpha is None or alpha_applied else cast(alpha) * fx)
+    if g_rest is not None:
+      out = out + g_rest
     if s.form == 'gemma3n':
       out = out * (1.0 / math.sqrt(2.0))
     return nn.with_logical_constraint(out, self.axes)
 
-  def _residual_weights(self, d):
-    """§2.1: α, β = rw_scale·softmax(w) or rw_scale·(σ(w), σ(−w)); w = 0 at init."""
+  def _residual_weights(self):
+    """§2.1: α, β = rw_scale·softmax(w) or rw_scale·(σ(w), σ(−w)), in float32."""
     s = self.spec
-    shape = (d,) if s.rw_per_dim else ()
-    names = (self.embed_axis,) if s.rw_per_dim else ()
+    w = self.rw_w.astype(jnp.float32)
     if s.rw_norm == 'softmax':
-      w = self.param('rw_w', nn.with_logical_partitioning(nn.initializers.zeros, ('laurel_rw',) + names),
-                     (2,) + shape, self.param_dtype)
-      ab = s.rw_scale * jax.nn.softmax(w.astype(jnp.float32), axis=0)
+      ab = s.rw_scale * jax.nn.softmax(w, axis=0)
       return ab[0], ab[1]
-    w = self.param('rw_w', nn.with_logical_partitioning(nn.initializers.zeros, names), shape, self.param_dtype)
-    w = w.astype(jnp.float32)
     return s.rw_scale * jax.nn.sigmoid(w), s.rw_scale * jax.nn.sigmoid(-w)

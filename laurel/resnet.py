@@ -142,7 +142,7 @@ class Bottleneck(nn.Module):
     else:
       shortcut_BxHxWxC = x_BxHxWxC
 
-    out_BxHxWxC = residual.LaurelResidual(cfg.laurel, DTYPES[cfg.param_dtype], axes=ACT_AXES,
+    out_BxHxWxC = residual.LaurelResidual(cfg.laurel, out_ch, DTYPES[cfg.param_dtype], axes=ACT_AXES,
                                           embed_axis='conv_out', name='laurel')(
                                               fx_BxHxWxC, shortcut_BxHxWxC, history)
     history = ((shortcut_BxHxWxC,) + history[:-1]) if history else history

@@ -237,10 +237,11 @@ def _restore_latest(mngr, workdir, config, abstract_state, train_iter):
 
 
 def _peak_memory_bytes(compiled) -> int:
+  """Peak bytes of the compiled step. XLA's CPU backend reports only the arguments as its peak, so take
+  the larger of that and arguments + outputs + temporaries - aliased (donated) buffers."""
   m = compiled.memory_analysis()
-  peak = getattr(m, 'peak_memory_in_bytes', 0)
-  return int(peak or (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                      - m.alias_size_in_bytes))
+  buffers = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  return int(max(getattr(m, 'peak_memory_in_bytes', 0) or 0, buffers))
 
 
 def _flops(compiled) -> float:

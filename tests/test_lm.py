@@ -248,7 +248,7 @@ def test_remat_gives_same_logits_BxLxV(remat):
 def _site_init(spec):
   """One LAuReL site's initial params, from LaurelResidual.init."""
   x = jnp.zeros((1, 1, D))
-  return nn.unbox(LaurelResidual(spec).init(jax.random.key(0), x, x, [x] * spec.history_len, x)['params'])
+  return nn.unbox(LaurelResidual(spec, x.shape[-1]).init(jax.random.key(0), x, x, [x] * spec.history_len, x)['params'])
 
 
 PAPER_FORM_CASES = [(n, 'pre') for n in ('rw', 'rw_sigmoid_per_dim', 'lr', 'pa_identity', 'pa_low_rank_sublayer',

@@ -68,11 +68,11 @@ def _inputs(spec, seed, d=D):
 def _init(spec, d=D, seed=0):
   """The site's (boxed) params; {} for the plain residual."""
   fx, x, history, xn = _inputs(spec, 0, d)
-  return LaurelResidual(spec).init(jax.random.key(seed), fx, x, history, xn).get('params', {})
+  return LaurelResidual(spec, x.shape[-1]).init(jax.random.key(seed), fx, x, history, xn).get('params', {})
 
 
 def _apply(spec, params, fx, x, history, xn):
-  return np.asarray(LaurelResidual(spec).apply({'params': params}, fx, x, history, xn))
+  return np.asarray(LaurelResidual(spec, x.shape[-1]).apply({'params': params}, fx, x, history, xn))
 
 
 def _perturb(params, seed, scale=0.5):
@@ -162,7 +162,7 @@ def test_rw_softmax_pinned_value_D():
   spec = _spec('rw')
   params = {'rw_w': jnp.asarray([math.log(3.0), 0.0], jnp.float32)}
   fx_D, x_D = np.array([1.0, 2.0], np.float32), np.array([4.0, -8.0], np.float32)
-  out_D = np.asarray(LaurelResidual(spec).apply({'params': params}, fx_D, x_D))
+  out_D = np.asarray(LaurelResidual(spec, x_D.shape[-1]).apply({'params': params}, fx_D, x_D))
   np.testing.assert_allclose(out_D, [1.5 * 1 + 0.5 * 4, 1.5 * 2 - 0.5 * 8], rtol=1e-6)
 
 
@@ -172,7 +172,7 @@ def test_rw_sigmoid_alpha_plus_beta_is_scale_D():
   rng = np.random.default_rng(0)
   params = {'rw_w': jnp.asarray(rng.normal(size=(D,)), jnp.float32)}
   x_D = rng.normal(size=(D,)).astype(np.float32)
-  out_D = np.asarray(LaurelResidual(spec).apply({'params': params}, x_D, x_D))
+  out_D = np.asarray(LaurelResidual(spec, x_D.shape[-1]).apply({'params': params}, x_D, x_D))
   np.testing.assert_allclose(out_D, 3.0 * x_D, rtol=1e-6, atol=1e-6)
 
 
@@ -181,7 +181,7 @@ def test_pa_needs_k_minus_1_previous_activations():
   fx, x, history, xn = _inputs(spec, seed=0)
   params = _init(spec)
   with pytest.raises(ValueError, match='k-1=2'):
-    LaurelResidual(spec).apply({'params': params}, fx, x, history[:1], xn)
+    LaurelResidual(spec, x.shape[-1]).apply({'params': params}, fx, x, history[:1], xn)
 
 
 # ---------------------------------------------------------------------------------------------------
