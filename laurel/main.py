@@ -3,6 +3,7 @@
 Bad input exits with status 2 and one line on stderr, before anything is traced or any checkpoint touched.
 """
 
+import importlib.util
 import re
 import sys
 
@@ -31,10 +32,13 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import jax
   from laurel import train
-  if _COORDINATOR.value or _NUM_PROCESSES.value:  # TPU pods need none of these: jax finds its peers
+  if _COORDINATOR.value or _NUM_PROCESSES.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  elif jax.default_backend() == 'tpu':
-    jax.distributed.initialize()
+  elif importlib.util.find_spec('libtpu') is not None:  # TPU VMs: jax finds its peers (before any backend starts)
+    try:
+      jax.distributed.initialize()
+    except (RuntimeError, ValueError) as e:  # a single host outside a pod
+      logging.warning('jax.distributed.initialize() failed (%s); running as one process', e)
   try:
     train.validate_config(_CONFIG.value)
   except ValueError as e:

@@ -208,17 +208,19 @@ class LaurelResidual(nn.Module):
       stack = [x] + list(history or [])
       if len(stack) != s.k:
         raise ValueError(f'PA needs k-1={s.k - 1} previous activations, got {len(stack) - 1}')
-      xs_KxD = jnp.stack(stack)  # (k, ..., D); the j-th entry is x_{i-j}
+      # Per-j terms, never jnp.stack: autodiff would keep the stacked copy on top of the carries it holds anyway.
       gamma_K = cast(self.pa_gamma)
-      if beta is not None and not (s.lr or s.pa_h == 'low_rank'):
-        gamma_K = gamma_K * cast(beta) if not s.rw_per_dim else gamma_K
+      if beta is not None and not (s.lr or s.pa_h == 'low_rank') and not s.rw_per_dim:
+        gamma_K = gamma_K * cast(beta)
+      weighted_sum = lambda: sum(gamma_K[j] * x_j for j, x_j in enumerate(stack))
       if s.lr:  # eq. 6: Σ_j γ_j·x_{i-j} A_j B_j, as one contraction over (j, r)
-        xa_KxR = jnp.einsum('k...d,kdr->...kr', xs_KxD, cast(self.pa_a))
+        a_KxDxR = cast(self.pa_a)
+        xa_KxR = jnp.stack([x_j @ a_KxDxR[j] for j, x_j in enumerate(stack)], axis=-2)  # (..., k, r): small
         g_rest = jnp.einsum('...kr,krd->...d', xa_KxR, scale_b(cast(self.pa_b) * gamma_K[:, None, None]))
       elif s.pa_h == 'low_rank':  # eq. 4, shared h_i: (Σ_j γ_j x_{i-j}) A B
-        g_rest = jnp.einsum('k...d,k->...d', xs_KxD, gamma_K) @ cast(self.pa_a) @ scale_b(cast(self.pa_b))
+        g_rest = weighted_sum() @ cast(self.pa_a) @ scale_b(cast(self.pa_b))
       else:  # eq. 4, identity h_i
-        g_rest = jnp.einsum('k...d,k->...d', xs_KxD, gamma_K)
+        g_rest = weighted_sum()
         if beta is not None and s.rw_per_dim:
           g_rest = g_rest * cast(beta)
     elif s.lr and s.form == 'gemma3n':  # Gemma 3n: x + norm(x) + RMSNorm(norm(x) A B), all over √2 below

@@ -244,15 +244,34 @@ def _peak_memory_bytes(compiled) -> int:
   return int(max(getattr(m, 'peak_memory_in_bytes', 0) or 0, buffers))
 
 
-def _flops(compiled) -> float:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float((cost or {}).get('flops', 0.0))
-
-
 def _format_eta(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else f'{seconds // 60}m{seconds % 60:02d}s'
+
+
+def make_init_state(task, tx, example):
+  def init_state(rng):
+    variables = nn.unbox(task.init(rng, example))
+    params = variables.pop('params')
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), dict(variables))
+  return init_state
+
+
+def step_flops(config) -> float:
+  """FLOPs of one train step on the global batch: XLA's count of the step traced with the layers unrolled,
+  since it counts a scanned body once. Lowered only, never compiled."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  if 'scan_layers' in config.model:
+    config.model.scan_layers = False
+  task = tasks.get_task(config)
+  tx, schedule = make_optimizer(config.optimizer, config.steps)
+  example = task.example_batch(config.batch_size)
+  with nn.logical_axis_rules(config.logical_axis_rules):
+    abstract = jax.eval_shape(make_init_state(task, tx, task.example_batch(1)), jax.random.key(0))
+    step = make_train_step(task, tx, schedule, config.optimizer.grad_accum_steps)
+    cost = jax.jit(step).lower(abstract, example).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float((cost or {}).get('flops', 0.0))
 
 
 def compile_step(task, config, mesh):
@@ -263,11 +282,7 @@ def compile_step(task, config, mesh):
   rng = jax.random.key(config.seed)
   var_shardings = sharding.logical_shardings(jax.eval_shape(task.init, rng, example), mesh, rules)
 
-  def init_state(rng):
-    variables = nn.unbox(task.init(rng, example))
-    params = variables.pop('params')
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), dict(variables))
-
+  init_state = make_init_state(task, tx, example)
   abstract = jax.eval_shape(init_state, rng)
   repl = sharding.replicated(mesh)
   opt_shardings = optax.tree_utils.tree_map_params(
@@ -316,8 +331,8 @@ def train(config, workdir: str, devices=None) -> dict:
 
     num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
     peak_memory = _peak_memory_bytes(compiled)
-    flops_per_step = _flops(compiled) * jax.device_count()
     peak_flops = PEAK_FLOPS.get(jax.devices()[0].device_kind)
+    flops_per_step = step_flops(config) if peak_flops else 0.0  # MFU only where the chip's peak is known
     units_per_step = config.batch_size * task.units_per_example()
     writer = MetricsWriter(workdir, config.tensorboard and pid == 0, start)
     if pid == 0:
@@ -390,6 +405,8 @@ def train(config, workdir: str, devices=None) -> dict:
           mngr.wait_until_finished()
           print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
           return {'step': done, 'preempted': True}
+      if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
+        eval_metrics = evaluate()
       mngr.wait_until_finished()
     finally:
       signal.signal(signal.SIGTERM, previous)

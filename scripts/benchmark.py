@@ -4,14 +4,20 @@
       [--seq_len=N] [--steps=N] [--steps_per_round=N] [--nofull_shape_memory] [--set=<field>=<value> ...]
 
 Every row is compiled (laurel.train.compile_step) and initialised first; then the rows are timed in rounds, each
-round running --steps_per_round steps of every row in turn, the order rotating from round to round. A change in
-the machine's load thus hits every row alike. Each row first runs --warmup untimed steps; every timed step ends
-in jax.block_until_ready. Per row: the median step time, its ratio to Baseline-24's median, and the median over
-rounds of the ratio within a round (`step_time_ratio_paired`, the steadier of the two on a shared machine).
-Baseline-24 is always measured, whatever --rows says.
+round running --steps_per_round steps of every row in turn, the order rotating from round to round, so that a
+change in the machine's load hits every row alike. Each row first runs --warmup untimed steps; every timed step
+ends in jax.block_until_ready. Baseline-24 is always measured, whatever --rows says. Per row, as ratios to it:
+  step_time_ratio         median step time / Baseline-24's
+  step_time_ratio_paired  median over rounds of the ratio within a round
+  step_time_min_ratio     fastest step / Baseline-24's fastest: other processes can only add time, so on a
+                          shared machine this is the steadiest of the three
+  cpu_time_*              (CPU only) the same for the process's CPU seconds per step, which waiting for a
+                          core does not inflate
+Measured on the 2-core development machine while other jobs ran, single steps varied by 2x from round to round:
+read the CPU ratios as rough, and quote accelerator runs.
 
 Shape. Defaults depend on the platform. On CPU: the true Table 5 model (24 layers, D=768, F=2048, 12 heads,
-vocabulary 32,768: the paper preset of configs/c4_ablation.py) at batch 1 x 512 tokens, float32, no remat:
+vocabulary 32,768: the paper preset of configs/c4_ablation.py) at batch 1 x 512 tokens, float32, the preset's remat:
 a small batch rather than a shrunken model, whose r/D and vocabulary share would distort the ratios
 (/work/shared/NOTES.md). On GPU/TPU: 32 sequences x 1024 tokens per device (Table 5's 512 x 1024 on 16 chips),
 with the preset's bfloat16 and remat. Each flag below overrides its default; --set overrides any config field.
@@ -19,7 +25,7 @@ with the preset's bfloat16 and remat. Each flag below overrides its default; --s
 MFU = FLOPs per step / step time / (peak FLOP/s per device x devices), peak from laurel.train.PEAK_FLOPS (null
 where unknown, e.g. CPU). XLA's cost analysis counts a scanned layer stack's body once, so the FLOPs are those
 of the same train step lowered (not compiled) with the layers unrolled; `xla_flops_compiled` is the raw figure
-of the scanned step, for reference.
+of the scanned step, for reference. With remat the FLOPs include the recomputation (hardware FLOPs).
 
 Full-shape memory (--full_shape_memory, on by default): each row's step compiled, not run, at Table 5's
 per-device shape (32 x 1024 tokens per device, the preset's bfloat16 and remat), with XLA's peak memory for it.
@@ -110,28 +116,9 @@ def compile_row(config, mesh):
   return task, compiled, init_state, abstract, time.perf_counter() - start
 
 
-def unrolled_flops(config) -> float:
-  """FLOPs of one train step on the global batch, from XLA's cost analysis of the step lowered with the layers
-  unrolled (a scan's body is counted once). Lowered only: tracing, no compilation."""
-  import flax.linen as nn
-  import jax
-  import jax.numpy as jnp
-  from laurel import tasks, train
-  config = config.copy_and_resolve_references()
-  config.model.scan_layers = False
-  task = tasks.get_task(config)
-  tx, schedule = train.make_optimizer(config.optimizer, config.steps)
-  step = train.make_train_step(task, tx, schedule, config.optimizer.grad_accum_steps)
-  example = task.example_batch(config.batch_size)
-
-  def init_state(rng):
-    variables = nn.unbox(task.init(rng, example))
-    params = variables.pop('params')
-    return train.TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), dict(variables))
-
-  with nn.logical_axis_rules(config.logical_axis_rules):
-    abstract = jax.eval_shape(init_state, jax.random.key(0))
-    cost = jax.jit(step).lower(abstract, example).cost_analysis()
+def compiled_flops(compiled) -> float:
+  """XLA's FLOP count of the compiled step, per device (a scanned layer stack counted once)."""
+  cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float((cost or {}).get('flops', 0.0))
 
@@ -193,12 +180,15 @@ def time_rows(rows: dict, batch, warmup: int, steps: int, steps_per_round: int) 
   return wall, cpu
 
 
-def summarize(rounds, base_rounds) -> tuple[float, float, float]:
-  """Median over all steps, its ratio to the baseline's, and the median over rounds of the in-round ratio."""
-  median = statistics.median(t for rnd in rounds for t in rnd)
-  base = statistics.median(t for rnd in base_rounds for t in rnd)
+def summarize(prefix: str, rounds, base_rounds) -> dict:
+  """The median over all steps and its ratio to the baseline's; the median over rounds of the ratio within a
+  round (paired); and the ratio of the fastest steps (min: other processes can only add time)."""
+  steps, base = [t for rnd in rounds for t in rnd], [t for rnd in base_rounds for t in rnd]
   paired = statistics.median(statistics.fmean(a) / statistics.fmean(b) for a, b in zip(rounds, base_rounds))
-  return median, ratio(median, base), round(paired, 4)
+  return {f'{prefix}_s': statistics.median(steps),
+          f'{prefix}_ratio': ratio(statistics.median(steps), statistics.median(base)),
+          f'{prefix}_ratio_paired': round(paired, 4), f'{prefix}_min_s': min(steps),
+          f'{prefix}_min_ratio': ratio(min(steps), min(base)), f'{prefix}_max_s': max(steps)}
 
 
 def device_info() -> dict:
@@ -223,10 +213,12 @@ def print_table(result):
   columns = [('row', 12, lambda r, f: r['name']), ('params', 12, lambda r, f: f"{r['params']:,}"),
              ('step s', 9, lambda r, f: f"{r['step_time_s']:.3f}"),
              ('ratio', 7, lambda r, f: f"{r['step_time_ratio']:.3f}"),
-             ('paired', 7, lambda r, f: f"{r['step_time_ratio_paired']:.3f}")]
+             ('paired', 7, lambda r, f: f"{r['step_time_ratio_paired']:.3f}"),
+             ('min', 7, lambda r, f: f"{r['step_time_min_ratio']:.3f}")]
   if 'cpu_time_s' in result['rows'][0]:
     columns += [('cpu s', 9, lambda r, f: f"{r['cpu_time_s']:.3f}"),
-                ('ratio', 7, lambda r, f: f"{r['cpu_time_ratio']:.3f}")]
+                ('ratio', 7, lambda r, f: f"{r['cpu_time_ratio']:.3f}"),
+                ('min', 7, lambda r, f: f"{r['cpu_time_min_ratio']:.3f}")]
   columns += [('FLOPs', 7, lambda r, f: f"{r['flops_ratio']:.3f}" if r['flops_ratio'] else '-'),
               ('Table5', 7, lambda r, f: f"{r['paper_step_time_ratio']:.3f}"),
               ('tokens/s', 10, lambda r, f: f"{r['tokens_per_s']:,.0f}"),
@@ -251,7 +243,7 @@ def benchmark() -> dict:
   batch_size = _BATCH.value or (1 if cpu else 32 * n)
   seq_len = _SEQ_LEN.value or (512 if cpu else 1024)
   dtype = _DTYPE.value or ('float32' if cpu else None)
-  remat = _REMAT.value or ('none' if cpu else None)
+  remat = _REMAT.value  # default: the preset's own (dots_no_batch for the paper preset)
   steps = _STEPS.value or (3 if cpu else 30)
   steps_per_round = _STEPS_PER_ROUND.value or (1 if cpu else 5)
   names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value) if r != BASELINE]
@@ -277,8 +269,8 @@ def benchmark() -> dict:
     batch = batch if batch is not None else synthetic_batch(task, configs[name], mesh)
     rows[name] = {'compiled': compiled, 'state': state, 'metrics': None, 'compile_s': compile_s,
                   'params': int(sum(x.size for x in jax.tree.leaves(abstract.params))),
-                  'flops': unrolled_flops(configs[name]),
-                  'xla_flops_compiled': train._flops(compiled) * n,  # pylint: disable=protected-access
+                  'flops': train.step_flops(configs[name]),
+                  'xla_flops_compiled': compiled_flops(compiled) * n,
                   **memory_breakdown(compiled)}
     print(f"compiled {name}: {compile_s:.1f}s, {rows[name]['params']:,} params, peak memory "
           f"{rows[name]['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)
@@ -291,13 +283,11 @@ def benchmark() -> dict:
   for name in names:
     r = rows[name]
     loss = float(jax.device_get(r['metrics']['loss']))
-    step_time, step_ratio, step_paired = summarize(wall[name], wall[BASELINE])
-    all_times = [t for rnd in wall[name] for t in rnd]
+    timing = summarize('step_time', wall[name], wall[BASELINE])
+    step_time = timing['step_time_s']
     row = {
-        'name': name, 'params': r['params'], 'params_ratio': ratio(r['params'], base['params']),
-        'step_time_s': step_time, 'step_time_ratio': step_ratio, 'step_time_ratio_paired': step_paired,
-        'step_time_min_s': min(all_times), 'step_time_max_s': max(all_times), 'step_times_s': wall[name],
-        'tokens_per_s': tokens / step_time,
+        'name': name, 'params': r['params'], 'params_ratio': ratio(r['params'], base['params']), **timing,
+        'step_times_s': wall[name], 'tokens_per_s': tokens / step_time,
         'mfu': r['flops'] / step_time / (peak_flops * n) if peak_flops and r['flops'] else None,
         'flops_per_step': r['flops'], 'flops_ratio': ratio(r['flops'], base['flops']),
         'xla_flops_compiled': r['xla_flops_compiled'],
@@ -306,8 +296,7 @@ def benchmark() -> dict:
         'argument_bytes': r['argument_bytes'], 'temp_bytes': r['temp_bytes'], 'compile_s': r['compile_s'],
         'final_loss': loss, 'paper_step_time_ratio': PAPER[name][0], 'paper_peak_memory_ratio': PAPER[name][1]}
     if cpu:  # process CPU seconds per step: meaningful where the host does the work
-      row['cpu_time_s'], row['cpu_time_ratio'], row['cpu_time_ratio_paired'] = summarize(cpu_times[name],
-                                                                                         cpu_times[BASELINE])
+      row.update(summarize('cpu_time', cpu_times[name], cpu_times[BASELINE]), cpu_times_s=cpu_times[name])
     result['rows'].append(row)
     if not math.isfinite(loss):
       raise RuntimeError(f'{name}: loss is {loss} after the timed steps')

@@ -3,7 +3,7 @@
   python scripts/launch_tpu.py --tpu=NAME --zone=ZONE --accelerator=v6e-16 [--create] [--version=...] [--dry-run]
       --config=configs/c4_ablation.py:rw_lr --workdir=gs://BUCKET/runs/rw_lr [--config.<field>=<value> ...]
 
-Four steps, each one gcloud command (--dry-run prints them, one per line, and runs nothing):
+Four steps, gcloud commands (--dry-run prints them, one per line, and runs nothing):
   1. create (only with --create): `gcloud compute tpus tpu-vm create` with --accelerator-type (or, for v4, --type
      and a custom --topology) and the software version of the generation (--version to change it).
   2. ship the code. By default the files of this working tree that git knows or would add (`git ls-files -co
@@ -14,8 +14,10 @@ Four steps, each one gcloud command (--dry-run prints them, one per line, and ru
      pip --user) makes a Python 3.11 venv, ~/laurel/.venv, with jax[tpu] at this machine's jax version, gcsfs (for
      gs:// workdirs) and the repo.
   4. train: `tpu-vm ssh --worker=all --command='cd laurel && .venv/bin/python -m laurel.main ...'`, the same
-     command on every host at once. --num_processes is the slice's host count: with it jax.distributed finds the
-     coordinator itself. --detach runs it under nohup (log: ~/laurel/train.log on each host) and returns.
+     command on every host at once, with --num_processes=<the slice's hosts>: jax.distributed then finds the
+     coordinator itself, and laurel.main skips its TPU check, which starts a backend before
+     jax.distributed.initialize() and so fails. --detach runs it under nohup (log: ~/laurel/train.log on each
+     host) and returns. --notrain stops after step 3 (set up a VM for scripts/sweep.py --launch=print).
 
 The config and every --config.* override are read here first and checked with laurel.train.validate_config for
 the slice's device and host counts, so a typo or a batch that does not divide fails in a second, before any
@@ -53,6 +55,7 @@ _REF = flags.DEFINE_string('ref', 'main', 'With --repo_url: branch, tag or commi
 _INSTALL = flags.DEFINE_bool('install', True, 'Make the venv and install jax[tpu], gcsfs and the repo.')
 _JAX = flags.DEFINE_string('jax', None, "pip requirement for jax; default: jax[tpu]==<this machine's jax>.")
 _DETACH = flags.DEFINE_bool('detach', False, 'Run the training under nohup and return at once.')
+_TRAIN = flags.DEFINE_bool('train', True, 'Run laurel.main; --notrain only creates, ships and installs.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print the commands (also spelled --dry-run); run nothing.')
 _VALIDATE = flags.DEFINE_bool('validate', True, 'Check the config for the slice before launching.')
 _OVERRIDES = []  # the --config.<field>=<value> arguments, taken out of argv before absl parses it
@@ -83,19 +86,18 @@ def load_config():
 
 def plan() -> list[tuple[str, list[str] | str]]:
   """[(what, command)]: a gcloud argv, or for a local step a description."""
-  for name, flag in (('tpu', _TPU), ('zone', _ZONE), ('accelerator', _ACCELERATOR), ('workdir', _WORKDIR)):
+  required = (('tpu', _TPU), ('zone', _ZONE), ('accelerator', _ACCELERATOR)) + (
+      (('workdir', _WORKDIR), ('config', _CONFIG)) if _TRAIN.value else ())
+  for name, flag in required:
     if not flag.value:
       raise ValueError(f'--{name} is required')
-  if not _CONFIG.value:
-    raise ValueError('--config is required, e.g. --config=configs/c4_ablation.py:rw_lr')
   if not re.fullmatch(r'[a-z]([-a-z0-9]{0,61}[a-z0-9])?', _TPU.value):
     raise ValueError(f'--tpu={_TPU.value!r}: lowercase letters, digits and hyphens, starting with a letter')
   accel = common.parse_accelerator(_ACCELERATOR.value, _TOPOLOGY.value)
-  config = load_config()
-  if _VALIDATE.value:
+  if _TRAIN.value and _VALIDATE.value:
     from laurel import train  # pylint: disable=import-outside-toplevel
-    train.validate_config(config, num_devices=accel['chips'], process_count=accel['hosts'])
-  if accel['hosts'] > 1 and '://' not in _WORKDIR.value:
+    train.validate_config(load_config(), num_devices=accel['chips'], process_count=accel['hosts'])
+  if _TRAIN.value and accel['hosts'] > 1 and '://' not in _WORKDIR.value:
     print(f'warning: --workdir={_WORKDIR.value!r} is not on GCS; all {accel["hosts"]} hosts must see the same '
           'directory', file=sys.stderr)
   tpu, zone, project = _TPU.value, _ZONE.value, _PROJECT.value
@@ -112,8 +114,9 @@ def plan() -> list[tuple[str, list[str] | str]]:
                                         '--worker=all')))
   setup = common.setup_command(jax_requirement, _REPO_URL.value, _REF.value, _INSTALL.value)
   steps.append(('setup', common.ssh(tpu, zone, project, setup)))
-  run = common.train_command(_CONFIG.value, _WORKDIR.value, accel['hosts'], _OVERRIDES, _DETACH.value)
-  steps.append(('train', common.ssh(tpu, zone, project, run)))
+  if _TRAIN.value:
+    run = common.train_command(_CONFIG.value, _WORKDIR.value, accel['hosts'], _OVERRIDES, _DETACH.value)
+    steps.append(('train', common.ssh(tpu, zone, project, run)))
   return steps
 
 

@@ -202,7 +202,8 @@ def collect(points, workdir: epath.Path, field: str, metric: str, failed=()) -> 
 
 
 def write_results(result: dict, workdir: epath.Path):
-  field, metric, rows = result['field'], result['metric'], result['points']
+  rows = result['points']
+  workdir.mkdir(parents=True, exist_ok=True)
   columns = list(dict.fromkeys(k for r in rows for k in r))
   buffer = io.StringIO()
   writer = csv.DictWriter(buffer, columns, lineterminator='\n')
@@ -286,9 +287,8 @@ def print_commands(points):
   if '://' not in _WORKDIR.value and accel['hosts'] > 1:
     print(f'warning: --workdir={_WORKDIR.value!r} is not on GCS; all hosts must see the same directory',
           file=sys.stderr)
-  print(f'# {len(points)} points; the code and venv must be on the TPU VM first: scripts/launch_tpu.py --tpu='
-        f'{_TPU.value} ... (without the train step: run it with --dry-run and take its setup commands)',
-        file=sys.stderr)
+  print(f'# {len(points)} points, to run one after another. Code and venv first: python scripts/launch_tpu.py '
+        f'--tpu={_TPU.value} --zone={_ZONE.value} --accelerator={_ACCELERATOR.value} --notrain', file=sys.stderr)
   for point in points:
     workdir = f'{_WORKDIR.value.rstrip("/")}/{point["name"]}'
     command = common.train_command(_CONFIG.value, workdir, accel['hosts'], point['overrides'])

@@ -213,3 +213,18 @@ def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tm
   (resumed / 'metrics.jsonl').write_text((tmp_path / 'full' / 'metrics.jsonl').read_text())
   train.train(config, str(resumed), devices=jax.devices()[:1])
   assert losses(resumed) == losses(tmp_path / 'full')
+
+
+def test_step_flops_count_every_scanned_layer():
+  flops = [train.step_flops(load_config(SPEC, {**TINY_LM, 'model.num_layers': n})) for n in (2, 3, 4)]
+  per_layer = [flops[1] - flops[0], flops[2] - flops[1]]
+  assert per_layer[0] > 0 and per_layer[1] == pytest.approx(per_layer[0], rel=1e-3)
+
+
+def test_resuming_a_finished_run_without_final_json_still_writes_the_eval(finished_run, tmp_path):
+  workdir = tmp_path / 'copy'
+  shutil.copytree(finished_run, workdir)
+  (workdir / 'final.json').unlink()
+  result = run_cli(SPEC, workdir, {**TINY_LM, 'checkpoint_every': 3})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'eval_loss' in json.loads((workdir / 'final.json').read_text())
