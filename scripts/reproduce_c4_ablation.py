@@ -127,11 +127,19 @@ def plot(rows, path):
   import matplotlib.pyplot as plt
   names = [r['name'] for r in rows]
   fig, (ours, paper) = plt.subplots(1, 2, figsize=(11, 4))
-  ours.bar(names, [r['test_loss'] for r in rows], yerr=[r['test_loss_std'] for r in rows], capsize=4, color='tab:blue')
-  ours.set_title(f"this repo ({_PRESET.value} preset), mean ± std over seeds")
+  # One point per seed, coloured by seed: rows compare within a colour; the spread between colours is seed noise.
+  seeds = sorted({s for r in rows for s in r['test_losses']})
+  for i, seed in enumerate(seeds):
+    xs = [j for j, r in enumerate(rows) if seed in r['test_losses']]
+    ys = [rows[j]['test_losses'][seed] for j in xs]
+    ours.plot(xs, ys, 'o-', color=f'C{i}', label=seed, alpha=0.8)
+  ours.set_xticks(range(len(names)), names)
+  ours.legend()
+  ours.set_title(f"this repo ({_PRESET.value} preset), one line per seed")
   paper.bar(names, [r['paper_test_loss'] for r in rows], color='tab:gray')
   paper.set_title('paper, Table 5')
-  for ax, vals in ((ours, [r['test_loss'] for r in rows]), (paper, [r['paper_test_loss'] for r in rows])):
+  for ax, vals in ((ours, [v for r in rows for v in r['test_losses'].values()]),
+                   (paper, [r['paper_test_loss'] for r in rows])):
     lo, hi = min(vals), max(vals)
     ax.set_ylim(lo - 0.6 * (hi - lo + 1e-3), hi + 0.6 * (hi - lo + 1e-3))
     ax.set_ylabel('test loss')
