@@ -361,8 +361,10 @@ def train(config, workdir: str, devices=None) -> dict:
           state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
           config=ocp.args.JsonSave(_model_signature(config))))
 
+    # One process: our own SIGTERM flag. Several: only orbax's reached_preemption, which every host agrees on
+    # (JAX's preemption service catches the signal), so no host starts a collective save alone.
     preempted = []
-    previous = signal.signal(signal.SIGTERM, lambda *_: preempted.append(True))
+    previous = signal.signal(signal.SIGTERM, lambda *_: preempted.append(True)) if nproc == 1 else None
     eval_metrics, pending, step_times = {}, None, []
     t0, interval_start = time.time(), start
     try:
@@ -373,7 +375,7 @@ def train(config, workdir: str, devices=None) -> dict:
           check_finite(*pending)
         pending, done = (step + 1, metrics), step + 1
         last = done == config.steps
-        stop = bool(preempted) or (nproc > 1 and mngr.reached_preemption(done))
+        stop = mngr.reached_preemption(done) if nproc > 1 else bool(preempted)
         if done % config.log_every == 0 or last or stop:
           check_finite(*pending)
           dt = (time.time() - t0) / (done - interval_start)
@@ -409,7 +411,8 @@ def train(config, workdir: str, devices=None) -> dict:
         eval_metrics = evaluate()
       mngr.wait_until_finished()
     finally:
-      signal.signal(signal.SIGTERM, previous)
+      if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
       writer.close()
       mngr.close()
 
