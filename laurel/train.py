@@ -303,6 +303,14 @@ def compile_step(task, config, mesh):
   return compiled, init, abstract, state_shardings
 
 
+def compiled_peak_memory(config, devices=None) -> int:
+  """Peak bytes of `config`'s train step, compiled on `devices` (default: one) and never run."""
+  task = validate_config(config, num_devices=len(devices or [None]))
+  mesh = sharding.make_mesh(config.mesh, devices or jax.devices()[:1])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
+    return _peak_memory_bytes(compile_step(task, config, mesh)[0])
+
+
 def train(config, workdir: str, devices=None) -> dict:
   """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json."""
   devices = jax.devices() if devices is None else devices

@@ -10,11 +10,9 @@ import json
 import sys
 
 import common  # puts the repo root on sys.path
-import flax.linen as nn
-import jax
 from absl import app, flags
 
-from laurel import sharding, tasks, train
+from laurel import train
 
 ROWS = ('baseline_24', 'rw', 'lr', 'pa', 'rw_lr', 'rw_lr_pa')
 _LAYERS = flags.DEFINE_integer('layers', 6, 'Layers of every row.')
@@ -29,11 +27,7 @@ def peak_bytes(row: str) -> int:
                        ('data.seq_len', _SEQ_LEN.value), ('model.remat', _REMAT.value),
                        ('model.dtype', 'float32'), ('data.name', 'synthetic')):
     common.set_field(config, field, str(value))
-  task = tasks.get_task(config)
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-    compiled = train.compile_step(task, config, mesh)[0]
-  return train._peak_memory_bytes(compiled)  # pylint: disable=protected-access
+  return train.compiled_peak_memory(config)
 
 
 def main(argv):

@@ -50,18 +50,9 @@ def compiled_peak_memory(row, workdir: pathlib.Path) -> int:
   row, whenever and with whichever code version its training run happened."""
   cache = workdir / row / 'compiled_memory.json'
   if not cache.exists():
-    out = subprocess.run([sys.executable, '-c', (
-        'import json, sys, jax, flax.linen as nn\n'
-        'from ml_collections import config_flags\n'
-        'from configs import c4_ablation\n'
-        'from laurel import sharding, tasks, train\n'
-        f'c = c4_ablation.get_config("{row},preset={_PRESET.value}")\n'
-        'task = tasks.get_task(c); mesh = sharding.make_mesh(c.mesh)\n'
-        'with jax.set_mesh(mesh), nn.logical_axis_rules(c.logical_axis_rules):\n'
-        '  compiled = train.compile_step(task, c, mesh)[0]\n'
-        'print(json.dumps({"peak_memory_bytes": train._peak_memory_bytes(compiled)}))')],
-        cwd=ROOT, check=True, capture_output=True, text=True, env={**os.environ, 'PYTHONPATH': str(ROOT)})
-    cache.write_text(out.stdout.strip().splitlines()[-1] + '\n')
+    from laurel import train  # pylint: disable=g-import-not-at-top
+    config = c4_ablation.get_config(f'{row},preset={_PRESET.value}')
+    cache.write_text(json.dumps({'peak_memory_bytes': train.compiled_peak_memory(config)}) + '\n')
   return json.loads(cache.read_text())['peak_memory_bytes']
 
 
