@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import ml_collections
+import numpy as np
 
 # Logical axis -> mesh axes. Parameters shard over fsdp (and tensor for the wide dims); activations shard
 # their batch over data x fsdp. Override in a config to try other layouts.
@@ -28,6 +29,7 @@ LOGICAL_AXIS_RULES = (
     ('laurel_rank', None),
     ('laurel_k', None),
     ('laurel_rw', None),
+    ('laurel_sites', None),
     ('conv_in', None),
     ('conv_out', 'fsdp'),
     ('classes', None),
@@ -43,6 +45,15 @@ def known_fields(cls, cfg, field: str, skip=('laurel',)) -> dict:
   if unknown:
     raise ValueError(f'{field}.{unknown[0]}: unknown field (known: {", ".join(sorted(names - set(skip)))})')
   return values
+
+
+def is_int(value) -> bool:
+  """An integer, not a bool (True is an int to Python, never a sensible rank or width)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value) -> bool:
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
 def require(ok: bool, field: str, value, why: str) -> None:

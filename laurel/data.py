@@ -27,6 +27,7 @@ import grain
 from grain import experimental as grain_exp
 import numpy as np
 
+from laurel import config_lib
 from laurel.config_lib import BYTE_VOCAB_SIZE
 
 SOURCES = ('c4', 'text', 'synthetic')
@@ -258,10 +259,6 @@ def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_ind
   return ds
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def validate(data_cfg, vocab_size: int, field: str = 'data') -> None:
   """One-line ValueErrors naming the bad field, before anything is traced or read in bulk."""
   def fail(name, message):
@@ -269,13 +266,13 @@ def validate(data_cfg, vocab_size: int, field: str = 'data') -> None:
 
   if data_cfg.name not in SOURCES:
     fail('name', f'must be one of {", ".join(SOURCES)}')
-  if not _is_int(data_cfg.seq_len) or data_cfg.seq_len <= 0:
+  if not config_lib.is_int(data_cfg.seq_len) or data_cfg.seq_len <= 0:
     fail('seq_len', 'must be a positive integer')
   for name in ('num_workers', 'prefetch'):
-    if not _is_int(getattr(data_cfg, name)) or getattr(data_cfg, name) < 0:
+    if not config_lib.is_int(getattr(data_cfg, name)) or getattr(data_cfg, name) < 0:
       fail(name, 'must be a non-negative integer')
   fraction = data_cfg.validation_fraction
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+  if not config_lib.is_number(fraction) or not 0 < fraction < 1:
     fail('validation_fraction', 'must be in (0, 1)')
 
   if data_cfg.name == 'text':

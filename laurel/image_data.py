@@ -29,6 +29,8 @@ from typing import Any
 import grain
 import numpy as np
 
+from laurel import config_lib
+
 NAMES = ('imagenet', 'synthetic')
 MEAN_RGB = np.array([0.485, 0.456, 0.406], np.float32) * 255
 STDDEV_RGB = np.array([0.229, 0.224, 0.225], np.float32) * 255
@@ -70,8 +72,7 @@ def validate(data_cfg: Any, field: str = 'data') -> ImageDataConfig:
     if name in values and not ok(values[name]):
       bad(name, why)
 
-  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-  is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  is_int, is_num = config_lib.is_int, config_lib.is_number
   check('name', lambda v: v in NAMES, f'must be one of {", ".join(NAMES)}')
   check('image_size', lambda v: is_int(v) and v >= 8, 'must be an integer >= 8')
   for n in ('num_classes', 'synthetic_train_examples', 'synthetic_eval_examples'):

@@ -2,7 +2,9 @@
 
 Pre-norm (or post-norm) blocks of causal multi-head attention and a GELU (or SwiGLU) MLP, RoPE (or learned
 positions), tied (or untied) embeddings. A LAuReL site sits once per block by default, where f is the whole
-attention+MLP block (the shape that fits Table 5's parameter counts), or once per sublayer.
+attention+MLP block (the shape that fits Table 5's parameter counts), or once per sublayer. The sites form a
+chain evaluated in LaurelResidual's push form, so a layer scan keeps nothing extra for PA; RW's weights of all
+sites live in one ChainRW array outside the scan.
 Shapes: B batch, L length, D model width, H heads, K head width, F MLP width, V vocabulary.
 """
 
@@ -67,8 +69,14 @@ class LMConfig:
                            f'must be one of {", ".join(choices)}')
     for name in ('vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_layers', 'max_len'):
       if name in values:
-        config_lib.require(isinstance(values[name], int) and values[name] >= 1, f'{field}.{name}', values[name],
+        config_lib.require(config_lib.is_int(values[name]) and values[name] >= 1, f'{field}.{name}', values[name],
                            'must be a positive integer')
+    for name in ('tie_embeddings', 'scan_layers'):
+      if name in values:
+        config_lib.require(isinstance(values[name], bool), f'{field}.{name}', values[name], 'must be a bool')
+    if 'rope_base' in values:
+      config_lib.require(config_lib.is_number(values['rope_base']) and values['rope_base'] > 1, f'{field}.rope_base',
+                         values['rope_base'], 'must be a number > 1')
     cfg = cls(**values)
     if cfg.d_model % cfg.num_heads:
       raise ValueError(f'{field}.num_heads={cfg.num_heads}: must divide d_model={cfg.d_model}')
@@ -167,46 +175,47 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """One transformer block. Carry: (x, history), where history holds x_{i-1}, …, x_{i-k+1} for PA."""
+  """One transformer block. Carry: (x, pending), pending being PA's running sums (LaurelResidual.push).
+
+  `rw` holds RW's weights of this block's sites (ChainRW): (α_T, β_TxK) for its T = 1 or 2 sites.
+  """
   cfg: LMConfig
 
   @nn.compact
-  def __call__(self, carry, positions_BxL, segment_ids_BxL):
+  def __call__(self, carry, positions_BxL, segment_ids_BxL, rw=None):
     cfg, spec = self.cfg, self.cfg.laurel
     pre = cfg.norm_position == 'pre'
-    x_BxLxD, history = carry
+    x_BxLxD, pending = carry
     norm_attn, norm_mlp = _norm(cfg, 'norm_attn'), _norm(cfg, 'norm_mlp')
-    site = lambda name: residual.LaurelResidual(spec, cfg.d_model, DTYPES[cfg.param_dtype], name=name)
-    push = lambda h, x: (x,) + tuple(h[:-1]) if h else h
+    site = lambda name: residual.LaurelResidual(spec, cfg.d_model, DTYPES[cfg.param_dtype], chain=True, name=name)
+    site_rw = lambda t: None if rw is None else (rw[0][t], rw[1][t])
+    # RW's α is folded into the last projection of f, so autodiff keeps no extra activation for its gradient.
+    alpha = lambda t: None if rw is None else rw[0][t]
 
-    # RW's α is folded into the last projection of f (LaurelResidual.alpha), so autodiff keeps no extra
-    # activation for its gradient.
     xn_BxLxD = norm_attn(x_BxLxD) if pre else x_BxLxD
     if spec.site == 'sublayer':
-      laurel_attn, laurel_mlp = site('laurel_attn'), site('laurel_mlp')
-      attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL, laurel_attn.alpha())
-      h_BxLxD = laurel_attn(attn_BxLxD, x_BxLxD, history, xn_BxLxD, alpha_applied=True)
-      history = push(history, x_BxLxD)
+      attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL, alpha(0))
+      h_BxLxD, pending = site('laurel_attn').push(attn_BxLxD, x_BxLxD, pending, site_rw(0), xn_BxLxD,
+                                                  alpha_applied=True)
     else:
-      laurel = site('laurel')
-      alpha = laurel.alpha()
       attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL)
       h_BxLxD = x_BxLxD + attn_BxLxD
     h_BxLxD = h_BxLxD if pre else norm_attn(h_BxLxD)
     hn_BxLxD = norm_mlp(h_BxLxD) if pre else h_BxLxD
     if spec.site == 'sublayer':
-      mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD, laurel_mlp.alpha())
-      out_BxLxD = laurel_mlp(mlp_BxLxD, h_BxLxD, history, hn_BxLxD, alpha_applied=True)
-      history = push(history, h_BxLxD)
+      mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD, alpha(1))
+      out_BxLxD, pending = site('laurel_mlp').push(mlp_BxLxD, h_BxLxD, pending, site_rw(1), hn_BxLxD,
+                                                   alpha_applied=True)
     else:  # f(x) = block(x) - x: attention + MLP (plus the post-norm shift of h)
-      mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD, alpha)
+      mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD, alpha(0))
       attn_part_BxLxD = attn_BxLxD if pre else h_BxLxD - x_BxLxD
-      fx_BxLxD = mlp_BxLxD + (attn_part_BxLxD if alpha is None else alpha.astype(x_BxLxD.dtype) * attn_part_BxLxD)
-      out_BxLxD = laurel(fx_BxLxD, x_BxLxD, history, xn_BxLxD, alpha_applied=True)
-      history = push(history, x_BxLxD)
+      if rw is not None:
+        attn_part_BxLxD = alpha(0).astype(x_BxLxD.dtype) * attn_part_BxLxD
+      out_BxLxD, pending = site('laurel').push(mlp_BxLxD + attn_part_BxLxD, x_BxLxD, pending, site_rw(0),
+                                               xn_BxLxD, alpha_applied=True)
     out_BxLxD = out_BxLxD if pre else norm_mlp(out_BxLxD)
     out_BxLxD = nn.with_logical_constraint(out_BxLxD, ('act_batch', 'act_len', 'act_embed'))
-    return (out_BxLxD, history), None
+    return (out_BxLxD, pending), None
 
 
 class LM(nn.Module):
@@ -230,20 +239,26 @@ class LM(nn.Module):
           (cfg.max_len, cfg.d_model), DTYPES[cfg.param_dtype])
       x_BxLxD = x_BxLxD + pos_embed[positions_BxL].astype(x_BxLxD.dtype)
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ('act_batch', 'act_len', 'act_embed'))
-    history = tuple(jnp.zeros_like(x_BxLxD) for _ in range(cfg.laurel.history_len))
+    pending = tuple(jnp.zeros_like(x_BxLxD) for _ in range(cfg.laurel.history_len))
+    rw_N = None  # RW's weights of every site, grouped by layer: (α_NxT, β_NxTxK)
+    if cfg.laurel.rw:
+      sites_per_layer = cfg.num_sites // cfg.num_layers
+      rw_S = residual.ChainRW(cfg.laurel, cfg.num_sites, cfg.d_model, DTYPES[cfg.param_dtype], name='laurel_rw')()
+      rw_N = jax.tree.map(lambda a: a.reshape((cfg.num_layers, sites_per_layer) + a.shape[1:]), rw_S)
 
     block = Block
     if cfg.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+                      in_axes=(nn.broadcast, nn.broadcast, 0), length=cfg.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
-      (x_BxLxD, _), _ = stack(cfg, name='layers')((x_BxLxD, history), positions_BxL, segment_ids_BxL)
+      (x_BxLxD, _), _ = stack(cfg, name='layers')((x_BxLxD, pending), positions_BxL, segment_ids_BxL, rw_N)
     else:
-      carry = (x_BxLxD, history)
+      carry = (x_BxLxD, pending)
       for i in range(cfg.num_layers):
-        carry, _ = block(cfg, name=f'layers_{i}')(carry, positions_BxL, segment_ids_BxL)
+        layer_rw = None if rw_N is None else jax.tree.map(lambda a, i=i: a[i], rw_N)
+        carry, _ = block(cfg, name=f'layers_{i}')(carry, positions_BxL, segment_ids_BxL, layer_rw)
       x_BxLxD = carry[0]
 
     x_BxLxD = _norm(cfg, 'final_norm')(x_BxLxD)

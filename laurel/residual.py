@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -75,7 +75,7 @@ class LaurelSpec:
 
   @property
   def history_len(self) -> int:
-    """How many activations before x_i a site needs (x_{i−1} … x_{i−k+1})."""
+    """How many activations before x_i a site reads (pull form), or running sums it carries (push form)."""
     return self.k - 1 if self.pa else 0
 
   @classmethod
@@ -94,6 +94,8 @@ class LaurelSpec:
     if self.variant != 'none' and (not parts or any(p not in COMPONENTS for p in parts)
                                    or len(set(parts)) != len(parts)):
       bad('variant', f"must be 'none' or a '+'-joined subset of {', '.join(COMPONENTS)}")
+    if not isinstance(self.rw_per_dim, bool):
+      bad('rw_per_dim', 'must be a bool')
     if self.rw_norm not in RW_NORMS:
       bad('rw_norm', f'must be one of {", ".join(RW_NORMS)}')
     if self.a_init not in A_INITS:
@@ -104,12 +106,12 @@ class LaurelSpec:
       bad('form', f'must be one of {", ".join(FORMS)}')
     if self.site not in SITES:
       bad('site', f'must be one of {", ".join(SITES)}')
-    if not isinstance(self.rw_scale, (int, float)) or not self.rw_scale > 0:
+    if not config_lib.is_number(self.rw_scale) or not self.rw_scale > 0:
       bad('rw_scale', 'must be a positive number')
     uses_rank = self.lr or (self.pa and self.pa_h == 'low_rank') or self.form == 'gemma3n'
-    if uses_rank and not (isinstance(self.rank, int) and 1 <= self.rank <= d_model):
+    if uses_rank and not (config_lib.is_int(self.rank) and 1 <= self.rank <= d_model):
       bad('rank', f'must be an integer in [1, d_model={d_model}]')
-    if self.pa and not (isinstance(self.k, int) and 1 <= self.k <= num_sites):
+    if self.pa and not (config_lib.is_int(self.k) and 1 <= self.k <= num_sites):
       bad('k', f'must be an integer in [1, number of LAuReL sites={num_sites}]')
     if self.form == 'gemma3n' and (not self.lr or self.pa):
       bad('form', "'gemma3n' needs a variant with lr and without pa")
@@ -148,22 +150,71 @@ def _a_init(name: str):
       in_axis=-2, out_axis=-1, batch_axis=tuple(range(len(shape) - 2)))(key, shape, dtype)
 
 
+def rw_weights(w, spec: LaurelSpec, axis: int = 0):
+  """§2.1: α, β = rw_scale·softmax(w) over `axis`, or rw_scale·(σ(w), σ(−w)) with one parameter, in float32."""
+  w = w.astype(jnp.float32)
+  if spec.rw_norm == 'softmax':
+    ab = spec.rw_scale * jax.nn.softmax(w, axis=axis)
+    return jnp.take(ab, 0, axis=axis), jnp.take(ab, 1, axis=axis)
+  return spec.rw_scale * jax.nn.sigmoid(w), spec.rw_scale * jax.nn.sigmoid(-w)
+
+
+def _rw_param_shape(spec: LaurelSpec, features: int, embed_axis: str):
+  per_dim = ((features,), (embed_axis,)) if spec.rw_per_dim else ((), ())
+  two = ((2,), ('laurel_rw',)) if spec.rw_norm == 'softmax' else ((), ())
+  return two[0] + per_dim[0], two[1] + per_dim[1]
+
+
+class ChainRW(nn.Module):
+  """RW's weights for every site of a chain of `num_sites` sites (the LM), as one (sites, …) array.
+
+  A site evaluated with `LaurelResidual.push` needs the β of the sites it sends to, so the chain's caller
+  holds them all. Returns (α_S, β_SxK): α of each site, and β_SxK[i, j] = β_{i+j} (zero past the end), with
+  K = k under PA and 1 otherwise.
+  """
+  spec: LaurelSpec
+  num_sites: int
+  features: int
+  param_dtype: Any = jnp.float32
+  embed_axis: str = 'embed'
+
+  @nn.compact
+  def __call__(self):
+    shape, names = _rw_param_shape(self.spec, self.features, self.embed_axis)
+    w = self.param('rw_w', nn.with_logical_partitioning(nn.initializers.zeros, ('laurel_sites',) + names),
+                   (self.num_sites,) + shape, self.param_dtype)
+    alpha_S, beta_S = rw_weights(w, self.spec, axis=1)
+    k = self.spec.k if self.spec.pa else 1
+    padded = jnp.concatenate([beta_S, jnp.zeros((k - 1,) + beta_S.shape[1:], beta_S.dtype)])
+    beta_SxK = jnp.stack([padded[j:j + self.num_sites] for j in range(k)], axis=1)
+    return alpha_S, beta_SxK
+
+
 class LaurelResidual(nn.Module):
-  """x_{i+1} = α·f(x_i) + g(x_i, …), a drop-in for `x + f(x)` (eq. 2).
+  """x_{i+1} = α·f(x_i) + g(x_i, …), a drop-in for `x + f(x)` (eq. 2), in two forms.
 
-  Call with `fx` = f(x_i) and `x` = x_i, both (..., D) with D = `features`. PA also takes `history`: a
-  sequence of k−1 arrays x_{i−1}, …, x_{i−k+1} (zeros where the network has none yet). form='gemma3n' takes
-  `x_normed`, the normalised input f read. `axes` names the logical axes of x for sharding.
+  `__call__` is the equations as written ("pull"): with `fx` = f(x_i) and `x` = x_i, both (..., D), PA also
+  takes `history` = (x_{i−1}, …, x_{i−k+1}) (zeros where the network has none). The ResNet uses it.
 
+  `push` (with `chain=True`) computes the same sums for a chain of sites under a layer scan (the LM): site i
+  sends γ·h(x_i) to each of sites i, …, i+k−1 through `pending`, running sums that the chain carries. So PA's
+  parameters are indexed by the sending site: this site's γ_j, A_j, B_j are the paper's γ_{i+j,j}, A_{i+j,j},
+  B_{i+j,j}; a relabelling of the same model. It matters for memory: a scan keeps, for the backward pass,
+  whatever each step's gradient reads; the pull form reads k−1 earlier activations per layer, the push form
+  only x_i, which the layer keeps anyway. RW's weights then come from the caller (`ChainRW`), because the β
+  that multiplies a sent term belongs to the receiving site.
+
+  form='gemma3n' takes `x_normed`, the normalised input f read. `axes` names the logical axes of x.
   Memory: a scalar times an activation makes autodiff keep that activation for the scalar's gradient. So β
-  is folded into B (β·xAB = xA·(βB)), and a model may fold α into f's last linear map itself: it reads
-  `alpha()` and passes `alpha_applied=True`, and α's gradient then flows through weights, not activations.
+  is folded into B and γ, and a model may fold α into f's last linear map itself and pass
+  `alpha_applied=True`; α's gradient then flows through weights, not activations.
   """
   spec: LaurelSpec
   features: int
   param_dtype: Any = jnp.float32
   axes: tuple = ('act_batch', 'act_len', 'act_embed')
   embed_axis: str = 'embed'
+  chain: bool = False  # evaluated with `push`; RW's weights come from a ChainRW
 
   def setup(self):
     s, d = self.spec, self.features
@@ -172,13 +223,10 @@ class LaurelResidual(nn.Module):
     low_rank = lambda name, lead, lead_names: (
         param(f'{name}_a', _a_init(s.a_init), lead + (d, s.rank), lead_names + (self.embed_axis, 'laurel_rank')),
         param(f'{name}_b', nn.initializers.zeros, lead + (s.rank, d), lead_names + ('laurel_rank', self.embed_axis)))
-    if s.rw:  # §2.1: w = 0 at init
-      per_dim = ((d,), (self.embed_axis,)) if s.rw_per_dim else ((), ())
-      two = ((2,), ('laurel_rw',)) if s.rw_norm == 'softmax' else ((), ())
-      self.rw_w = param('rw_w', nn.initializers.zeros, two[0] + per_dim[0], two[1] + per_dim[1])
+    if s.rw and not self.chain:  # §2.1: w = 0 at init
+      self.rw_w = param('rw_w', nn.initializers.zeros, *_rw_param_shape(s, d, self.embed_axis))
     if s.pa:
-      low_rank_h = s.lr or s.pa_h == 'low_rank'
-      self.pa_gamma = param('pa_gamma', nn.initializers.ones if low_rank_h else nn.initializers.zeros,
+      self.pa_gamma = param('pa_gamma', nn.initializers.ones if self._pa_low_rank else nn.initializers.zeros,
                             (s.k,), ('laurel_k',))
       if s.lr:  # eq. 6: one (A_j, B_j) pair per previous activation
         self.pa_a, self.pa_b = low_rank('pa', (s.k,), ('laurel_k',))
@@ -190,58 +238,91 @@ class LaurelResidual(nn.Module):
         self.lr_norm = nn.RMSNorm(param_dtype=self.param_dtype, scale_init=nn.with_logical_partitioning(
             nn.initializers.ones, (self.embed_axis,)))
 
-  def alpha(self):
-    """α of eq. 2 (a scalar, or a D-vector with rw_per_dim), or None where it is fixed at 1."""
-    return self._residual_weights()[0] if self.spec.rw else None
+  @property
+  def _pa_low_rank(self):
+    return self.spec.lr or self.spec.pa_h == 'low_rank'
 
-  def __call__(self, fx, x, history: Optional[Sequence[jax.Array]] = None, x_normed=None,
-               alpha_applied: bool = False):
+  def __call__(self, fx, x, history: Sequence[jax.Array] = (), x_normed=None, alpha_applied: bool = False):
+    """Pull form: x_{i+1} from f(x_i), x_i and history = (x_{i−1}, …, x_{i−k+1})."""
     s = self.spec
-    if not s.components:
-      return fx + x
-    alpha, beta = self._residual_weights() if s.rw else (None, None)
-    cast = lambda v: v.astype(x.dtype)
-    scale_b = (lambda b: b) if beta is None else (lambda b: b * cast(beta))  # β·(…B) = …(βB)
+    if self.chain:
+      raise ValueError('LaurelResidual(chain=True) is evaluated with push()')
+    alpha, beta = rw_weights(self.rw_w, s) if s.rw else (None, None)
+    if not s.pa:
+      return self._combine(fx, x, alpha, beta, self._lr_term(x, x_normed, beta), alpha_applied)
+    xs = [x] + list(history)  # xs[j] = x_{i−j}
+    if len(xs) != s.k:
+      raise ValueError(f'PA needs k-1={s.k - 1} previous activations, got {len(xs) - 1}')
+    # Per-j terms, never jnp.stack: autodiff would keep the stacked copy as well.
+    if s.lr:  # eq. 6: Σ_j γ_j·x_{i-j} A_j B_j; β·γ_j folded into B_j
+      g_rest = sum(self._pa_low_rank_term(x_j, j, beta) for j, x_j in enumerate(xs))
+    elif s.pa_h == 'low_rank':  # eq. 4, shared h_i: (Σ_j γ_j x_{i-j}) A (βB)
+      g_rest = self._pa_shared_h(sum(self._cast(self._gamma(j, None), x) * x_j for j, x_j in enumerate(xs)), beta)
+    else:  # eq. 4, identity h_i, β folded into γ
+      g_rest = sum(self._cast(self._gamma(j, beta), x) * x_j for j, x_j in enumerate(xs))
+    return self._combine(fx, x, alpha, beta, g_rest, alpha_applied)
 
-    g_rest = None  # the part of g that is not x_i: β applies to it through B or γ
-    if s.pa:
-      stack = [x] + list(history or [])
-      if len(stack) != s.k:
-        raise ValueError(f'PA needs k-1={s.k - 1} previous activations, got {len(stack) - 1}')
-      # Per-j terms, never jnp.stack: autodiff would keep the stacked copy on top of the carries it holds anyway.
-      gamma_K = cast(self.pa_gamma)
-      if beta is not None and not (s.lr or s.pa_h == 'low_rank') and not s.rw_per_dim:
-        gamma_K = gamma_K * cast(beta)
-      weighted_sum = lambda: sum(gamma_K[j] * x_j for j, x_j in enumerate(stack))
-      if s.lr:  # eq. 6: Σ_j γ_j·x_{i-j} A_j B_j, as one contraction over (j, r)
-        a_KxDxR = cast(self.pa_a)
-        xa_KxR = jnp.stack([x_j @ a_KxDxR[j] for j, x_j in enumerate(stack)], axis=-2)  # (..., k, r): small
-        g_rest = jnp.einsum('...kr,krd->...d', xa_KxR, scale_b(cast(self.pa_b) * gamma_K[:, None, None]))
-      elif s.pa_h == 'low_rank':  # eq. 4, shared h_i: (Σ_j γ_j x_{i-j}) A B
-        g_rest = weighted_sum() @ cast(self.pa_a) @ scale_b(cast(self.pa_b))
-      else:  # eq. 4, identity h_i
-        g_rest = weighted_sum()
-        if beta is not None and s.rw_per_dim:
-          g_rest = g_rest * cast(beta)
-    elif s.lr and s.form == 'gemma3n':  # Gemma 3n: x + norm(x) + RMSNorm(norm(x) A B), all over √2 below
-      lr_out = self.lr_norm(x_normed @ cast(self.lr_a) @ cast(self.lr_b)).astype(x.dtype)
-      g_rest = x_normed + lr_out if beta is None else (x_normed + lr_out) * cast(beta)
-    elif s.lr:  # eq. 3 / eq. 5
-      g_rest = x @ cast(self.lr_a) @ scale_b(cast(self.lr_b))
+  def push(self, fx, x, pending: Sequence[jax.Array] = (), rw=None, x_normed=None, alpha_applied: bool = False):
+    """Push form: returns (x_{i+1}, pending'). pending[m] holds what earlier sites sent to site i+m.
 
-    out = x if beta is None else cast(beta) * x
-    out = out + (fx if alpha is None or alpha_applied else cast(alpha) * fx)
+    `rw` = (α_i, β_K) from ChainRW with β_K[j] = β_{i+j}, under RW; pending has k−1 entries under PA.
+    """
+    s = self.spec
+    if not self.chain:
+      raise ValueError('push() needs LaurelResidual(chain=True)')
+    alpha, beta_K = rw if s.rw else (None, None)
+    beta = None if beta_K is None else beta_K[0]
+    if not s.pa:
+      return self._combine(fx, x, alpha, beta, self._lr_term(x, x_normed, beta), alpha_applied), ()
+    if len(pending) != s.k - 1:
+      raise ValueError(f'PA needs k-1={s.k - 1} pending sums, got {len(pending)}')
+    if s.lr:  # eq. 6, each term scaled by its receiver's β
+      sent = [self._pa_low_rank_term(x, j, None if beta_K is None else beta_K[j]) for j in range(s.k)]
+    elif s.pa_h == 'low_rank':  # the receiver applies its h (and β) to the sum
+      sent = [self._cast(self._gamma(j, None), x) * x for j in range(s.k)]
+    else:
+      sent = [self._cast(self._gamma(j, None if beta_K is None else beta_K[j]), x) * x for j in range(s.k)]
+    received = sent[0] + pending[0] if pending else sent[0]
+    pending = tuple(p + c for p, c in zip(pending[1:], sent[1:-1])) + tuple(sent[-1:]) if s.k > 1 else ()
+    # A shared h reads the whole received sum, so autodiff keeps it: one activation per site.
+    g_rest = self._pa_shared_h(received, beta) if s.pa_h == 'low_rank' and not s.lr else received
+    return self._combine(fx, x, alpha, beta, g_rest, alpha_applied), pending
+
+  def _cast(self, v, like):
+    return v.astype(like.dtype)
+
+  def _gamma(self, j, beta):
+    """γ_j (times β where given) in float32: a scalar, or a D-vector when β is per dimension."""
+    gamma = self.pa_gamma[j].astype(jnp.float32)
+    return gamma if beta is None else gamma * beta
+
+  def _pa_low_rank_term(self, x_j, j, beta):
+    """γ_j·x_j A_j B_j (eq. 6), with γ_j and β folded into B_j so no activation is scaled."""
+    b_scale = self._gamma(j, beta)
+    b = self.pa_b[j] * (b_scale if b_scale.ndim == 0 else b_scale[None, :])
+    return x_j @ self._cast(self.pa_a[j], x_j) @ self._cast(b, x_j)
+
+  def _pa_shared_h(self, sum_x, beta):
+    b = self.pa_b if beta is None else self.pa_b * beta
+    return sum_x @ self._cast(self.pa_a, sum_x) @ self._cast(b, sum_x)
+
+  def _lr_term(self, x, x_normed, beta):
+    """The part of g besides x_i without PA: eq. 3/5's x A (βB), or Gemma 3n's norm(x) + RMSNorm(norm(x) A B)."""
+    s = self.spec
+    if s.lr and s.form == 'gemma3n':
+      lr_out = self.lr_norm(x_normed @ self._cast(self.lr_a, x) @ self._cast(self.lr_b, x)).astype(x.dtype)
+      return x_normed + lr_out if beta is None else (x_normed + lr_out) * self._cast(beta, x)
+    if s.lr:
+      b = self.lr_b if beta is None else self.lr_b * beta
+      return x @ self._cast(self.lr_a, x) @ self._cast(b, x)
+    return None
+
+  def _combine(self, fx, x, alpha, beta, g_rest, alpha_applied):
+    """β·x_i + α·f(x_i) + the rest of g (which carries its own β), with Gemma 3n's 1/√2."""
+    out = x if beta is None else self._cast(beta, x) * x
+    out = out + (fx if alpha is None or alpha_applied else self._cast(alpha, x) * fx)
     if g_rest is not None:
-      out = out + g_rest
-    if s.form == 'gemma3n':
+      out = out + g_rest.astype(x.dtype)
+    if self.spec.form == 'gemma3n':
       out = out * (1.0 / math.sqrt(2.0))
     return nn.with_logical_constraint(out, self.axes)
-
-  def _residual_weights(self):
-    """§2.1: α, β = rw_scale·softmax(w) or rw_scale·(σ(w), σ(−w)), in float32."""
-    s = self.spec
-    w = self.rw_w.astype(jnp.float32)
-    if s.rw_norm == 'softmax':
-      ab = s.rw_scale * jax.nn.softmax(w, axis=0)
-      return ab[0], ab[1]
-    return s.rw_scale * jax.nn.sigmoid(w), s.rw_scale * jax.nn.sigmoid(-w)

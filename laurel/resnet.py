@@ -71,7 +71,7 @@ class ResNetConfig:
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'ResNetConfig':
     """Validates `config.model`; errors name the field and the value."""
     values = config_lib.known_fields(cls, model_cfg, field)
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    is_int = config_lib.is_int
     for name in ('dtype', 'param_dtype'):
       if name in values and values[name] not in DTYPES:
         raise ValueError(f'{field}.{name}={values[name]!r}: must be one of {", ".join(DTYPES)}')
@@ -83,10 +83,10 @@ class ResNetConfig:
       if not (isinstance(stages, (list, tuple)) and stages and all(is_int(n) and n >= 1 for n in stages)):
         raise ValueError(f'{field}.stage_sizes={stages!r}: must be a non-empty sequence of positive integers')
       values['stage_sizes'] = tuple(stages)
-    if 'bn_momentum' in values and not (isinstance(values['bn_momentum'], (int, float))
+    if 'bn_momentum' in values and not (config_lib.is_number(values['bn_momentum'])
                                         and 0 <= values['bn_momentum'] < 1):
       raise ValueError(f'{field}.bn_momentum={values["bn_momentum"]!r}: must be a number in [0, 1)')
-    if 'bn_epsilon' in values and not (isinstance(values['bn_epsilon'], (int, float)) and values['bn_epsilon'] > 0):
+    if 'bn_epsilon' in values and not (config_lib.is_number(values['bn_epsilon']) and values['bn_epsilon'] > 0):
       raise ValueError(f'{field}.bn_epsilon={values["bn_epsilon"]!r}: must be a positive number')
     if 'zero_init_last_bn' in values and not isinstance(values['zero_init_last_bn'], bool):
       raise ValueError(f'{field}.zero_init_last_bn={values["zero_init_last_bn"]!r}: must be a bool')

@@ -9,6 +9,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from laurel import config_lib
+
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 
@@ -17,7 +19,7 @@ def mesh_shape(mesh_cfg, num_devices: int, field: str = 'mesh') -> tuple[int, ..
   """Resolves -1 and checks the mesh fits the devices; one-line ValueError otherwise."""
   sizes = [mesh_cfg[a] for a in MESH_AXES]
   for axis, size in zip(MESH_AXES, sizes):
-    if not isinstance(size, int) or (size < 1 and size != -1):
+    if not config_lib.is_int(size) or (size < 1 and size != -1):
       raise ValueError(f'{field}.{axis}={size!r}: must be a positive integer or -1')
   if sizes.count(-1) > 1:
     raise ValueError(f'{field}: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}')

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from laurel import sharding, tasks
+from laurel import config_lib, sharding, tasks
 
 # Dense bf16 peak FLOP/s per chip, for MFU; devices not listed report no MFU (e.g. CPU).
 PEAK_FLOPS = {'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12, 'TPU v5': 459e12,
@@ -59,8 +59,10 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   for field in ('steps', 'batch_size', 'log_every', 'eval_every', 'eval_steps', 'checkpoint_every',
                 'keep_checkpoints', 'optimizer.grad_accum_steps'):
     value = _get(config, field)
-    need(isinstance(value, int) and value >= 1, field, 'must be a positive integer')
+    need(config_lib.is_int(value) and value >= 1, field, 'must be a positive integer')
   o = config.optimizer
+  for field in ('learning_rate', 'warmup_steps', 'min_lr_ratio', 'weight_decay', 'grad_clip'):
+    need(config_lib.is_number(o[field]), f'optimizer.{field}', 'must be a number')
   need(o.learning_rate > 0, 'optimizer.learning_rate', 'must be positive')
   need(0 <= o.warmup_steps, 'optimizer.warmup_steps', 'must be >= 0')
   need(0 <= o.min_lr_ratio <= 1, 'optimizer.min_lr_ratio', 'must be in [0, 1]')
@@ -77,7 +79,7 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   need(micro % (data * fsdp) == 0, 'batch_size',
        f'each micro-batch ({micro}) must divide over the data-parallel size data*fsdp={data * fsdp}')
   need(config.batch_size % process_count == 0, 'batch_size', f'must divide over {process_count} processes')
-  need(isinstance(config.data_shards, int) and config.data_shards >= 0 and config.data_shards % process_count == 0,
+  need(config_lib.is_int(config.data_shards) and config.data_shards >= 0 and config.data_shards % process_count == 0,
        'data_shards', f'must be 0 (one per process) or a multiple of the {process_count} processes')
   need(config.batch_size % max(config.data_shards, 1) == 0, 'batch_size',
        f'must divide over data_shards={config.data_shards}')

@@ -10,6 +10,7 @@ the rows interleaved in one process, which is the measurement to quote for overh
 """
 
 import csv
+import hashlib
 import json
 import os
 import pathlib
@@ -21,6 +22,7 @@ from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 from configs import c4_ablation  # noqa: E402
 
 ROWS = list(c4_ablation.ROWS)
@@ -46,14 +48,24 @@ def run_point(row, seed, workdir):
 
 
 def compiled_peak_memory(row, workdir: pathlib.Path) -> int:
-  """Peak bytes of the row's compiled train step (cached in the row's directory): one definition for every
-  row, whenever and with whichever code version its training run happened."""
+  """Peak bytes of the row's compiled train step with today's code: one definition for every row, whichever
+  code version its training run happened with. Cached in the row's directory, keyed by laurel/'s source and --set."""
+  sources = b''.join(p.read_bytes() for p in sorted((ROOT / 'laurel').glob('*.py')))
+  code = hashlib.sha256(sources + repr(_SET.value).encode()).hexdigest()
   cache = workdir / row / 'compiled_memory.json'
-  if not cache.exists():
+  if not cache.exists() or json.loads(cache.read_text()).get('code') != code:
     from laurel import train  # pylint: disable=g-import-not-at-top
     config = c4_ablation.get_config(f'{row},preset={_PRESET.value}')
-    cache.write_text(json.dumps({'peak_memory_bytes': train.compiled_peak_memory(config)}) + '\n')
+    for assignment in _SET.value:
+      common.set_field(config, *common.parse_assignment(assignment))
+    cache.write_text(json.dumps({'code': code, 'peak_memory_bytes': train.compiled_peak_memory(config)}) + '\n')
   return json.loads(cache.read_text())['peak_memory_bytes']
+
+
+def _median(values):
+  """Median of the runs that timed any step (a run resumed at its last step times none), else None."""
+  values = [v for v in values if v is not None]
+  return float(np.median(values)) if values else None
 
 
 def collect(workdir: pathlib.Path):
@@ -69,20 +81,20 @@ def collect(workdir: pathlib.Path):
                  'test_loss': float(losses.mean()), 'test_loss_std': float(losses.std(ddof=1)) if len(losses) > 1 else 0.0,
                  'test_losses': by_seed[row],
                  'peak_memory_gb': compiled_peak_memory(row, workdir) / 1e9,
-                 'step_time_s': float(np.median([f['avg_step_time_s'] for f in finals])),
+                 'step_time_s': _median([f['avg_step_time_s'] for f in finals]),
                  'paper_params_m': PAPER[row][0], 'paper_test_loss': PAPER[row][1],
                  'paper_peak_memory_gb': PAPER[row][2], 'paper_step_time_s': PAPER[row][3]})
   base = next((r for r in rows if r['name'] == 'baseline_24'), None)
   for r in rows:
     for key in ('params_m', 'test_loss', 'peak_memory_gb', 'step_time_s'):
-      r[f'{key}_ratio'] = r[key] / base[key] if base else None
+      r[f'{key}_ratio'] = r[key] / base[key] if base and None not in (r[key], base[key]) else None
       r[f'paper_{key}_ratio'] = r[f'paper_{key}'] / PAPER['baseline_24'][('params_m', 'test_loss', 'peak_memory_gb',
                                                                            'step_time_s').index(key)]
     # Seed noise dwarfs the differences between rows, so compare each row with Baseline-24 on the same seeds.
-    common = sorted(set(by_seed[r['name']]) & set(by_seed.get('baseline_24', {})))
-    r['test_loss_ratio'] = (float(np.mean([by_seed[r['name']][s] / by_seed['baseline_24'][s] for s in common]))
-                            if common else None)
-    r['paired_seeds'] = len(common)
+    shared = sorted(set(by_seed[r['name']]) & set(by_seed.get('baseline_24', {})))
+    r['test_loss_ratio'] = (float(np.mean([by_seed[r['name']][s] / by_seed['baseline_24'][s] for s in shared]))
+                            if shared else None)
+    r['paired_seeds'] = len(shared)
   return rows
 
 
@@ -94,14 +106,14 @@ def write_tables(rows, out: pathlib.Path, stem: str, command: str):
     w = csv.DictWriter(f, keys, extrasaction='ignore')
     w.writeheader()
     w.writerows(rows)
-  ratio = lambda v: '—' if v is None else f'{v:.3f}'
+  ratio = lambda v: '—' if v is None else f'{v:.3f}'  # also step times: a run resumed at its end has none
   lines = [f'Command: `{command}`', '',
            '| row | seeds | params (M) | test loss | peak mem (GB) | step (s) | params × | loss × | mem × | step × '
            '| paper params (M) | paper loss | paper mem × | paper step × |',
            '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     lines.append(f"| {r['name']} | {r['seeds']} | {r['params_m']:.3f} | {r['test_loss']:.4f} ± {r['test_loss_std']:.4f} "
-                 f"| {r['peak_memory_gb']:.4f} | {r['step_time_s']:.3f} | {ratio(r['params_m_ratio'])} "
+                 f"| {r['peak_memory_gb']:.4f} | {ratio(r['step_time_s'])} | {ratio(r['params_m_ratio'])} "
                  f"| {ratio(r['test_loss_ratio'])} | {ratio(r['peak_memory_gb_ratio'])} | {ratio(r['step_time_s_ratio'])} "
                  f"| {r['paper_params_m']:.2f} | {r['paper_test_loss']:.4f} | {r['paper_peak_memory_gb_ratio']:.3f} "
                  f"| {r['paper_step_time_s_ratio']:.3f} |")

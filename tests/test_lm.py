@@ -16,6 +16,7 @@ from configs import c4_ablation
 from laurel import config_lib
 from laurel.lm import LM, LMConfig
 from laurel.residual import LaurelResidual, LaurelSpec, closed_form_params
+from reference import np_reference, np_rmsnorm, np_rw, pull_params
 
 VOCAB, D, HEADS, FF, LAYERS, LEN, BATCH, RANK = 32, 16, 2, 32, 2, 8, 4, 4
 
@@ -168,50 +169,54 @@ def test_segment_ids_isolate_packed_documents_learned_positions_BxL(cfg):
 
 
 # ---------------------------------------------------------------------------------------------------
-# What each LAuReL site receives: x_i, the history x_{i-1}, …, x_{i-k+1}, and (Gemma 3n) the normed input.
+# What each LAuReL site computes: the paper's pull form of eqs. 2–6 over the LM's own activations.
 
 def _site_calls(cfg, params, tokens_BxL):
-  """(name, fx, x, history, x_normed, out) of every LAuReL site call, in network order."""
+  """(name, fx, x, x_normed, out) of every LAuReL site call, in network order."""
   calls = []
 
   def record(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
-    if isinstance(context.module, LaurelResidual) and context.method_name == '__call__':
-      fx, x, history, xn = args
-      calls.append((context.module.name, np.asarray(fx), np.asarray(x), [np.asarray(h) for h in history],
-                    np.asarray(xn), np.asarray(out)))
+    if isinstance(context.module, LaurelResidual) and context.method_name == 'push':
+      fx, x, _, _, xn = args
+      calls.append((context.module.name, np.asarray(fx), np.asarray(x), np.asarray(xn), np.asarray(out[0])))
     return out
   with nn.intercept_methods(record):
     LM(cfg).apply({'params': params}, tokens_BxL)
   return calls
 
 
-def _np_rmsnorm(y, scale):
-  return y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + 1e-6) * scale
-
-
 SITE_CASES = [('rw_lr_pa_block', 'pre'), ('rw_lr_pa_sublayer', 'pre'), ('lr_pa_sublayer', 'pre'),
-              ('pa_low_rank_sublayer', 'post'), ('gemma3n_sublayer', 'pre'), ('gemma3n_sublayer', 'post')]
+              ('pa_low_rank_sublayer', 'post'), ('pa_identity', 'pre'), ('rw_sigmoid_per_dim', 'post'),
+              ('gemma3n_sublayer', 'pre'), ('gemma3n_sublayer', 'post')]
 
 
 @pytest.mark.parametrize('name,norm_position', SITE_CASES, ids=[f'{n}-{p}' for n, p in SITE_CASES])
-def test_sites_receive_previous_activations_BxLxD(name, norm_position):
+def test_sites_follow_the_paper_equations_BxLxD(name, norm_position):
+  # Each site's output against a NumPy evaluation of eqs. 2–6 with x_{i−1}, …, x_{i−k+1} taken from the
+  # inputs of the sites before it (zeros before the first), and the sender-indexed PA params mapped back.
   cfg = dataclasses.replace(BY_ID[name], norm_position=norm_position)
   params = _random_params(cfg, 13)
   calls = _site_calls(cfg, params, _tokens(14))
   per_block = ['laurel'] if cfg.laurel.site == 'block' else ['laurel_attn', 'laurel_mlp']
   assert [c[0] for c in calls] == per_block * cfg.num_layers and len(calls) == cfg.num_sites
+  site_params = [params[f'layers_{i // len(per_block)}'].get(n, {}) for i, n in enumerate(per_block * cfg.num_layers)]
+  rw_w_S = np.asarray(params['laurel_rw']['rw_w']) if cfg.laurel.rw else None
   xs = [c[2] for c in calls]  # x_i, the input of site i
-  for i, (_, fx, x, history, xn, out) in enumerate(calls):
-    assert len(history) == cfg.laurel.history_len
-    for j, h in enumerate(history, start=1):  # history[j-1] = x_{i-j}, zeros before the first site
-      np.testing.assert_array_equal(h, xs[i - j] if i >= j else np.zeros_like(x), err_msg=f'site {i}, j={j}')
+  for i, (site, fx, x, xn, out) in enumerate(calls):
+    p = pull_params(cfg.laurel, site_params, i)
+    if cfg.laurel.rw:  # the LM folds α into f's last projection: the site receives α·f(x_i)
+      p['rw_w'] = rw_w_S[i]
+      fx = fx / np_rw(cfg.laurel, rw_w_S[i])[0]
+    history = [xs[i - j] if i >= j else np.zeros_like(x) for j in range(1, cfg.laurel.history_len + 1)]
+    np.testing.assert_allclose(out, np_reference(cfg.laurel, p, fx, x, history, xn), rtol=2e-5, atol=2e-5,
+                               err_msg=f'site {i}')
     if norm_position == 'pre' and i > 0:  # pre-norm: a site's output is the next site's input
-      np.testing.assert_array_equal(x, calls[i - 1][5])
+      np.testing.assert_array_equal(x, calls[i - 1][4])
     if cfg.laurel.form == 'gemma3n':  # the normed input f read: RMSNorm(x) pre-norm, x itself post-norm
       layer = params[f'layers_{i // len(per_block)}']
-      norm = 'norm_attn' if calls[i][0] in ('laurel', 'laurel_attn') else 'norm_mlp'
-      want = _np_rmsnorm(x, np.asarray(layer[norm]['scale'])) if norm_position == 'pre' else x
+      norm = 'norm_attn' if site in ('laurel', 'laurel_attn') else 'norm_mlp'
+      want = np_rmsnorm(x, np.asarray(layer[norm]['scale'])) if norm_position == 'pre' else x
       np.testing.assert_allclose(xn, want, rtol=1e-5, atol=1e-5)
 
 
@@ -245,12 +250,6 @@ def test_remat_gives_same_logits_BxLxV(remat):
 # ---------------------------------------------------------------------------------------------------
 # Initial equivalence and gradients.
 
-def _site_init(spec):
-  """One LAuReL site's initial params, from LaurelResidual.init."""
-  x = jnp.zeros((1, 1, D))
-  return nn.unbox(LaurelResidual(spec, x.shape[-1]).init(jax.random.key(0), x, x, [x] * spec.history_len, x)['params'])
-
-
 PAPER_FORM_CASES = [(n, 'pre') for n in ('rw', 'rw_sigmoid_per_dim', 'lr', 'pa_identity', 'pa_low_rank_sublayer',
                                           'rw_lr', 'rw_lr_pa_block', 'rw_lr_pa_sublayer', 'lr_pa_sublayer')]
 PAPER_FORM_CASES += [(n, 'post') for n in ('rw', 'rw_lr_pa_block', 'rw_lr_pa_sublayer')]
@@ -262,12 +261,11 @@ def test_paper_form_lm_starts_as_baseline_BxLxV(name, norm_position):
   cfg = dataclasses.replace(BY_ID[name], norm_position=norm_position)
   base_cfg = dataclasses.replace(cfg, laurel=LaurelSpec())
   base = _random_params(base_cfg, 7)
-  params = {k: dict(v) if k.startswith('layers_') else v for k, v in base.items()}
-  names = ['laurel'] if cfg.laurel.site == 'block' else ['laurel_attn', 'laurel_mlp']
-  for i in range(cfg.num_layers):
-    for name in names:
-      params[f'layers_{i}'][name] = _site_init(cfg.laurel)
+  init = nn.unbox(LM(cfg).init(jax.random.key(0), _tokens(8))['params'])
+  graft = lambda b, i: {k: graft(b[k], v) if k in b and isinstance(v, dict) else b.get(k, v) for k, v in i.items()}
+  params = graft(base, init)  # the baseline's weights, plus the LAuReL params at their init
   _same_tree(params, nn.unbox(_boxed_shapes(cfg)))
+  assert _count(params) - _count(base) == _count(_laurel_leaves(params)) > 0
   tokens_BxL = _tokens(8)
   np.testing.assert_allclose(_logits(cfg, params, tokens_BxL), _logits(base_cfg, base, tokens_BxL),
                              rtol=1e-5, atol=1e-5)
@@ -298,9 +296,34 @@ def test_gradients_reach_every_laurel_param(cfg):
     assert np.all(np.isfinite(g)), path
     assert np.any(g != 0), path
   if cfg.laurel.pa and cfg.laurel.site == 'block':
-    # The network has no x_{-1}: the first site's history is zeros, so its γ_{0,j≥1} get no gradient.
-    key = "['layers_0']['laurel']['pa_gamma']"
+    # PA's params are indexed by the sending site: the last site's terms for sites past the end (j ≥ 1)
+    # reach nothing and get no gradient.
+    key = f"['layers_{cfg.num_layers - 1}']['laurel']['pa_gamma']"
     assert np.all(np.asarray(grads[key])[1:] == 0) and np.asarray(grads[key])[0] != 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory: what a scanned, rematerialised LM keeps per layer for its backward pass.
+
+def _scan_bytes_per_layer(variant):
+  """Temp bytes per extra layer of the compiled loss gradient (6 vs 3 scanned layers, dots_no_batch remat)."""
+  temp = []
+  for layers in (3, 6):
+    cfg = _cfg(variant, k=3, num_layers=layers, d_model=32, d_ff=64, scan_layers=True, remat='dots_no_batch')
+    params = jax.eval_shape(lambda cfg=cfg: LM(cfg).init(jax.random.key(0), jnp.zeros((1, LEN), jnp.int32)))
+    tokens = jax.ShapeDtypeStruct((2, 65), jnp.int32)
+    grad_fn = jax.jit(jax.grad(lambda p, t, cfg=cfg: _xent(cfg, p, t)))
+    temp.append(grad_fn.lower(nn.unbox(params['params']), tokens).compile().memory_analysis().temp_size_in_bytes)
+  return (temp[1] - temp[0]) / 3
+
+
+def test_pa_keeps_no_extra_activation_per_scanned_layer():
+  # The paper's form of PA reads x_{i−1}, x_{i−2} at layer i, so a layer scan would keep two more (B, L, D)
+  # activations per layer; the push form keeps only small (B, L, r) ones. One activation here: 2·64·32·4 bytes.
+  activation = 2 * 64 * 32 * 4
+  base = _scan_bytes_per_layer('none')
+  assert base > 3 * activation  # the measure sees activations at all
+  assert _scan_bytes_per_layer('rw+lr+pa') - base < activation / 2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -500,10 +523,16 @@ def test_from_config_rejects_bad_model(model, message):
   assert message in str(info.value)
 
 
-def test_from_config_accepts_plain_dict():
+@pytest.mark.parametrize('field,value,message', [
+    ('laurel.rank', 4.5, r'model\.laurel\.rank=4\.5'), ('num_layers', True, r'model\.num_layers=True'),
+    ('tie_embeddings', 1, r'model\.tie_embeddings=1: must be a bool'),
+    ('scan_layers', 'no', r"model\.scan_layers='no': must be a bool"),
+    ('rope_base', '1e4', r"model\.rope_base='1e4'")])
+def test_from_config_names_bad_types_in_plain_dicts(field, value, message):
+  # Types a locked ConfigDict would refuse; from_config still names them.
   m = _model_cfg().to_dict()
-  m['laurel']['rank'] = 4.5  # a type a locked ConfigDict would refuse; from_config still names it
-  with pytest.raises(ValueError, match=r'model\.laurel\.rank=4\.5'):
+  node, leaf = (m['laurel'], 'rank') if field == 'laurel.rank' else (m, field)
+  node[leaf] = value
+  with pytest.raises(ValueError, match=message):
     LMConfig.from_config(m)
-  m['laurel']['rank'] = 8
-  assert LMConfig.from_config(m).laurel == LaurelSpec(variant='rw+lr', rank=8, k=3)
+  assert LMConfig.from_config(_model_cfg().to_dict()).laurel == LaurelSpec(variant='rw+lr', rank=8, k=3)

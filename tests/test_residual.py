@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laurel.residual import LaurelResidual, LaurelSpec, closed_form_params, column_orthogonal_init
+from laurel.residual import ChainRW, LaurelResidual, LaurelSpec, closed_form_params, column_orthogonal_init
+from reference import np_chain_reference, np_reference
 
 D, RANK, BATCH, LEN = 16, 4, 2, 3
 
@@ -86,64 +87,6 @@ def _num_params(params):
 
 
 # ---------------------------------------------------------------------------------------------------
-# NumPy references, from the paper's equations.
-
-def _np_softmax(w, axis=0):
-  e = np.exp(w - w.max(axis=axis, keepdims=True))
-  return e / e.sum(axis=axis, keepdims=True)
-
-
-def _np_sigmoid(w):
-  return 1.0 / (1.0 + np.exp(-w))
-
-
-def _np_rmsnorm(y, scale, eps=1e-6):
-  # flax.linen.RMSNorm: y * rsqrt(mean(y², -1) + epsilon) * scale, epsilon = 1e-6 by default.
-  return y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps) * scale
-
-
-def _np_reference(spec, params, fx, x, history, xn):
-  """x_{i+1} = α·f(x_i) + g(x_i, …, x_{i−k+1}) evaluated in float64, one equation at a time."""
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), nn.unbox(params))
-  fx, x, xn = (np.asarray(a, np.float64) for a in (fx, x, xn))
-  xs = [x] + [np.asarray(h, np.float64) for h in history]  # xs[j] = x_{i-j}
-  comps = set() if spec.variant == 'none' else set(spec.variant.split('+'))
-
-  if not comps:  # eq. 1
-    return fx + x
-
-  # §2.1: α, β = rw_scale·softmax(w) or rw_scale·σ(w), rw_scale·σ(−w); §2.4: D-vectors if per-dim.
-  alpha = beta = 1.0
-  if 'rw' in comps:
-    w = p['rw_w']
-    if spec.rw_norm == 'softmax':
-      ab = spec.rw_scale * _np_softmax(w, axis=0)
-      alpha, beta = ab[0], ab[1]
-    else:
-      alpha, beta = spec.rw_scale * _np_sigmoid(w), spec.rw_scale * _np_sigmoid(-w)
-
-  if spec.form == 'gemma3n':  # Gemma 3n: (α f + β (x + xn + RMSNorm(xn A B))) / √2
-    low_rank = xn @ p['lr_a'] @ p['lr_b']
-    inner = x + xn + _np_rmsnorm(low_rank, p['lr_norm']['scale'])
-    return (alpha * fx + beta * inner) / math.sqrt(2.0)
-
-  inner = x.copy()
-  if 'lr' in comps and 'pa' not in comps:  # eq. 3 (β = 1) and eq. 5: x + B A x, i.e. x + x @ A @ B
-    inner = inner + x @ p['lr_a'] @ p['lr_b']
-  if 'pa' in comps:  # eq. 4: x_i + Σ_j γ_j h(x_{i−j}); eq. 6: h_j = A_j B_j
-    gamma = p['pa_gamma']
-    for j in range(spec.k):
-      if 'lr' in comps:
-        h = xs[j] @ p['pa_a'][j] @ p['pa_b'][j]
-      elif spec.pa_h == 'low_rank':
-        h = xs[j] @ p['pa_a'] @ p['pa_b']
-      else:
-        h = xs[j]
-      inner = inner + gamma[j] * h
-  return alpha * fx + beta * inner
-
-
-# ---------------------------------------------------------------------------------------------------
 # Forward values.
 
 @pytest.mark.parametrize('spec', [s for _, s in VARIANTS], ids=[i for i, _ in VARIANTS])
@@ -152,7 +95,7 @@ def test_matches_numpy_reference_random_weights_BxLxD(spec):
   fx, x, history, xn = _inputs(spec, seed=2)
   out_BxLxD = _apply(spec, params, fx, x, history, xn)
   assert out_BxLxD.shape == (BATCH, LEN, D) and out_BxLxD.dtype == np.float32
-  np.testing.assert_allclose(out_BxLxD, _np_reference(spec, params, fx, x, history, xn), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out_BxLxD, np_reference(spec, params, fx, x, history, xn), rtol=1e-5, atol=1e-5)
   if spec.variant != 'none':  # the random parameters really are used
     assert not np.allclose(out_BxLxD, fx + x, atol=1e-3)
 
@@ -182,6 +125,70 @@ def test_pa_needs_k_minus_1_previous_activations():
   params = _init(spec)
   with pytest.raises(ValueError, match='k-1=2'):
     LaurelResidual(spec, x.shape[-1]).apply({'params': params}, fx, x, history[:1], xn)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The push form: a chain of sites, as the LM's layer scan evaluates them.
+
+CHAIN_SITES = 5
+
+
+class _Chain(nn.Module):
+  """x_{i+1} = LAuReL(tanh(x_i W_i), x_i, …) for i < len(ws), through ChainRW and LaurelResidual.push."""
+  spec: LaurelSpec
+
+  @nn.compact
+  def __call__(self, x, ws):
+    s = self.spec
+    rw = ChainRW(s, len(ws), x.shape[-1], name='rw')() if s.rw else None
+    pending = tuple(jnp.zeros_like(x) for _ in range(s.history_len))
+    outs = []
+    for i, w in enumerate(ws):
+      site_rw = None if rw is None else (rw[0][i], rw[1][i])
+      x, pending = LaurelResidual(s, x.shape[-1], chain=True, name=f'site{i}').push(
+          jnp.tanh(x @ w), x, pending, site_rw, 0.5 * x)
+      outs.append(x)
+    return outs
+
+
+@pytest.mark.parametrize('spec', [s for _, s in VARIANTS], ids=[i for i, _ in VARIANTS])
+def test_push_chain_matches_the_paper_equations_BxLxD(spec):
+  # Every site of a 5-site chain against eqs. 2–6 evaluated site by site in NumPy (the pull form, with the
+  # earlier x_j at hand), after mapping the sender-indexed PA params to the paper's receiver-indexed ones.
+  rng = np.random.default_rng(7)
+  ws = [jnp.asarray(rng.normal(0, 0.5, (D, D)), jnp.float32) for _ in range(CHAIN_SITES)]
+  x0 = jnp.asarray(rng.normal(size=(BATCH, LEN, D)), jnp.float32)
+  chain = _Chain(spec)
+  params = chain.init(jax.random.key(0), x0, ws).get('params', {})
+  assert _num_params(params) == CHAIN_SITES * closed_form_params(spec, D)
+  params = _perturb(params, seed=8)
+  outs = chain.apply({'params': params}, x0, ws)
+  sent = [params.get(f'site{i}', {}) for i in range(CHAIN_SITES)]
+  rw_w_S = params['rw']['rw_w'] if spec.rw else None
+  fx_fns = [lambda x, w=np.asarray(w, np.float64): np.tanh(x @ w) for w in ws]
+  want = np_chain_reference(spec, sent, rw_w_S, fx_fns, x0, xn_fn=lambda x: 0.5 * x)
+  for i, (got, ref) in enumerate(zip(outs, want)):
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4, err_msg=f'site {i}')
+
+
+def test_chain_rw_receiver_betas_pinned_SxK():
+  # β_SxK[i, j] = β_{i+j}, zero past the last site; α, β from each site's own w (§2.1).
+  spec = _spec('rw+pa', k=3)
+  w_Sx2 = jnp.asarray([[math.log(3.0), 0.0], [0.0, 0.0], [0.0, math.log(3.0)]], jnp.float32)
+  alpha_S, beta_SxK = ChainRW(spec, 3, D).apply({'params': {'rw_w': w_Sx2}})
+  np.testing.assert_allclose(alpha_S, [1.5, 1.0, 0.5], rtol=1e-6)
+  np.testing.assert_allclose(beta_SxK, [[0.5, 1.0, 1.5], [1.0, 1.5, 0.0], [1.5, 0.0, 0.0]], rtol=1e-6)
+
+
+def test_push_and_pull_refuse_the_other_form():
+  spec = _spec('pa', k=2)
+  fx, x, history, xn = _inputs(spec, seed=0)
+  with pytest.raises(ValueError, match='push'):
+    LaurelResidual(spec, D, chain=True).init(jax.random.key(0), fx, x, history, xn)
+  with pytest.raises(ValueError, match='chain=True'):
+    LaurelResidual(spec, D).init(jax.random.key(0), fx, x, history, method='push')
+  with pytest.raises(ValueError, match='k-1=1 pending'):
+    LaurelResidual(spec, D, chain=True).init(jax.random.key(0), fx, x, (), method='push')
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -321,6 +328,10 @@ BAD_SPECS = [
     ('rank_negative', dict(variant='rw+lr', rank=-3), 'rank', '-3'),
     ('rank_above_d', dict(variant='lr', rank=D + 1), 'rank', str(D + 1)),
     ('rank_float', dict(variant='lr', rank=4.0), 'rank', '4.0'),
+    ('rank_bool', dict(variant='lr', rank=True), 'rank', 'True'),
+    ('k_bool', dict(variant='pa', k=True), 'k', 'True'),
+    ('rw_per_dim_string', dict(variant='rw', rw_per_dim='yes'), 'rw_per_dim', "'yes'"),
+    ('rw_scale_bool', dict(variant='rw', rw_scale=True), 'rw_scale', 'True'),
     ('rank_0_low_rank_pa', dict(variant='pa', pa_h='low_rank', rank=0), 'rank', '0'),
     ('rank_above_d_eq6', dict(variant='rw+lr+pa', k=2, rank=D + 1), 'rank', str(D + 1)),
     ('k_0', dict(variant='pa', k=0), 'k', '0'),

@@ -1,4 +1,5 @@
-"""scripts/: launch_tpu's exact gcloud commands, sweep (print, and a tiny local sweep end to end), benchmark."""
+"""scripts/: launch_tpu's exact gcloud commands, sweep (print, and a tiny local sweep end to end), the tiny ablation,
+benchmark."""
 import csv
 import importlib.metadata
 import json
@@ -145,6 +146,28 @@ def test_local_sweep_end_to_end_and_resumable(tmp_path):
   assert [float(r['eval_loss']) for r in rows] == pytest.approx(losses)
   r = script('sweep.py', *args)
   assert r.stdout.count('finished, skipped') == 2 and 'laurel.main' not in r.stdout
+
+
+def test_reproduce_c4_ablation_end_to_end_and_resumable(tmp_path):
+  out, runs = tmp_path / 'results', tmp_path / 'runs'
+  args = ['--rows=baseline_24,rw', '--seeds=1', f'--out={out}', f'--workdir={runs}',
+          *sets({k: v for k, v in TINY_SETS.items() if k != 'model.num_layers'})]
+  r = script('reproduce_c4_ablation.py', *args)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert r.stdout.count('+ ') == 2  # one training run per (row, seed)
+  for suffix in ('md', 'csv', 'json', 'png'):
+    assert (out / f'c4_ablation_tiny.{suffix}').exists(), suffix
+  rows = {row['name']: row for row in json.loads((out / 'c4_ablation_tiny.json').read_text())['rows']}
+  assert list(rows) == ['baseline_24', 'rw'] and rows['rw']['params_m'] > rows['baseline_24']['params_m']
+  assert rows['baseline_24']['test_loss_ratio'] == 1.0 and rows['rw']['peak_memory_gb'] > 0
+
+  # Rerun: the finished row is skipped; the one without final.json resumes from its last checkpoint.
+  (runs / 'rw' / 'seed0' / 'final.json').unlink()
+  r = script('reproduce_c4_ablation.py', *args)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert r.stdout.count('+ ') == 1 and 'rw,preset=tiny' in r.stdout
+  assert json.loads((out / 'c4_ablation_tiny.json').read_text())['rows'][1]['test_loss'] == pytest.approx(
+      rows['rw']['test_loss'])
 
 
 def test_benchmark_tiny_writes_every_key(tmp_path):

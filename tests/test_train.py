@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -119,6 +120,20 @@ BAD_INPUTS = [
     ({'batch_size': 12, 'mesh.data': 8}, 'batch_size=12'),
     ({'mesh.tensor': 3}, 'mesh='),
 ]
+
+
+@pytest.mark.parametrize('field,value', [('optimizer.learning_rate', '3e-4'), ('optimizer.grad_clip', None),
+                                         ('steps', True), ('data_shards', 1.0)])
+def test_validate_config_names_wrong_types(field, value):
+  # Types the command line would refuse but a config built in Python can carry: a one-line ValueError.
+  config = load_config(SPEC, TINY_LM).to_dict()
+  *parents, leaf = field.split('.')
+  node = config
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(ValueError, match=f'^{field}={value!r}: '):
+    train.validate_config(ml_collections.ConfigDict(config))
 
 
 @pytest.fixture(scope='module')
