@@ -255,7 +255,7 @@ class LaurelResidual(nn.Module):
       raise ValueError(f'PA needs k-1={s.k - 1} previous activations, got {len(xs) - 1}')
     # Per-j terms, never jnp.stack: autodiff would keep the stacked copy as well.
     if s.lr:  # eq. 6: Σ_j γ_j·x_{i-j} A_j B_j; β·γ_j folded into B_j
-      g_rest = sum(self._pa_low_rank_term(x_j, j, beta) for j, x_j in enumerate(xs))
+      g_rest = sum(x_j @ self._cast(self.pa_a[j], x) @ self._pa_b(j, beta, x) for j, x_j in enumerate(xs))
     elif s.pa_h == 'low_rank':  # eq. 4, shared h_i: (Σ_j γ_j x_{i-j}) A (βB)
       g_rest = self._pa_shared_h(sum(self._cast(self._gamma(j, None), x) * x_j for j, x_j in enumerate(xs)), beta)
     else:  # eq. 4, identity h_i, β folded into γ
@@ -276,8 +276,9 @@ class LaurelResidual(nn.Module):
       return self._combine(fx, x, alpha, beta, self._lr_term(x, x_normed, beta), alpha_applied), ()
     if len(pending) != s.k - 1:
       raise ValueError(f'PA needs k-1={s.k - 1} pending sums, got {len(pending)}')
-    if s.lr:  # eq. 6, each term scaled by its receiver's β
-      sent = [self._pa_low_rank_term(x, j, None if beta_K is None else beta_K[j]) for j in range(s.k)]
+    if s.lr:  # eq. 6: one D → k·r product for all k terms, then each term's B_j scaled by its receiver's β
+      xa_KxR = jnp.einsum('...d,kdr->...kr', x, self._cast(self.pa_a, x))
+      sent = [xa_KxR[..., j, :] @ self._pa_b(j, None if beta_K is None else beta_K[j], x) for j in range(s.k)]
     elif s.pa_h == 'low_rank':  # the receiver applies its h (and β) to the sum
       sent = [self._cast(self._gamma(j, None), x) * x for j in range(s.k)]
     else:
@@ -296,11 +297,10 @@ class LaurelResidual(nn.Module):
     gamma = self.pa_gamma[j].astype(jnp.float32)
     return gamma if beta is None else gamma * beta
 
-  def _pa_low_rank_term(self, x_j, j, beta):
-    """γ_j·x_j A_j B_j (eq. 6), with γ_j and β folded into B_j so no activation is scaled."""
+  def _pa_b(self, j, beta, like):
+    """γ_j·β·B_j (eq. 6): γ_j and β folded into B_j, so no activation is scaled."""
     b_scale = self._gamma(j, beta)
-    b = self.pa_b[j] * (b_scale if b_scale.ndim == 0 else b_scale[None, :])
-    return x_j @ self._cast(self.pa_a[j], x_j) @ self._cast(b, x_j)
+    return self._cast(self.pa_b[j] * (b_scale if b_scale.ndim == 0 else b_scale[None, :]), like)
 
   def _pa_shared_h(self, sum_x, beta):
     b = self.pa_b if beta is None else self.pa_b * beta
