@@ -238,7 +238,7 @@ def _restore_latest(mngr, workdir, config, abstract_state, train_iter):
   return None, 0
 
 
-def _peak_memory_bytes(compiled) -> int:
+def peak_memory_bytes(compiled) -> int:
   """Peak bytes of the compiled step. XLA's CPU backend reports only the arguments as its peak, so take
   the larger of that and arguments + outputs + temporaries - aliased (donated) buffers."""
   m = compiled.memory_analysis()
@@ -271,7 +271,12 @@ def step_flops(config) -> float:
   with nn.logical_axis_rules(config.logical_axis_rules):
     abstract = jax.eval_shape(make_init_state(task, tx, task.example_batch(1)), jax.random.key(0))
     step = make_train_step(task, tx, schedule, config.optimizer.grad_accum_steps)
-    cost = jax.jit(step).lower(abstract, example).cost_analysis()
+    return xla_flops(jax.jit(step).lower(abstract, example))
+
+
+def xla_flops(lowered_or_compiled) -> float:
+  """XLA's FLOP count of a lowered or compiled computation (per device; a scanned body counted once)."""
+  cost = lowered_or_compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float((cost or {}).get('flops', 0.0))
 
@@ -310,7 +315,7 @@ def compiled_peak_memory(config, devices=None) -> int:
   task = validate_config(config, num_devices=len(devices or [None]))
   mesh = sharding.make_mesh(config.mesh, devices or jax.devices()[:1])
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-    return _peak_memory_bytes(compile_step(task, config, mesh)[0])
+    return peak_memory_bytes(compile_step(task, config, mesh)[0])
 
 
 def train(config, workdir: str, devices=None) -> dict:
@@ -340,7 +345,7 @@ def train(config, workdir: str, devices=None) -> dict:
       print(f'resumed from checkpoint {start} in {workdir}', flush=True)
 
     num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
-    peak_memory = _peak_memory_bytes(compiled)
+    peak_memory = peak_memory_bytes(compiled)
     peak_flops = PEAK_FLOPS.get(jax.devices()[0].device_kind)
     flops_per_step = step_flops(config) if peak_flops else 0.0  # MFU only where the chip's peak is known
     units_per_step = config.batch_size * task.units_per_example()

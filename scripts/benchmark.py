@@ -116,13 +116,6 @@ def compile_row(config, mesh):
   return task, compiled, init_state, abstract, time.perf_counter() - start
 
 
-def compiled_flops(compiled) -> float:
-  """XLA's FLOP count of the compiled step, per device (a scanned layer stack counted once)."""
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float((cost or {}).get('flops', 0.0))
-
-
 def synthetic_batch(task, config, mesh):
   """One fixed batch of random tokens, one document per row, placed like the train loop places its batches."""
   import jax
@@ -137,15 +130,13 @@ def synthetic_batch(task, config, mesh):
 
 
 def memory_breakdown(compiled) -> dict:
-  """The step's buffers: arguments + temporaries + outputs not written in place of an argument. XLA's own
-  `peak_memory_in_bytes` (laurel.train._peak_memory_bytes) leaves the temporaries out on CPU, where it is about
-  the size of the train state whatever the batch; it is kept as `xla_peak_memory_bytes`."""
+  """The step's peak (laurel.train.peak_memory_bytes, as the train loop logs it), its arguments and temporaries,
+  and XLA's own `peak_memory_in_bytes`, which on CPU leaves the temporaries out."""
   from laurel import train
   m = compiled.memory_analysis()
-  step = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  return {'peak_memory_bytes': int(step), 'argument_bytes': int(m.argument_size_in_bytes),
+  return {'peak_memory_bytes': train.peak_memory_bytes(compiled), 'argument_bytes': int(m.argument_size_in_bytes),
           'temp_bytes': int(m.temp_size_in_bytes),
-          'xla_peak_memory_bytes': train._peak_memory_bytes(compiled)}  # pylint: disable=protected-access
+          'xla_peak_memory_bytes': int(getattr(m, 'peak_memory_in_bytes', 0) or 0)}
 
 
 def time_rows(rows: dict, batch, warmup: int, steps: int, steps_per_round: int) -> tuple[dict, dict]:
@@ -270,7 +261,7 @@ def benchmark() -> dict:
     rows[name] = {'compiled': compiled, 'state': state, 'metrics': None, 'compile_s': compile_s,
                   'params': int(sum(x.size for x in jax.tree.leaves(abstract.params))),
                   'flops': train.step_flops(configs[name]),
-                  'xla_flops_compiled': compiled_flops(compiled) * n,
+                  'xla_flops_compiled': train.xla_flops(compiled) * n,
                   **memory_breakdown(compiled)}
     print(f"compiled {name}: {compile_s:.1f}s, {rows[name]['params']:,} params, peak memory "
           f"{rows[name]['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)

@@ -170,8 +170,7 @@ def collect(points, workdir: epath.Path, field: str, metric: str, failed=()) -> 
     if (point_dir / 'final.json').exists():
       final = json.loads((point_dir / 'final.json').read_text())
       evals = evaluations(point_dir, metric)
-      # A run resumed at its last step writes final.json without evaluating; its last evaluation is logged.
-      value = final.get(metric, evals.get(final.get('step')))
+      value = final.get(metric)
       best = (max if higher_is_better(metric) else min)(evals.values()) if evals else value
       row.update(status='done', **{metric: value, f'best_{metric}': best})
       row.update({k: v for k, v in final.items() if k not in row})

@@ -136,7 +136,7 @@ def test_local_sweep_end_to_end_and_resumable(tmp_path):
   assert '| 4 | 1 |' in (tmp_path / 'sweep.md').read_text()
 
   # Rerun: finished points are skipped. A point without final.json (killed at the very end) resumes from its
-  # last checkpoint, and its metric still comes from the evaluation it logged.
+  # last checkpoint and evaluates there, so its metric is the same.
   (tmp_path / 'rank=4' / 'final.json').unlink()
   r = script('sweep.py', *args)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
