@@ -78,10 +78,10 @@ class LMConfig:
       config_lib.require(config_lib.is_number(values['rope_base']) and values['rope_base'] > 1, f'{field}.rope_base',
                          values['rope_base'], 'must be a number > 1')
     cfg = cls(**values)
-    if cfg.d_model % cfg.num_heads:
-      raise ValueError(f'{field}.num_heads={cfg.num_heads}: must divide d_model={cfg.d_model}')
-    if cfg.positional == 'rope' and (cfg.d_model // cfg.num_heads) % 2:
-      raise ValueError(f'{field}.num_heads={cfg.num_heads}: RoPE needs an even head width')
+    config_lib.require(cfg.d_model % cfg.num_heads == 0, f'{field}.num_heads', cfg.num_heads,
+                       f'must divide d_model={cfg.d_model}')
+    config_lib.require(cfg.positional != 'rope' or (cfg.d_model // cfg.num_heads) % 2 == 0, f'{field}.num_heads',
+                       cfg.num_heads, 'RoPE needs an even head width')
     laurel_cfg = model_cfg.get('laurel', {})
     sites = cfg.num_layers * (2 if laurel_cfg.get('site', 'block') == 'sublayer' else 1)
     spec = residual.LaurelSpec.from_config(laurel_cfg, cfg.d_model, sites, f'{field}.laurel')

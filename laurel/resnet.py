@@ -71,35 +71,31 @@ class ResNetConfig:
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'ResNetConfig':
     """Validates `config.model`; errors name the field and the value."""
     values = config_lib.known_fields(cls, model_cfg, field)
-    is_int = config_lib.is_int
-    for name in ('dtype', 'param_dtype'):
-      if name in values and values[name] not in DTYPES:
-        raise ValueError(f'{field}.{name}={values[name]!r}: must be one of {", ".join(DTYPES)}')
-    for name in ('num_classes', 'base_width'):
-      if name in values and not (is_int(values[name]) and values[name] >= 1):
-        raise ValueError(f'{field}.{name}={values[name]!r}: must be a positive integer')
+    is_int, is_number, require = config_lib.is_int, config_lib.is_number, config_lib.require
+    checks = {
+        'dtype': (lambda v: v in DTYPES, f'must be one of {", ".join(DTYPES)}'),
+        'param_dtype': (lambda v: v in DTYPES, f'must be one of {", ".join(DTYPES)}'),
+        'num_classes': (lambda v: is_int(v) and v >= 1, 'must be a positive integer'),
+        'base_width': (lambda v: is_int(v) and v >= 1, 'must be a positive integer'),
+        'stage_sizes': (lambda v: isinstance(v, (list, tuple)) and v and all(is_int(n) and n >= 1 for n in v),
+                        'must be a non-empty sequence of positive integers'),
+        'bn_momentum': (lambda v: is_number(v) and 0 <= v < 1, 'must be a number in [0, 1)'),
+        'bn_epsilon': (lambda v: is_number(v) and v > 0, 'must be a positive number'),
+        'zero_init_last_bn': (lambda v: isinstance(v, bool), 'must be a bool'),
+    }
+    for name, (ok, why) in checks.items():
+      if name in values:
+        require(bool(ok(values[name])), f'{field}.{name}', values[name], why)
     if 'stage_sizes' in values:
-      stages = values['stage_sizes']
-      if not (isinstance(stages, (list, tuple)) and stages and all(is_int(n) and n >= 1 for n in stages)):
-        raise ValueError(f'{field}.stage_sizes={stages!r}: must be a non-empty sequence of positive integers')
-      values['stage_sizes'] = tuple(stages)
-    if 'bn_momentum' in values and not (config_lib.is_number(values['bn_momentum'])
-                                        and 0 <= values['bn_momentum'] < 1):
-      raise ValueError(f'{field}.bn_momentum={values["bn_momentum"]!r}: must be a number in [0, 1)')
-    if 'bn_epsilon' in values and not (config_lib.is_number(values['bn_epsilon']) and values['bn_epsilon'] > 0):
-      raise ValueError(f'{field}.bn_epsilon={values["bn_epsilon"]!r}: must be a positive number')
-    if 'zero_init_last_bn' in values and not isinstance(values['zero_init_last_bn'], bool):
-      raise ValueError(f'{field}.zero_init_last_bn={values["zero_init_last_bn"]!r}: must be a bool')
+      values['stage_sizes'] = tuple(values['stage_sizes'])
     cfg = cls(**values)
 
     laurel_cfg = model_cfg.get('laurel', {})
     lfield = f'{field}.laurel'
-    if laurel_cfg.get('site', 'block') != 'block':
-      raise ValueError(f"{lfield}.site={laurel_cfg['site']!r}: the ResNet has one LAuReL site per bottleneck "
-                       "block; only 'block' is supported")
-    if laurel_cfg.get('form', 'paper') == 'gemma3n':
-      raise ValueError(f"{lfield}.form='gemma3n': Gemma 3n's form reads a pre-norm input the ResNet does not "
-                       "have; use 'paper'")
+    require(laurel_cfg.get('site', 'block') == 'block', f'{lfield}.site', laurel_cfg.get('site'),
+            "the ResNet has one LAuReL site per bottleneck block; only 'block' is supported")
+    require(laurel_cfg.get('form', 'paper') != 'gemma3n', f'{lfield}.form', 'gemma3n',
+            "Gemma 3n's form reads a pre-norm input the ResNet does not have; use 'paper'")
     # The rank must fit the narrowest block (stage 1, D = 4·base_width); k may span the whole network.
     spec = residual.LaurelSpec.from_config(laurel_cfg, min(cfg.block_channels), cfg.num_blocks, lfield)
     return dataclasses.replace(cfg, laurel=spec)
