@@ -299,8 +299,7 @@ class LaurelResidual(nn.Module):
 
   def _pa_b(self, j, beta, like):
     """γ_j·β·B_j (eq. 6): γ_j and β folded into B_j, so no activation is scaled."""
-    b_scale = self._gamma(j, beta)
-    return self._cast(self.pa_b[j] * (b_scale if b_scale.ndim == 0 else b_scale[None, :]), like)
+    return self._cast(self.pa_b[j] * self._gamma(j, beta), like)  # (r, D) × scalar or (D,)
 
   def _pa_shared_h(self, sum_x, beta):
     b = self.pa_b if beta is None else self.pa_b * beta

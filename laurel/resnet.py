@@ -72,11 +72,10 @@ class ResNetConfig:
     """Validates `config.model`; errors name the field and the value."""
     values = config_lib.known_fields(cls, model_cfg, field)
     is_int, is_number, require = config_lib.is_int, config_lib.is_number, config_lib.require
+    a_dtype = (lambda v: v in DTYPES, f'must be one of {", ".join(DTYPES)}')
+    positive_int = (lambda v: is_int(v) and v >= 1, 'must be a positive integer')
     checks = {
-        'dtype': (lambda v: v in DTYPES, f'must be one of {", ".join(DTYPES)}'),
-        'param_dtype': (lambda v: v in DTYPES, f'must be one of {", ".join(DTYPES)}'),
-        'num_classes': (lambda v: is_int(v) and v >= 1, 'must be a positive integer'),
-        'base_width': (lambda v: is_int(v) and v >= 1, 'must be a positive integer'),
+        'dtype': a_dtype, 'param_dtype': a_dtype, 'num_classes': positive_int, 'base_width': positive_int,
         'stage_sizes': (lambda v: isinstance(v, (list, tuple)) and v and all(is_int(n) and n >= 1 for n in v),
                         'must be a non-empty sequence of positive integers'),
         'bn_momentum': (lambda v: is_number(v) and 0 <= v < 1, 'must be a number in [0, 1)'),
