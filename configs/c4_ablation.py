@@ -16,7 +16,7 @@ preset=tiny: the same rows shrunk to train on 2 CPU cores: 6/7 layers, D=128, F=
 (the Python standard library), 500 steps of 16 × 128 tokens (1.0M tokens).
 """
 
-from laurel import config_lib
+from laurel import config_lib, data, lm, paper, train
 
 ROWS = {
     # row: (layers at paper preset, laurel overrides)
@@ -28,49 +28,29 @@ ROWS = {
     'rw_lr': (24, dict(variant='rw+lr')),
     'rw_lr_pa': (24, dict(variant='rw+lr+pa')),
 }
-PAPER_PARAMS_M = {'baseline_24': 157.20, 'baseline_28': 179.23, 'rw': 157.20, 'lr': 158.40, 'pa': 157.22,
-                  'rw_lr': 158.40, 'rw_lr_pa': 160.83}
-PAPER_TEST_LOSS = {'baseline_24': 3.0159, 'baseline_28': 2.9963, 'rw': 2.9557, 'lr': 2.9624, 'pa': 2.9512,
-                   'rw_lr': 2.9531, 'rw_lr_pa': 2.9499}
+assert set(ROWS) == set(paper.TABLE5)
 
 
 def get_config(arg=None):
   row, opts = config_lib.parse_arg(arg, ROWS, 'rw_lr', {'preset': ('paper', ('paper', 'tiny'))})
-  layers, laurel_overrides = ROWS[row]
-  c = config_lib.trainer_config()
-  c.task = 'lm'
-  c.row = row
-  c.baseline_row = 'baseline_24'
-  c.preset = opts['preset']
-  c.paper_params_m = PAPER_PARAMS_M[row]
-  c.paper_test_loss = PAPER_TEST_LOSS[row]
-
+  layers, laurel = ROWS[row]
+  model = lambda **kw: config_lib.config_dict(lm.LMConfig, **kw)
   if opts['preset'] == 'paper':
-    laurel = config_lib.laurel_config(rank=32, k=3, **laurel_overrides)
-    c.model = config_lib.lm_model(layers, 768, 12, 2048, 32768, laurel)
-    c.model.dtype = 'bfloat16'
-    c.model.remat = 'dots_no_batch'
-    c.data = config_lib.lm_data('c4', seq_len=1024)
-    c.batch_size = 512
-    c.steps = 19_073
-    c.optimizer.learning_rate = 1e-3
-    c.optimizer.warmup_steps = 1000
-    c.log_every = 100
-    c.eval_every = 2000
-    c.eval_steps = 50
-    c.checkpoint_every = 2000
-  else:
-    laurel = config_lib.laurel_config(rank=8, k=3, **laurel_overrides)
-    # Byte vocabulary (258) padded to 264 so the vocab axis divides over tensor-parallel sizes up to 8.
-    c.model = config_lib.lm_model(layers // 4, 128, 4, 384, 264, laurel)
-    c.data = config_lib.lm_data('text', seq_len=128)
-    c.batch_size = 16
-    c.steps = 500
-    c.optimizer.learning_rate = 3e-3
-    c.optimizer.warmup_steps = 50
-    c.log_every = 25
-    c.eval_every = 250
-    c.eval_steps = 16
-    c.checkpoint_every = 250
-  c.lock()
-  return c
+    return train.base_config(
+        task='lm', row=row, preset='paper', baseline_row='baseline_24', batch_size=512, steps=19_073,
+        log_every=100, eval_every=2000, eval_steps=50, checkpoint_every=2000,
+        optimizer=dict(learning_rate=1e-3, warmup_steps=1000),
+        model=model(vocab_size=32768, d_model=768, num_heads=12, d_ff=2048, num_layers=layers, dtype='bfloat16',
+                    remat='dots_no_batch', laurel=dict(rank=32, k=3, **laurel)),
+        data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=1024, vocab_path=data.C4_VOCAB_PATH),
+    ).lock()
+  # Byte vocabulary (258) padded to 264 so the vocab axis divides over tensor-parallel sizes up to 8. One input
+  # stream (data_shards=1), as one CPU process reads it.
+  return train.base_config(
+      task='lm', row=row, preset='tiny', baseline_row='baseline_24', batch_size=16, steps=500, log_every=25,
+      eval_every=250, eval_steps=16, checkpoint_every=250, data_shards=1,
+      optimizer=dict(learning_rate=3e-3, warmup_steps=50),
+      model=model(vocab_size=264, d_model=128, num_heads=4, d_ff=384, num_layers=layers // 4,
+                  laurel=dict(rank=8, k=3, **laurel)),
+      data=config_lib.config_dict(data.LMDataConfig, name='text', seq_len=128),
+  ).lock()

@@ -22,9 +22,7 @@ synthetic learnable images, 10 classes, batch 32, 300 steps. r = 2 keeps the pap
 (D is 1/8 of ResNet-50's); baseline_plus_1 is stages [2,2,3,2].
 """
 
-import ml_collections
-
-from laurel import config_lib
+from laurel import config_lib, image_data, paper, resnet, train
 
 ROWS = {
     # row: (stage sizes at the paper preset, laurel overrides)
@@ -34,92 +32,30 @@ ROWS = {
     'rw_lr': ((3, 4, 6, 3), dict(variant='rw+lr', rank=16)),
     'rw_lr_pa': ((3, 4, 6, 3), dict(variant='rw+lr+pa', rank=16, k=3)),
 }
-PAPER_PARAMS_ADDED_PCT = {'baseline': 0.0, 'baseline_plus_1': 4.37, 'rw': 0.003, 'rw_lr': 1.68, 'rw_lr_pa': 2.40}
-PAPER_TOP1 = {'baseline': 74.95, 'baseline_plus_1': 75.20, 'rw': 75.10, 'rw_lr': 75.20, 'rw_lr_pa': 75.25}
+assert set(ROWS) == set(paper.TABLE1)
 IMAGENET_TRAIN_EXAMPLES = 1_281_167
-
-
-def resnet_model(stage_sizes, base_width, num_classes, laurel) -> ml_collections.ConfigDict:
-  """Every field of laurel.resnet.ResNetConfig."""
-  m = ml_collections.ConfigDict()
-  m.num_classes = num_classes
-  m.stage_sizes = tuple(stage_sizes)
-  m.base_width = base_width
-  m.dtype = 'float32'
-  m.param_dtype = 'float32'
-  m.bn_momentum = 0.9
-  m.bn_epsilon = 1e-5
-  m.zero_init_last_bn = True
-  m.laurel = laurel
-  return m
-
-
-def image_data(name, image_size, num_classes) -> ml_collections.ConfigDict:
-  """Every field of laurel.image_data.ImageDataConfig; `name` picks the source."""
-  d = ml_collections.ConfigDict()
-  d.name = name  # 'imagenet' | 'synthetic'
-  d.image_size = image_size
-  d.num_classes = num_classes
-  d.tfds_name = 'imagenet2012'
-  d.tfds_data_dir = ''  # '' = TFDS's default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
-  d.train_split = 'train'
-  d.eval_split = 'validation'
-  d.min_crop_area = 0.08  # random-resized crop: area share in [min_crop_area, 1]
-  d.max_aspect_ratio = 4 / 3  # ... and aspect ratio in [1/max, max], log-uniform
-  d.eval_crop_fraction = 0.875  # eval: centre crop of this share of the shorter side (224 of 256)
-  d.random_flip = True
-  d.synthetic_train_examples = 10_000
-  d.synthetic_eval_examples = 1_000
-  d.synthetic_noise = 0.3  # noise std as a share of the pixel range
-  d.read_threads = 4  # threads decoding per process (PIL releases the GIL)
-  d.num_workers = 0  # grain worker processes; 0 reads in the main process
-  d.prefetch = 2  # batches buffered ahead
-  return d
 
 
 def get_config(arg=None):
   row, opts = config_lib.parse_arg(arg, ROWS, 'baseline', {'preset': ('paper', ('paper', 'tiny'))})
-  stage_sizes, laurel_overrides = ROWS[row]
-  c = config_lib.trainer_config()
-  c.task = 'classification'
-  c.row = row
-  c.baseline_row = 'baseline'
-  c.preset = opts['preset']
-  c.paper_params_added_pct = PAPER_PARAMS_ADDED_PCT[row]
-  c.paper_top1 = PAPER_TOP1[row]
-
+  stage_sizes, laurel = ROWS[row]
+  model = lambda **kw: config_lib.config_dict(resnet.ResNetConfig, **kw)
+  images = lambda **kw: config_lib.config_dict(image_data.ImageDataConfig, **kw)
   if opts['preset'] == 'paper':
-    laurel = config_lib.laurel_config(a_init='xavier', **laurel_overrides)
-    c.model = resnet_model(stage_sizes, 64, 1000, laurel)
-    c.model.dtype = 'bfloat16'
-    c.data = image_data('imagenet', 224, 1000)
-    c.data.num_workers = 8
-    c.batch_size = 1024
-    steps_per_epoch = IMAGENET_TRAIN_EXAMPLES // c.batch_size  # 1251
-    c.steps = 90 * steps_per_epoch
-    c.optimizer.learning_rate = 2e-3
-    c.optimizer.warmup_steps = 5 * steps_per_epoch
-    c.optimizer.min_lr_ratio = 0.01
-    c.optimizer.b2 = 0.999
-    c.optimizer.weight_decay = 0.05
-    c.log_every = 100
-    c.eval_every = 5 * steps_per_epoch
-    c.eval_steps = 48
-    c.checkpoint_every = 5 * steps_per_epoch
-  else:
-    tiny_stages = tuple(2 + (n - base) for n, base in zip(stage_sizes, ROWS['baseline'][0]))
-    laurel = config_lib.laurel_config(a_init='xavier', **{**laurel_overrides, 'rank': 2})
-    c.model = resnet_model(tiny_stages, 8, 10, laurel)
-    c.data = image_data('synthetic', 32, 10)
-    c.data.read_threads = 0  # synthetic images are cheap; threads would only contend for the 2 cores
-    c.batch_size = 32
-    c.steps = 300
-    c.optimizer.learning_rate = 3e-3
-    c.optimizer.warmup_steps = 30
-    c.optimizer.weight_decay = 0.05
-    c.log_every = 25
-    c.eval_every = 100
-    c.eval_steps = 8
-    c.checkpoint_every = 100
-  c.lock()
-  return c
+    epoch = IMAGENET_TRAIN_EXAMPLES // 1024  # 1251 steps
+    return train.base_config(
+        task='classification', row=row, preset='paper', baseline_row='baseline', batch_size=1024,
+        steps=90 * epoch, log_every=100, eval_every=5 * epoch, eval_steps=48, checkpoint_every=5 * epoch,
+        optimizer=dict(learning_rate=2e-3, warmup_steps=5 * epoch, min_lr_ratio=0.01, b2=0.999, weight_decay=0.05),
+        model=model(stage_sizes=stage_sizes, dtype='bfloat16', laurel=laurel),
+        data=images(name='imagenet', num_workers=8),
+    ).lock()
+  tiny_stages = tuple(2 + (n - base) for n, base in zip(stage_sizes, ROWS['baseline'][0]))
+  return train.base_config(
+      task='classification', row=row, preset='tiny', baseline_row='baseline', batch_size=32, steps=300,
+      log_every=25, eval_every=100, eval_steps=8, checkpoint_every=100, data_shards=1,
+      optimizer=dict(learning_rate=3e-3, warmup_steps=30, weight_decay=0.05),
+      model=model(stage_sizes=tiny_stages, base_width=8, num_classes=10, laurel={**laurel, 'rank': 2}),
+      # Synthetic images are cheap; reader threads would only contend for the 2 cores.
+      data=images(name='synthetic', image_size=32, num_classes=10, read_threads=0),
+  ).lock()

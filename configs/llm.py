@@ -9,7 +9,7 @@ F=8192 (GELU) ≈ 0.97B params; LLM-4B is 40 layers (Table 6's depth) at D=3072,
 `laurel=none` gives the matching baseline; `preset=tiny` keeps the depth ratio at CPU size.
 """
 
-from laurel import config_lib
+from laurel import config_lib, data, lm, train
 
 SHAPES = {  # layers, d_model, heads, d_ff, mlp, rank
     '1b': (18, 2048, 16, 8192, 'gelu', 4),
@@ -21,30 +21,19 @@ def get_config(arg=None):
   row, opts = config_lib.parse_arg(arg, SHAPES, '1b', {'preset': ('paper', ('paper', 'tiny')),
                                                        'laurel': ('rw+lr', ('rw+lr', 'none'))})
   layers, d_model, heads, d_ff, mlp, rank = SHAPES[row]
-  c = config_lib.trainer_config()
-  c.row = row
-  c.preset = opts['preset']
-  laurel = config_lib.laurel_config(variant=opts['laurel'], rank=rank)
+  model = lambda **kw: config_lib.config_dict(lm.LMConfig, mlp=mlp, **kw)
   if opts['preset'] == 'paper':
-    c.model = config_lib.lm_model(layers, d_model, heads, d_ff, 32768, laurel)
-    c.model.dtype = 'bfloat16'
-    c.model.remat = 'dots_no_batch'
-    c.data = config_lib.lm_data('c4', seq_len=2048)
-    c.batch_size = 512
-    c.steps = 100_000
-    c.optimizer.learning_rate = 3e-4
-    c.optimizer.warmup_steps = 2000
-    c.mesh.fsdp = -1
-    c.mesh.data = 1
-    c.log_every = 100
-    c.eval_every = 5000
-    c.eval_steps = 50
-    c.checkpoint_every = 2000
-  else:
-    laurel.rank = min(rank, 8)
-    c.model = config_lib.lm_model(max(layers // 6, 2), 128, 4, 384 if mlp == 'gelu' else 256, 264, laurel)
-    c.data = config_lib.lm_data('text', seq_len=256)
-    c.steps = 300
-  c.model.mlp = mlp
-  c.lock()
-  return c
+    return train.base_config(
+        task='lm', row=row, preset='paper', batch_size=512, steps=100_000, log_every=100, eval_every=5000,
+        eval_steps=50, checkpoint_every=2000, optimizer=dict(learning_rate=3e-4, warmup_steps=2000),
+        mesh=dict(data=1, fsdp=-1),
+        model=model(vocab_size=32768, d_model=d_model, num_heads=heads, d_ff=d_ff, num_layers=layers,
+                    dtype='bfloat16', remat='dots_no_batch', laurel=dict(variant=opts['laurel'], rank=rank)),
+        data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=2048, vocab_path=data.C4_VOCAB_PATH),
+    ).lock()
+  return train.base_config(
+      task='lm', row=row, preset='tiny', steps=300, data_shards=1,
+      model=model(vocab_size=264, d_model=128, num_heads=4, d_ff=384 if mlp == 'gelu' else 256,
+                  num_layers=max(layers // 6, 2), laurel=dict(variant=opts['laurel'], rank=min(rank, 8))),
+      data=config_lib.config_dict(data.LMDataConfig, name='text', seq_len=256),
+  ).lock()

@@ -1,50 +1,27 @@
-"""Shared pieces of the `get_config(arg)` files in configs/.
+"""Config schemas and the one config loader.
 
-`arg` is a row name with optional `key=value` options: `rw_lr`, `rw_lr,preset=tiny`.
+Every config section is a frozen dataclass (LaurelSpec, LMConfig, ResNetConfig, the data and trainer
+sections): it is the only place a field, its default and its check are declared. `config_dict` turns one
+into the ConfigDict that `get_config(arg)` returns (so every field is overridable from the command line), and
+`build` turns a ConfigDict back into the dataclass, raising a one-line ValueError naming field and value.
+
+`load('configs/<file>.py:<arg>', ['--config.<field>=<value>', ...])` reads a config file as laurel.main does
+(ml_collections' config_flags parses the overrides); the scripts use it too. `arg` is a row name with optional
+`key=value` options: `rw_lr`, `rw_lr,preset=tiny` (see `parse_arg`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
+import sys
+from typing import Any, Sequence
 
 import ml_collections
 import numpy as np
 
-# Logical axis -> mesh axes. Parameters shard over fsdp (and tensor for the wide dims); activations shard
-# their batch over data x fsdp. Override in a config to try other layouts.
-LOGICAL_AXIS_RULES = (
-    ('act_batch', ('data', 'fsdp')),
-    ('act_len', None),
-    ('act_embed', None),
-    ('act_heads', 'tensor'),
-    ('act_mlp', 'tensor'),
-    ('act_vocab', 'tensor'),
-    ('act_channels', None),
-    ('embed', 'fsdp'),
-    ('vocab', 'tensor'),
-    ('mlp', 'tensor'),
-    ('heads', 'tensor'),
-    ('kv', None),
-    ('layers', None),
-    ('laurel_rank', None),
-    ('laurel_k', None),
-    ('laurel_rw', None),
-    ('laurel_sites', None),
-    ('conv_in', None),
-    ('conv_out', 'fsdp'),
-    ('classes', None),
-    ('spatial', None),
-)
-
-
-def known_fields(cls, cfg, field: str, skip=('laurel',)) -> dict:
-  """The entries of `cfg` that are fields of dataclass `cls`; an unknown one is a one-line ValueError."""
-  names = {f.name for f in dataclasses.fields(cls)}
-  values = {k: v for k, v in cfg.items() if k not in skip}
-  unknown = sorted(set(values) - names)
-  if unknown:
-    raise ValueError(f'{field}.{unknown[0]}: unknown field (known: {", ".join(sorted(names - set(skip)))})')
-  return values
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def is_int(value) -> bool:
@@ -56,16 +33,78 @@ def is_number(value) -> bool:
   return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
-def require(ok: bool, field: str, value, why: str) -> None:
+# Checks: (predicate, why). `field(default, check)` attaches one to a dataclass field.
+POSITIVE_INT = (lambda v: is_int(v) and v >= 1, 'must be a positive integer')
+NON_NEGATIVE_INT = (lambda v: is_int(v) and v >= 0, 'must be a non-negative integer')
+BOOL = (lambda v: isinstance(v, bool), 'must be a bool')
+STRING = (lambda v: isinstance(v, str), 'must be a string')
+NON_EMPTY_STRING = (lambda v: isinstance(v, str) and bool(v), 'must be a non-empty string')
+POSITIVE = (lambda v: is_number(v) and v > 0, 'must be a positive number')
+NON_NEGATIVE = (lambda v: is_number(v) and v >= 0, 'must be a non-negative number')
+
+
+def one_of(*choices):
+  return (lambda v: v in choices, f'must be one of {", ".join(map(str, choices))}')
+
+
+def in_range(lo, hi, closed=(True, True)):
+  """A number in [lo, hi] (or open at either end, `closed`)."""
+  ok = lambda v: is_number(v) and (lo <= v if closed[0] else lo < v) and (v <= hi if closed[1] else v < hi)
+  return (ok, f'must be a number in {"[(" [not closed[0]]}{lo}, {hi}{"])" [not closed[1]]}')
+
+
+def field(default, check=None, **kwargs):
+  return dataclasses.field(default=default, metadata={'check': check} if check else {}, **kwargs)
+
+
+def require(ok: bool, field_name: str, value, why: str) -> None:
   if not ok:
-    raise ValueError(f'{field}={value!r}: {why}')
+    raise ValueError(f'{field_name}={value!r}: {why}')
+
+
+def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
+  """The ConfigDict of a dataclass (class or instance): every field at its default, or at `overrides[name]`;
+  nested sections become ConfigDicts (a dict override updates the nested section's defaults)."""
+  base = schema() if isinstance(schema, type) else schema
+  out = ml_collections.ConfigDict()
+  for f in dataclasses.fields(base):
+    default = getattr(base, f.name)
+    value = overrides.pop(f.name, default)
+    if dataclasses.is_dataclass(default) and isinstance(value, dict):
+      value = config_dict(default, **value)
+    elif dataclasses.is_dataclass(value):
+      value = config_dict(value)
+    out[f.name] = value
+  if overrides:
+    raise ValueError(f'{type(base).__name__}: unknown fields {", ".join(sorted(overrides))}')
+  return out
+
+
+def build(cls, cfg, prefix: str, skip: Sequence[str] = ()):
+  """`cls` from a ConfigDict (or dict) of some of its fields, every value checked; then `obj.check(prefix)`
+  for the checks across fields. Unknown fields and bad values raise ValueError('<prefix>.<field>=<value>: why')."""
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  path = lambda name: f'{prefix}.{name}' if prefix else name
+  values = {k: v for k, v in dict(cfg.items() if cfg is not None else {}).items() if k not in skip}
+  unknown = sorted(set(values) - set(fields))
+  if unknown:
+    known = ', '.join(sorted(set(fields) - set(skip)))
+    raise ValueError(f'{path(unknown[0])}: unknown field (known: {known})')
+  for name, value in values.items():
+    f = fields[name]
+    if dataclasses.is_dataclass(f.default):
+      values[name] = build(type(f.default), value, path(name))
+    elif 'check' in f.metadata:
+      ok, why = f.metadata['check']
+      require(bool(ok(value)), path(name), value, why)
+  obj = cls(**values)
+  if hasattr(obj, 'check'):
+    obj.check(prefix)
+  return obj
 
 
 def parse_arg(arg: str | None, rows, default_row: str, options: dict) -> tuple[str, dict]:
-  """'row,key=value,...' -> (row, {key: value}). `options` maps key -> (default, allowed values).
-
-  Unknown rows, options or values raise a one-line ValueError naming them.
-  """
+  """'row,key=value,...' -> (row, {key: value}). `options` maps key -> (default, allowed values)."""
   row, chosen = default_row, {k: default for k, (default, _) in options.items()}
   for part in (p.strip() for p in (arg or '').split(',')):
     if not part:
@@ -84,96 +123,69 @@ def parse_arg(arg: str | None, rows, default_row: str, options: dict) -> tuple[s
   return row, chosen
 
 
-# Byte-level tokenizer of the local text corpus: 0 = padding, byte b -> b + 1, 257 = end of document.
-BYTE_VOCAB_SIZE = 258
-DEFAULT_VOCAB_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'
+def resolve_spec(spec: str) -> str:
+  """'configs/<file>.py:<arg>' as given if the file exists here, else found in the repo (or by its name in
+  configs/, e.g. 'c4_ablation:rw_lr'); one-line ValueError if none exists."""
+  path, sep, arg = spec.partition(':')
+  candidates = [pathlib.Path(path), REPO / path, REPO / 'configs' / path, REPO / 'configs' / f'{path}.py']
+  found = next((p for p in candidates if p.is_file()), None)
+  if found is None:
+    raise ValueError(f'--config={spec!r}: no such config file')
+  return spec if found == candidates[0] else f'{found}{sep}{arg}'
 
 
-def lm_model(layers, d_model, heads, d_ff, vocab, laurel) -> ml_collections.ConfigDict:
-  """Every field of laurel.lm.LMConfig."""
-  m = ml_collections.ConfigDict()
-  m.vocab_size = vocab
-  m.d_model = d_model
-  m.num_heads = heads
-  m.d_ff = d_ff
-  m.num_layers = layers
-  m.max_len = 2048
-  m.norm_position = 'pre'
-  m.positional = 'rope'
-  m.rope_base = 10_000.0
-  m.mlp = 'gelu'
-  m.tie_embeddings = True
-  m.dtype = 'float32'
-  m.param_dtype = 'float32'
-  m.scan_layers = True
-  m.remat = 'none'
-  m.laurel = laurel
-  return m
+def flag_error_message(error: Exception, argv: Sequence[str]) -> str:
+  """absl's or ml_collections' error for a bad --config or --config.<field> flag, as one line."""
+  root = error
+  while root.__cause__ or root.__context__:  # the config file's own ValueError, if there is one
+    root = root.__cause__ or root.__context__
+  message = ' '.join(str(root).replace('\\n', ' ').split())
+  if isinstance(root, (AttributeError, KeyError)):  # a locked config rejects unknown fields this way
+    name = re.search(r"'(\w+)'", message)
+    bad = [a.split('=')[0][2:] for a in argv if a.startswith('--config.') and name
+           and name.group(1) in a.split('=')[0].split('.')]
+    return f'{bad[0] if bad else message}: unknown config field'
+  if root is not error and 'config' not in message and str(error).startswith('flag '):
+    return f'{str(error).split(": ")[0]}: {message}'  # name the flag, e.g. --config.steps=abc
+  return message
 
 
-def lm_data(name: str, seq_len: int) -> ml_collections.ConfigDict:
-  """Every field of the LM input pipeline (laurel.data); `name` picks the source."""
-  d = ml_collections.ConfigDict()
-  d.name = name  # 'c4' | 'text' | 'synthetic'
-  d.seq_len = seq_len
-  d.path = ''  # text: a glob of files; '' = the running interpreter's standard library (*.py)
-  d.validation_fraction = 0.05  # text: share of files held out, chosen by a hash of the path
-  d.tfds_name = 'c4/en:3.1.0'
-  d.tfds_data_dir = ''  # '' = TFDS's default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
-  d.train_split = 'train'
-  d.eval_split = 'validation'
-  d.vocab_path = DEFAULT_VOCAB_PATH if name == 'c4' else ''
-  d.num_workers = 0  # grain worker processes; 0 reads in the main process
-  d.prefetch = 2
-  return d
+def parse_flags(argv):
+  """absl's flag parser for a program with a `--config` file flag: shipped configs found by name (resolve_spec),
+  and a bad config or override reported as one line, exit 2."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  try:
+    argv = [argv[0]] + ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a
+                        for a in argv[1:]]
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    print(f'error: {flag_error_message(e, argv[1:])}', file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
-def laurel_config(**overrides) -> ml_collections.ConfigDict:
-  """Every field of laurel.residual.LaurelSpec, so each is overridable from the command line."""
-  c = ml_collections.ConfigDict()
-  c.variant = 'none'
-  c.rank = 32
-  c.k = 3
-  c.rw_norm = 'softmax'
-  c.rw_scale = 2.0
-  c.rw_per_dim = False
-  c.a_init = 'column_orthogonal'
-  c.pa_h = 'identity'
-  c.form = 'paper'
-  c.site = 'block'
-  c.update(overrides)
-  return c
+def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+  """The config of `spec` with `--config.<field>=<value>` overrides (also written `<field>=<value>`), read by
+  ml_collections exactly as laurel.main reads its flags; one-line ValueError for anything bad."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  argv = [o if o.startswith('--') else f'--config.{o}' for o in overrides]
+  for o in argv:
+    if not o.startswith('--config.') or '=' not in o:
+      raise ValueError(f'{o}: write config overrides as --config.<field>=<value>')
+  try:
+    argv = ['laurel', f'--config={resolve_spec(spec)}', *argv]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file('config', None, 'config file', flag_values=flag_values, sys_argv=argv)
+    flag_values(argv)
+    return flag_values.config
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(flag_error_message(e, argv)) from None
 
 
-def trainer_config() -> ml_collections.ConfigDict:
-  """Fields of the train loop shared by every task; task configs fill in model and data."""
-  c = ml_collections.ConfigDict()
-  c.task = 'lm'
-  c.seed = 0
-  c.steps = 1000
-  c.batch_size = 16  # global, in sequences (LM) or images
-  c.log_every = 50
-  c.eval_every = 500
-  c.eval_steps = 10
-  c.checkpoint_every = 500
-  c.keep_checkpoints = 3
-  c.tensorboard = True
-  c.data_shards = 0  # input shards; 0 = one per process. Fixing it makes batches independent of host count.
-
-  c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.learning_rate = 3e-3
-  c.optimizer.warmup_steps = 100
-  c.optimizer.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.95
-  c.optimizer.eps = 1e-8
-  c.optimizer.weight_decay = 0.1
-  c.optimizer.grad_clip = 1.0
-  c.optimizer.grad_accum_steps = 1
-
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1  # -1 takes the devices the other axes leave
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
-  c.logical_axis_rules = LOGICAL_AXIS_RULES
-  return c
+def get(config, dotted: str, default: Any = None):
+  """config.<dotted>, or `default` where a part is missing."""
+  for part in dotted.split('.'):
+    if not hasattr(config, 'get'):
+      return default
+    config = config.get(part, default)
+  return config

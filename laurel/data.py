@@ -1,6 +1,6 @@
 """LM input pipeline: documents -> tokens -> chunks of <= seq_len -> first-fit packing -> batches.
 
-Sources (`config.data.name`, fields in laurel.config_lib.lm_data):
+Sources (`config.data.name`; the fields are LMDataConfig's):
   c4         TFDS C4 through `tfds.data_source` (ArrayRecord, random access), SentencePiece tokens + EOS.
   text       local files matching a glob ('' = this interpreter's standard library, *.py), byte tokens + EOS;
              a stable hash of each file's relative path puts `validation_fraction` of the files in validation.
@@ -14,6 +14,7 @@ Documents longer than seq_len are split into chunks, so no token is dropped; eac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -28,9 +29,12 @@ from grain import experimental as grain_exp
 import numpy as np
 
 from laurel import config_lib
-from laurel.config_lib import BYTE_VOCAB_SIZE
+from laurel.config_lib import NON_NEGATIVE_INT, POSITIVE_INT, STRING, field, in_range, one_of
 
 SOURCES = ('c4', 'text', 'synthetic')
+# Byte-level tokenizer of the local text corpus: 0 = padding, byte b -> b + 1, 257 = end of document.
+BYTE_VOCAB_SIZE = 258
+C4_VOCAB_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'  # T5's 32k SentencePiece model
 # Threads that read and tokenize documents ahead of packing (per process, per grain worker).
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)
 MIN_PACKING_BINS = 16  # more open bins pack tighter (less padding) at the cost of a little memory
@@ -38,8 +42,24 @@ SYNTHETIC_TRAIN_DOCS = 1 << 20  # an epoch of synthetic data; documents are gene
 SYNTHETIC_EVAL_DOCS = 512
 
 
+@dataclasses.dataclass(frozen=True)
+class LMDataConfig:
+  """`config.data` of an LM run."""
+  name: str = field('synthetic', one_of(*SOURCES))
+  seq_len: int = field(128, POSITIVE_INT)
+  path: str = field('', STRING)  # text: a glob of files; '' = the running interpreter's standard library (*.py)
+  validation_fraction: float = field(0.05, in_range(0, 1, closed=(False, False)))  # text: files held out
+  tfds_name: str = field('c4/en:3.1.0', STRING)
+  tfds_data_dir: str = field('', STRING)  # '' = TFDS's default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
+  train_split: str = field('train', STRING)
+  eval_split: str = field('validation', STRING)
+  vocab_path: str = field('', STRING)  # c4: a SentencePiece model, e.g. C4_VOCAB_PATH
+  num_workers: int = field(0, NON_NEGATIVE_INT)  # grain worker processes; 0 reads in the main process
+  prefetch: int = field(2, NON_NEGATIVE_INT)
+
+
 class ByteTokenizer:
-  """0 = padding, byte b -> b + 1, 257 = end of document (laurel.config_lib.BYTE_VOCAB_SIZE)."""
+  """0 = padding, byte b -> b + 1, 257 = end of document (BYTE_VOCAB_SIZE)."""
 
   vocab_size = BYTE_VOCAB_SIZE
   pad_id = 0
@@ -259,42 +279,27 @@ def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_ind
   return ds
 
 
-def validate(data_cfg, vocab_size: int, field: str = 'data') -> None:
+def validate(data_cfg, vocab_size: int, field: str = 'data') -> LMDataConfig:
   """One-line ValueErrors naming the bad field, before anything is traced or read in bulk."""
-  def fail(name, message):
-    raise ValueError(f'{field}.{name}={getattr(data_cfg, name)!r}: {message}')
-
-  if data_cfg.name not in SOURCES:
-    fail('name', f'must be one of {", ".join(SOURCES)}')
-  if not config_lib.is_int(data_cfg.seq_len) or data_cfg.seq_len <= 0:
-    fail('seq_len', 'must be a positive integer')
-  for name in ('num_workers', 'prefetch'):
-    if not config_lib.is_int(getattr(data_cfg, name)) or getattr(data_cfg, name) < 0:
-      fail(name, 'must be a non-negative integer')
-  fraction = data_cfg.validation_fraction
-  if not config_lib.is_number(fraction) or not 0 < fraction < 1:
-    fail('validation_fraction', 'must be in (0, 1)')
-
-  if data_cfg.name == 'text':
-    num_files = len(_list_files(data_cfg.path)[0])
-    if num_files == 0:
-      fail('path', 'matches no files')
-    if num_files == 1:
-      fail('path', 'matches 1 file; need at least 2 to split train and validation')
+  cfg = config_lib.build(LMDataConfig, data_cfg, field)
+  fail = lambda name, why: config_lib.require(False, f'{field}.{name}', getattr(cfg, name), why)
+  if cfg.name == 'text':
+    num_files = len(_list_files(cfg.path)[0])
+    if num_files < 2:
+      fail('path', 'matches no files' if not num_files else 'matches 1 file; need at least 2 to split train and '
+           'validation')
   tokenizer_vocab = BYTE_VOCAB_SIZE
-  if data_cfg.name == 'c4':
-    path = data_cfg.vocab_path
-    if not path:
+  if cfg.name == 'c4':
+    if not cfg.vocab_path:
       fail('vocab_path', 'c4 needs a SentencePiece model')
-    if path.startswith('gs://'):
-      return  # not checked here: GCS may only be reachable from the training hosts
-    if not os.path.isfile(path):
+    if cfg.vocab_path.startswith('gs://'):
+      return cfg  # not checked here: GCS may only be reachable from the training hosts
+    if not os.path.isfile(cfg.vocab_path):
       fail('vocab_path', 'no such file')
     try:
-      tokenizer_vocab = make_tokenizer(data_cfg).vocab_size
+      tokenizer_vocab = make_tokenizer(cfg).vocab_size
     except RuntimeError:  # sentencepiece's error for a file that is no model
-      tokenizer_vocab = None
-    if tokenizer_vocab is None:
       fail('vocab_path', 'not a SentencePiece model')
-  if vocab_size < tokenizer_vocab:
-    raise ValueError(f"model.vocab_size={vocab_size}: smaller than the tokenizer's {tokenizer_vocab}")
+  config_lib.require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,
+                     f"smaller than the tokenizer's {tokenizer_vocab}")
+  return cfg

@@ -30,6 +30,8 @@ import grain
 import numpy as np
 
 from laurel import config_lib
+from laurel.config_lib import (BOOL, NON_EMPTY_STRING, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT, STRING, field,
+                               in_range, is_int, is_number, one_of)
 
 NAMES = ('imagenet', 'synthetic')
 MEAN_RGB = np.array([0.485, 0.456, 0.406], np.float32) * 255
@@ -38,56 +40,29 @@ STDDEV_RGB = np.array([0.229, 0.224, 0.225], np.float32) * 255
 
 @dataclasses.dataclass(frozen=True)
 class ImageDataConfig:
-  name: str = 'synthetic'  # 'imagenet' | 'synthetic'
-  image_size: int = 224
-  num_classes: int = 1000
-  tfds_name: str = 'imagenet2012'
-  tfds_data_dir: str = ''  # '' = TFDS's default
-  train_split: str = 'train'
-  eval_split: str = 'validation'
-  min_crop_area: float = 0.08
-  max_aspect_ratio: float = 4 / 3
-  eval_crop_fraction: float = 0.875
-  random_flip: bool = True
-  synthetic_train_examples: int = 10_000
-  synthetic_eval_examples: int = 1_000
-  synthetic_noise: float = 0.3
-  read_threads: int = 4
-  num_workers: int = 0
-  prefetch: int = 2
+  """`config.data` of a classification run."""
+  name: str = field('synthetic', one_of(*NAMES))
+  image_size: int = field(224, (lambda v: is_int(v) and v >= 8, 'must be an integer >= 8'))
+  num_classes: int = field(1000, POSITIVE_INT)
+  tfds_name: str = field('imagenet2012', NON_EMPTY_STRING)
+  tfds_data_dir: str = field('', STRING)  # '' = TFDS's default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
+  train_split: str = field('train', NON_EMPTY_STRING)
+  eval_split: str = field('validation', NON_EMPTY_STRING)
+  min_crop_area: float = field(0.08, in_range(0, 1, closed=(False, True)))  # random-resized crop: area share
+  max_aspect_ratio: float = field(4 / 3, (lambda v: is_number(v) and v >= 1, 'must be a number >= 1'))
+  eval_crop_fraction: float = field(0.875, in_range(0, 1, closed=(False, True)))  # centre crop (224 of 256)
+  random_flip: bool = field(True, BOOL)
+  synthetic_train_examples: int = field(10_000, POSITIVE_INT)
+  synthetic_eval_examples: int = field(1_000, POSITIVE_INT)
+  synthetic_noise: float = field(0.3, NON_NEGATIVE)  # noise std as a share of the pixel range
+  read_threads: int = field(4, NON_NEGATIVE_INT)  # threads decoding per process (PIL releases the GIL)
+  num_workers: int = field(0, NON_NEGATIVE_INT)  # grain worker processes; 0 reads in the main process
+  prefetch: int = field(2, NON_NEGATIVE_INT)  # batches buffered ahead
 
 
 def validate(data_cfg: Any, field: str = 'data') -> ImageDataConfig:
   """Checks `config.data` without touching any file; errors name the field and the value."""
-  names = {f.name for f in dataclasses.fields(ImageDataConfig)}
-  values = dict(data_cfg.items())
-  unknown = sorted(set(values) - names)
-  if unknown:
-    raise ValueError(f'{field}.{unknown[0]}: unknown field (known: {", ".join(sorted(names))})')
-
-  def bad(name, why):
-    raise ValueError(f'{field}.{name}={values[name]!r}: {why}')
-
-  def check(name, ok, why):
-    if name in values and not ok(values[name]):
-      bad(name, why)
-
-  is_int, is_num = config_lib.is_int, config_lib.is_number
-  check('name', lambda v: v in NAMES, f'must be one of {", ".join(NAMES)}')
-  check('image_size', lambda v: is_int(v) and v >= 8, 'must be an integer >= 8')
-  for n in ('num_classes', 'synthetic_train_examples', 'synthetic_eval_examples'):
-    check(n, lambda v: is_int(v) and v >= 1, 'must be a positive integer')
-  for n in ('tfds_name', 'train_split', 'eval_split'):
-    check(n, lambda v: isinstance(v, str) and v, 'must be a non-empty string')
-  check('tfds_data_dir', lambda v: isinstance(v, str), "must be a string ('' = TFDS's default)")
-  check('min_crop_area', lambda v: is_num(v) and 0 < v <= 1, 'must be a number in (0, 1]')
-  check('max_aspect_ratio', lambda v: is_num(v) and v >= 1, 'must be a number >= 1')
-  check('eval_crop_fraction', lambda v: is_num(v) and 0 < v <= 1, 'must be a number in (0, 1]')
-  check('random_flip', lambda v: isinstance(v, bool), 'must be a bool')
-  check('synthetic_noise', lambda v: is_num(v) and v >= 0, 'must be a non-negative number')
-  for n in ('read_threads', 'num_workers', 'prefetch'):
-    check(n, lambda v: is_int(v) and v >= 0, 'must be a non-negative integer')
-  return ImageDataConfig(**values)
+  return config_lib.build(ImageDataConfig, data_cfg, field)
 
 
 def normalize(image_HxWx3: np.ndarray) -> np.ndarray:

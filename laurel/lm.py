@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from laurel import config_lib, residual
+from laurel.config_lib import BOOL, POSITIVE_INT, field, is_number, one_of, require
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 REMAT_POLICIES = {
@@ -26,66 +27,42 @@ REMAT_POLICIES = {
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-CHOICES = {
-    'norm_position': ('pre', 'post'),
-    'positional': ('rope', 'learned'),
-    'mlp': ('gelu', 'swiglu'),
-    'dtype': tuple(DTYPES),
-    'param_dtype': tuple(DTYPES),
-    'remat': tuple(REMAT_POLICIES),
-}
 
 
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
-  vocab_size: int = 256
-  d_model: int = 128
-  num_heads: int = 4
-  d_ff: int = 512
-  num_layers: int = 4
-  max_len: int = 256  # only used by learned positions
-  norm_position: str = 'pre'
-  positional: str = 'rope'
-  rope_base: float = 10_000.0
-  mlp: str = 'gelu'
-  tie_embeddings: bool = True
-  dtype: str = 'float32'  # compute
-  param_dtype: str = 'float32'
-  scan_layers: bool = True
-  remat: str = 'none'
+  """`config.model` of an LM run."""
+  vocab_size: int = field(256, POSITIVE_INT)
+  d_model: int = field(128, POSITIVE_INT)
+  num_heads: int = field(4, POSITIVE_INT)
+  d_ff: int = field(512, POSITIVE_INT)
+  num_layers: int = field(4, POSITIVE_INT)
+  max_len: int = field(2048, POSITIVE_INT)  # only used by learned positions
+  norm_position: str = field('pre', one_of('pre', 'post'))
+  positional: str = field('rope', one_of('rope', 'learned'))
+  rope_base: float = field(10_000.0, (lambda v: is_number(v) and v > 1, 'must be a number > 1'))
+  mlp: str = field('gelu', one_of('gelu', 'swiglu'))
+  tie_embeddings: bool = field(True, BOOL)
+  dtype: str = field('float32', one_of(*DTYPES))  # compute
+  param_dtype: str = field('float32', one_of(*DTYPES))
+  scan_layers: bool = field(True, BOOL)
+  remat: str = field('none', one_of(*REMAT_POLICIES))
   laurel: residual.LaurelSpec = residual.LaurelSpec()
 
   @property
   def num_sites(self) -> int:
     return self.num_layers * (2 if self.laurel.site == 'sublayer' else 1)
 
+  def check(self, prefix: str) -> None:
+    require(self.d_model % self.num_heads == 0, f'{prefix}.num_heads', self.num_heads,
+            f'must divide d_model={self.d_model}')
+    require(self.positional != 'rope' or (self.d_model // self.num_heads) % 2 == 0, f'{prefix}.num_heads',
+            self.num_heads, 'RoPE needs an even head width')
+    self.laurel.check_sizes(self.d_model, self.num_sites, f'{prefix}.laurel')
+
   @classmethod
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'LMConfig':
-    """Validates `config.model`; errors name the field and the value."""
-    values = config_lib.known_fields(cls, model_cfg, field)
-    for name, choices in CHOICES.items():
-      if name in values:
-        config_lib.require(values[name] in choices, f'{field}.{name}', values[name],
-                           f'must be one of {", ".join(choices)}')
-    for name in ('vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_layers', 'max_len'):
-      if name in values:
-        config_lib.require(config_lib.is_int(values[name]) and values[name] >= 1, f'{field}.{name}', values[name],
-                           'must be a positive integer')
-    for name in ('tie_embeddings', 'scan_layers'):
-      if name in values:
-        config_lib.require(isinstance(values[name], bool), f'{field}.{name}', values[name], 'must be a bool')
-    if 'rope_base' in values:
-      config_lib.require(config_lib.is_number(values['rope_base']) and values['rope_base'] > 1, f'{field}.rope_base',
-                         values['rope_base'], 'must be a number > 1')
-    cfg = cls(**values)
-    config_lib.require(cfg.d_model % cfg.num_heads == 0, f'{field}.num_heads', cfg.num_heads,
-                       f'must divide d_model={cfg.d_model}')
-    config_lib.require(cfg.positional != 'rope' or (cfg.d_model // cfg.num_heads) % 2 == 0, f'{field}.num_heads',
-                       cfg.num_heads, 'RoPE needs an even head width')
-    laurel_cfg = model_cfg.get('laurel', {})
-    sites = cfg.num_layers * (2 if laurel_cfg.get('site', 'block') == 'sublayer' else 1)
-    spec = residual.LaurelSpec.from_config(laurel_cfg, cfg.d_model, sites, f'{field}.laurel')
-    return dataclasses.replace(cfg, laurel=spec)
+    return config_lib.build(cls, model_cfg, field)
 
 
 class Dense(nn.Module):
@@ -175,47 +152,46 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """One transformer block. Carry: (x, pending), pending being PA's running sums (LaurelResidual.push).
-
-  `rw` holds RW's weights of this block's sites (ChainRW): (α_T, β_TxK) for its T = 1 or 2 sites.
-  """
+  """One transformer block, whose residual connections are LAuReL sites: one around the whole block, or one
+  around each sublayer (`laurel.site`). Carry: (x, pending), pending being PA's running sums; `rw` holds RW's
+  weights of this block's T = 1 or 2 sites (ChainRW)."""
   cfg: LMConfig
 
   @nn.compact
   def __call__(self, carry, positions_BxL, segment_ids_BxL, rw=None):
-    cfg, spec = self.cfg, self.cfg.laurel
-    pre = cfg.norm_position == 'pre'
+    cfg = self.cfg
     x_BxLxD, pending = carry
     norm_attn, norm_mlp = _norm(cfg, 'norm_attn'), _norm(cfg, 'norm_mlp')
-    site = lambda name: residual.LaurelResidual(spec, cfg.d_model, DTYPES[cfg.param_dtype], chain=True, name=name)
-    site_rw = lambda t: None if rw is None else (rw[0][t], rw[1][t])
-    # RW's α is folded into the last projection of f, so autodiff keeps no extra activation for its gradient.
-    alpha = lambda t: None if rw is None else rw[0][t]
+    attn, mlp = Attention(cfg, name='attn'), Mlp(cfg, name='mlp')
+    attn_f = lambda x, xn, alpha: attn(xn, positions_BxL, segment_ids_BxL, alpha)
+    mlp_f = lambda x, xn, alpha: mlp(xn, alpha)
 
-    xn_BxLxD = norm_attn(x_BxLxD) if pre else x_BxLxD
-    if spec.site == 'sublayer':
-      attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL, alpha(0))
-      h_BxLxD, pending = site('laurel_attn').push(attn_BxLxD, x_BxLxD, pending, site_rw(0), xn_BxLxD,
-                                                  alpha_applied=True)
+    def block_f(x, xn, alpha):  # f(x) = block(x) − x: attention + MLP (plus the post-norm shift of h)
+      attn_BxLxD = attn(xn, positions_BxL, segment_ids_BxL)
+      h_BxLxD = x + attn_BxLxD
+      if cfg.norm_position == 'pre':
+        return residual.scaled(attn_BxLxD, alpha) + mlp(norm_mlp(h_BxLxD), alpha)
+      h_BxLxD = norm_attn(h_BxLxD)
+      return residual.scaled(h_BxLxD - x, alpha) + mlp(h_BxLxD, alpha)
+
+    if cfg.laurel.site == 'sublayer':
+      x_BxLxD, pending = self.site('laurel_attn', attn_f, norm_attn, norm_attn, x_BxLxD, pending, rw, 0)
+      x_BxLxD, pending = self.site('laurel_mlp', mlp_f, norm_mlp, norm_mlp, x_BxLxD, pending, rw, 1)
     else:
-      attn_BxLxD = Attention(cfg, name='attn')(xn_BxLxD, positions_BxL, segment_ids_BxL)
-      h_BxLxD = x_BxLxD + attn_BxLxD
-    h_BxLxD = h_BxLxD if pre else norm_attn(h_BxLxD)
-    hn_BxLxD = norm_mlp(h_BxLxD) if pre else h_BxLxD
-    if spec.site == 'sublayer':
-      mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD, alpha(1))
-      out_BxLxD, pending = site('laurel_mlp').push(mlp_BxLxD, h_BxLxD, pending, site_rw(1), hn_BxLxD,
-                                                   alpha_applied=True)
-    else:  # f(x) = block(x) - x: attention + MLP (plus the post-norm shift of h)
-      mlp_BxLxD = Mlp(cfg, name='mlp')(hn_BxLxD, alpha(0))
-      attn_part_BxLxD = attn_BxLxD if pre else h_BxLxD - x_BxLxD
-      if rw is not None:
-        attn_part_BxLxD = alpha(0).astype(x_BxLxD.dtype) * attn_part_BxLxD
-      out_BxLxD, pending = site('laurel').push(mlp_BxLxD + attn_part_BxLxD, x_BxLxD, pending, site_rw(0),
-                                               xn_BxLxD, alpha_applied=True)
-    out_BxLxD = out_BxLxD if pre else norm_mlp(out_BxLxD)
-    out_BxLxD = nn.with_logical_constraint(out_BxLxD, ('act_batch', 'act_len', 'act_embed'))
-    return (out_BxLxD, pending), None
+      x_BxLxD, pending = self.site('laurel', block_f, norm_attn, norm_mlp, x_BxLxD, pending, rw, 0)
+    return (x_BxLxD, pending), None
+
+  def site(self, name, f, norm_in, norm_out, x_BxLxD, pending, rw, t):
+    """x_{i+1} = α·f(x_i) + g(x_i, …): norm_in before f (pre-norm) or norm_out after the sum (post-norm).
+    f(x, normed x, α) applies α to its last projection's kernel, so autodiff keeps no activation for α."""
+    pre = self.cfg.norm_position == 'pre'
+    alpha, beta_K = residual.site_rw(rw, t) or (None, None)
+    xn_BxLxD = norm_in(x_BxLxD) if pre else x_BxLxD
+    afx_BxLxD = f(x_BxLxD, xn_BxLxD, alpha)
+    out_BxLxD, pending = residual.LaurelResidual(self.cfg.laurel, self.cfg.d_model, DTYPES[self.cfg.param_dtype],
+                                                 name=name)(afx_BxLxD, x_BxLxD, pending, beta_K, xn_BxLxD)
+    out_BxLxD = out_BxLxD if pre else norm_out(out_BxLxD)
+    return nn.with_logical_constraint(out_BxLxD, ('act_batch', 'act_len', 'act_embed')), pending
 
 
 class LM(nn.Module):

@@ -1,14 +1,19 @@
 """Entry point: python -m laurel.main --config=configs/<file>.py:<arg> --workdir=DIR [--config.<field>=<value>]
 
+The shipped configs are also found by name: --config=c4_ablation:rw_lr,preset=tiny.
+
 Bad input exits with status 2 and one line on stderr, before anything is traced or any checkpoint touched.
 """
 
 import importlib.util
-import re
+import logging as logging_std
+import os
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from laurel import config_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -29,7 +34,8 @@ def main(argv):
     fail('--config is required, e.g. --config=configs/c4_ablation.py:rw_lr,preset=tiny')
   if not _WORKDIR.value:
     fail('--workdir is required')
-  logging.set_verbosity(logging.WARNING)
+  logging.set_verbosity(logging.INFO)
+  logging.get_absl_handler().addFilter(_ConsoleFilter())
   import jax
   from laurel import train
   if _COORDINATOR.value or _NUM_PROCESSES.value:
@@ -51,27 +57,15 @@ def main(argv):
     fail(str(e), code=3)
 
 
-def _parse_flags(argv):
-  """absl's parser, with a bad override reported as one line instead of a traceback."""
-  try:
-    return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    root = e
-    while root.__cause__ or root.__context__:  # the config file's own ValueError, if there is one
-      root = root.__cause__ or root.__context__
-    message = ' '.join(str(root).replace('\\n', ' ').split())
-    if isinstance(root, (AttributeError, KeyError)):  # a locked config rejects unknown fields this way
-      field = re.search(r"'(\w+)'", message)
-      bad = [a.split('=')[0][2:] for a in argv[1:]
-             if a.startswith('--config.') and field and field.group(1) in a.split('=')[0].split('.')]
-      message = f'{bad[0] if bad else message}: unknown config field'
-    elif root is not e and 'config' not in message and str(e).startswith('flag '):
-      message = f'{str(e).split(": ")[0]}: {message}'  # name the flag, e.g. --config.steps=abc
-    fail(message)
+class _ConsoleFilter(logging_std.Filter):
+  """Warnings from everything, and clu's console metrics and progress (INFO), nothing else."""
+
+  def filter(self, record):
+    return record.levelno >= logging_std.WARNING or f'{os.sep}clu{os.sep}' in record.pathname
 
 
 def run():
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=config_lib.parse_flags)
 
 
 if __name__ == '__main__':

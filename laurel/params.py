@@ -6,7 +6,6 @@ Prints one JSON object: total and LAuReL parameter counts, the closed form of §
 and the count of the config's baseline row with the share LAuReL adds, beside the paper's figure.
 """
 
-import importlib.util
 import json
 import sys
 
@@ -15,7 +14,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import residual, tasks
+from laurel import config_lib, paper, residual, tasks
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 
@@ -35,24 +34,17 @@ def count(config) -> dict:
           'closed_form_laurel_params': sum(residual.closed_form_params(spec, d) for d in widths)}
 
 
-def _load_config_module(filename):
-  module_spec = importlib.util.spec_from_file_location('config_module', filename)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module
-
-
-def report(config, config_filename: str) -> dict:
-  out = {'row': config.get('row'), 'preset': config.get('preset'), **count(config)}
-  baseline_row = config.get('baseline_row')
-  if baseline_row:
-    arg = baseline_row + (f',preset={config.preset}' if config.get('preset') else '')
-    base = count(_load_config_module(config_filename).get_config(arg))['total_params']
-    out.update(baseline_row=baseline_row, baseline_params=base, added_params=out['total_params'] - base,
+def report(config) -> dict:
+  """`count` of the config, and of its baseline row with the share LAuReL adds, beside the paper's figures."""
+  out = {'row': config.row, 'preset': config.preset, **count(config)}
+  if config.baseline_row:
+    spec = config_flags.get_config_filename(flags.FLAGS['config']).split(':')[0]
+    base = count(config_lib.load(f'{spec}:{config.baseline_row},preset={config.preset}'))['total_params']
+    out.update(baseline_row=config.baseline_row, baseline_params=base, added_params=out['total_params'] - base,
                added_pct=round(100.0 * (out['total_params'] - base) / base, 4))
-  for key in ('paper_params_m', 'paper_params_added_pct', 'paper_top1'):
-    if config.get(key) is not None:
-      out[key] = config[key]
+  table = paper.TABLE5 if config.task == 'lm' else paper.TABLE1
+  published = table.get(config.row, {}) if config.preset == 'paper' else {}
+  out.update({f'paper_{k}': v for k, v in published.items() if k in ('params_m', 'params_added_pct', 'top1')})
   return out
 
 
@@ -61,7 +53,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   try:
     config = _CONFIG.value
-    out = report(config, config_flags.get_config_filename(flags.FLAGS['config']).split(':')[0])
+    out = report(config)
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
@@ -69,4 +61,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=config_lib.parse_flags)

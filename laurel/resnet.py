@@ -8,17 +8,15 @@ f = base_width·2^s and the first block of stages s > 0 has stride 2. With stage
 and 1000 classes this has exactly 25,557,032 parameters and 53,120 batch statistics.
 
 LAuReL (one site per bottleneck block, 16 in ResNet-50): the block's residual `relu(f(x) + shortcut(x))` becomes
-`relu(LaurelResidual(fx=f(x), x=shortcut(x), history))`. In a projection block g acts on the projected shortcut:
-it is that block's x_i. The LAuReL width D of a block is its output channels 4f (256, 512, 1024, 2048), so every
+`relu(LaurelResidual(α·f(x), x=shortcut(x), ...))`. In a projection block g acts on the projected shortcut: it
+is that block's x_i. The LAuReL width D of a block is its output channels 4f (256, 512, 1024, 2048), so every
 block has exactly `residual.closed_form_params(spec, 4f)` extra parameters.
 
-PA history across stages: history holds the x_i (the possibly projected shortcut) of the previous k−1 blocks,
-newest first. Activations of another stage have another shape and cannot be added, so at every projection
-block (a stage boundary) the history is reset to zeros and the projected shortcut becomes the first entry for
-the next block. Inside a stage, block j therefore sees min(j, k−1) real previous activations and zeros for the
-rest, exactly as the first blocks of the LM do. Every block still owns all k (γ, A, B) entries, so parameter
-counts match the closed form; the entries that only ever meet zeros (e.g. x_{i−2} in a stage's second block)
-get zero gradient (only weight decay moves them). Nothing else is carried across a stage boundary.
+Each stage's sites form one chain (laurel.residual): activations of another stage have another shape and
+cannot be added, so PA's running sums start at zero at every stage's first block and what the last blocks
+of a stage send onwards is dropped. Block j of a stage therefore receives min(j, k−1) real earlier terms, as
+the first blocks of the LM do. Every block still owns all k (γ, A, B) entries, so parameter counts match the
+closed form; the entries whose terms are dropped get zero gradient (only weight decay moves them).
 
 BatchNorm keeps running statistics in the 'batch_stats' collection (`use_running_average=not train`,
 momentum 0.9, epsilon 1e-5); under SPMD jax.jit it needs no axis_name (XLA reduces over the global batch).
@@ -35,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from laurel import config_lib, residual
+from laurel.config_lib import BOOL, POSITIVE, POSITIVE_INT, field, in_range, is_int, one_of, require
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 EXPANSION = 4  # bottleneck output channels = 4·f
@@ -42,17 +41,25 @@ ACT_AXES = ('act_batch', None, None, 'act_channels')  # NHWC activations
 KERNEL_AXES = (None, None, 'conv_in', 'conv_out')  # flax forbids one logical name twice in an array
 
 
+def _is_stage_sizes(v) -> bool:
+  return isinstance(v, (list, tuple)) and bool(v) and all(is_int(n) and n >= 1 for n in v)
+
+
 @dataclasses.dataclass(frozen=True)
 class ResNetConfig:
-  num_classes: int = 1000
-  stage_sizes: tuple = (3, 4, 6, 3)  # bottleneck blocks per stage; ResNet-50
-  base_width: int = 64  # stem channels and f of the first stage; stage s uses f = base_width·2^s
-  dtype: str = 'float32'  # compute
-  param_dtype: str = 'float32'
-  bn_momentum: float = 0.9
-  bn_epsilon: float = 1e-5
-  zero_init_last_bn: bool = True  # each block starts as its shortcut (Goyal et al. 2017)
-  laurel: residual.LaurelSpec = residual.LaurelSpec()
+  """`config.model` of a classification run."""
+  num_classes: int = field(1000, POSITIVE_INT)
+  stage_sizes: tuple = field((3, 4, 6, 3), (_is_stage_sizes, 'must be a non-empty sequence of positive integers'))
+  base_width: int = field(64, POSITIVE_INT)  # stem channels and f of stage 0; stage s uses f = base_width·2^s
+  dtype: str = field('float32', one_of(*DTYPES))  # compute
+  param_dtype: str = field('float32', one_of(*DTYPES))
+  bn_momentum: float = field(0.9, in_range(0, 1, closed=(True, False)))
+  bn_epsilon: float = field(1e-5, POSITIVE)
+  zero_init_last_bn: bool = field(True, BOOL)  # each block starts as its shortcut (Goyal et al. 2017)
+  laurel: residual.LaurelSpec = residual.LaurelSpec(a_init='xavier')
+
+  def __post_init__(self):
+    object.__setattr__(self, 'stage_sizes', tuple(self.stage_sizes))
 
   @property
   def num_blocks(self) -> int:
@@ -63,41 +70,18 @@ class ResNetConfig:
     """Output channels 4f of every block in order; the LAuReL width D of each site."""
     return tuple(EXPANSION * self.base_width * 2 ** s for s, n in enumerate(self.stage_sizes) for _ in range(n))
 
-  def laurel_params(self) -> int:
-    """Closed-form count of all LAuReL parameters (§2, Table 4), summed over the blocks."""
-    return sum(residual.closed_form_params(self.laurel, d) for d in self.block_channels)
+  def check(self, prefix: str) -> None:
+    lfield = f'{prefix}.laurel'
+    require(self.laurel.site == 'block', f'{lfield}.site', self.laurel.site,
+            "the ResNet has one LAuReL site per bottleneck block; only 'block' is supported")
+    require(self.laurel.form != 'gemma3n', f'{lfield}.form', self.laurel.form,
+            "Gemma 3n's form reads a pre-norm input the ResNet does not have; use 'paper'")
+    # The rank must fit the narrowest block (stage 0, D = 4·base_width); k may span the whole network.
+    self.laurel.check_sizes(min(self.block_channels), self.num_blocks, lfield)
 
   @classmethod
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'ResNetConfig':
-    """Validates `config.model`; errors name the field and the value."""
-    values = config_lib.known_fields(cls, model_cfg, field)
-    is_int, is_number, require = config_lib.is_int, config_lib.is_number, config_lib.require
-    a_dtype = (lambda v: v in DTYPES, f'must be one of {", ".join(DTYPES)}')
-    positive_int = (lambda v: is_int(v) and v >= 1, 'must be a positive integer')
-    checks = {
-        'dtype': a_dtype, 'param_dtype': a_dtype, 'num_classes': positive_int, 'base_width': positive_int,
-        'stage_sizes': (lambda v: isinstance(v, (list, tuple)) and v and all(is_int(n) and n >= 1 for n in v),
-                        'must be a non-empty sequence of positive integers'),
-        'bn_momentum': (lambda v: is_number(v) and 0 <= v < 1, 'must be a number in [0, 1)'),
-        'bn_epsilon': (lambda v: is_number(v) and v > 0, 'must be a positive number'),
-        'zero_init_last_bn': (lambda v: isinstance(v, bool), 'must be a bool'),
-    }
-    for name, (ok, why) in checks.items():
-      if name in values:
-        require(bool(ok(values[name])), f'{field}.{name}', values[name], why)
-    if 'stage_sizes' in values:
-      values['stage_sizes'] = tuple(values['stage_sizes'])
-    cfg = cls(**values)
-
-    laurel_cfg = model_cfg.get('laurel', {})
-    lfield = f'{field}.laurel'
-    require(laurel_cfg.get('site', 'block') == 'block', f'{lfield}.site', laurel_cfg.get('site'),
-            "the ResNet has one LAuReL site per bottleneck block; only 'block' is supported")
-    require(laurel_cfg.get('form', 'paper') != 'gemma3n', f'{lfield}.form', 'gemma3n',
-            "Gemma 3n's form reads a pre-norm input the ResNet does not have; use 'paper'")
-    # The rank must fit the narrowest block (stage 1, D = 4·base_width); k may span the whole network.
-    spec = residual.LaurelSpec.from_config(laurel_cfg, min(cfg.block_channels), cfg.num_blocks, lfield)
-    return dataclasses.replace(cfg, laurel=spec)
+    return config_lib.build(cls, model_cfg, field)
 
 
 def _conv(cfg, features, kernel, strides, name):
@@ -117,32 +101,27 @@ def _bn(cfg, train, name, zero_scale=False):
 
 
 class Bottleneck(nn.Module):
-  """1×1 f → 3×3 f (stride) → 1×1 4f with a LAuReL residual. Returns (output, updated PA history)."""
+  """1×1 f → 3×3 f (stride) → 1×1 4f with a LAuReL residual. Carry and returns (x, PA's pending sums)."""
   cfg: ResNetConfig
   width: int  # f
   strides: int
 
   @nn.compact
-  def __call__(self, x_BxHxWxC, history: tuple, train: bool):
+  def __call__(self, x_BxHxWxC, pending: tuple | None, rw, train: bool):
     cfg = self.cfg
     out_ch = EXPANSION * self.width
     y = nn.relu(_bn(cfg, train, 'bn1')(_conv(cfg, self.width, 1, 1, 'conv1')(x_BxHxWxC)))
     y = nn.relu(_bn(cfg, train, 'bn2')(_conv(cfg, self.width, 3, self.strides, 'conv2')(y)))
     fx_BxHxWxC = _bn(cfg, train, 'bn3', zero_scale=cfg.zero_init_last_bn)(_conv(cfg, out_ch, 1, 1, 'conv3')(y))
-
-    if x_BxHxWxC.shape[-1] != out_ch or self.strides != 1:
-      shortcut_BxHxWxC = _bn(cfg, train, 'proj_bn')(_conv(cfg, out_ch, 1, self.strides, 'proj_conv')(x_BxHxWxC))
-      # Stage boundary: earlier activations have another shape, so PA starts afresh (module docstring).
-      history = tuple(jnp.zeros_like(shortcut_BxHxWxC) for _ in history)
-    else:
-      shortcut_BxHxWxC = x_BxHxWxC
-
-    out_BxHxWxC = residual.LaurelResidual(cfg.laurel, out_ch, DTYPES[cfg.param_dtype], axes=ACT_AXES,
-                                          embed_axis='conv_out', name='laurel')(
-                                              fx_BxHxWxC, shortcut_BxHxWxC, history)
-    history = ((shortcut_BxHxWxC,) + history[:-1]) if history else history
-    out_BxHxWxC = nn.with_logical_constraint(nn.relu(out_BxHxWxC), ACT_AXES)
-    return out_BxHxWxC, history
+    if x_BxHxWxC.shape[-1] != out_ch or self.strides != 1:  # the first block of a stage
+      x_BxHxWxC = _bn(cfg, train, 'proj_bn')(_conv(cfg, out_ch, 1, self.strides, 'proj_conv')(x_BxHxWxC))
+    if pending is None:  # a stage's first site starts its chain: PA's sums start at zero
+      pending = tuple(jnp.zeros_like(x_BxHxWxC) for _ in range(cfg.laurel.history_len))
+    alpha, beta_K = rw or (None, None)
+    out_BxHxWxC, pending = residual.LaurelResidual(cfg.laurel, out_ch, DTYPES[cfg.param_dtype], axes=ACT_AXES,
+                                                   embed_axis='conv_out', name='laurel')(
+                                                       residual.scaled(fx_BxHxWxC, alpha), x_BxHxWxC, pending, beta_K)
+    return nn.with_logical_constraint(nn.relu(out_BxHxWxC), ACT_AXES), pending
 
 
 class ResNet(nn.Module):
@@ -160,12 +139,15 @@ class ResNet(nn.Module):
     x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
     x_BxHxWxC = nn.with_logical_constraint(x, ACT_AXES)
 
-    history = tuple(jnp.zeros_like(x_BxHxWxC) for _ in range(cfg.laurel.history_len))
     for s, blocks in enumerate(cfg.stage_sizes):
+      width, pending = cfg.base_width * 2 ** s, None
+      rw_S = None
+      if cfg.laurel.rw:
+        rw_S = residual.ChainRW(cfg.laurel, blocks, EXPANSION * width, DTYPES[cfg.param_dtype],
+                                embed_axis='conv_out', name=f'stage{s + 1}_laurel_rw')()
       for j in range(blocks):
-        strides = 2 if s > 0 and j == 0 else 1
-        x_BxHxWxC, history = Bottleneck(cfg, cfg.base_width * 2 ** s, strides, name=f'stage{s + 1}_block{j}')(
-            x_BxHxWxC, history, train)
+        x_BxHxWxC, pending = Bottleneck(cfg, width, 2 if s > 0 and j == 0 else 1, name=f'stage{s + 1}_block{j}')(
+            x_BxHxWxC, pending, residual.site_rw(rw_S, j), train)
 
     # Pool and classify in float32: cheap, and keeps the logits exact under bfloat16 compute.
     pooled_BxC = jnp.mean(x_BxHxWxC.astype(jnp.float32), axis=(1, 2))
@@ -174,16 +156,3 @@ class ResNet(nn.Module):
                                                                    ('conv_in', 'classes')),
                           bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('classes',)))(pooled_BxC)
     return nn.with_logical_constraint(logits_BxK.astype(jnp.float32), ('act_batch', 'classes'))
-
-
-def laurel_site_widths(cfg: ResNetConfig) -> list[int]:
-  """The width D of every LAuReL site (one per block, in order), for parameter accounting."""
-  return list(cfg.block_channels)
-
-
-def param_counts(cfg: ResNetConfig, image_size: int = 32) -> tuple[int, int]:
-  """(parameters, batch statistics) of `ResNet(cfg)`, from shapes only (jax.eval_shape allocates nothing)."""
-  images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
-  shapes = jax.eval_shape(lambda x: ResNet(cfg).init(jax.random.key(0), x, train=False), images)
-  count = lambda tree: sum(int(leaf.size) for leaf in jax.tree.leaves(tree))
-  return count(shapes['params']), count(shapes.get('batch_stats', {}))

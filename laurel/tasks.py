@@ -6,12 +6,29 @@ so train and eval both report sum/weight however many batches or devices they sp
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from laurel import lm
+
+
+class Task(Protocol):
+  """What the train loop (laurel.train) asks of a model family."""
+  unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
+  model_cfg: Any  # the validated `config.model` (LMConfig, ResNetConfig)
+
+  def validate(self) -> None: ...  # checks config.data; one-line ValueError
+  def units_per_example(self) -> int: ...
+  def laurel_site_widths(self) -> list[int]: ...  # D of every LAuReL site, for parameter accounting
+  def example_batch(self, batch_size: int) -> dict: ...  # zeros of the batch's shapes and dtypes
+  def init(self, rng, batch) -> dict: ...  # the model's variables
+  def loss(self, params, model_state, batch, train: bool): ...  # (loss, (metrics, model_state))
+  def model_flops(self, batch_size: int) -> float: ...  # per train step, from the model alone
+  def dataset(self, *, train, batch_size, seed, process_index, process_count): ...  # a grain.IterDataset
 
 
 class LMTask:
@@ -32,6 +49,20 @@ class LMTask:
 
   def laurel_site_widths(self) -> list[int]:
     return [self.model_cfg.d_model] * self.model_cfg.num_sites
+
+  def model_flops(self, batch_size: int) -> float:
+    """PaLM's model FLOPs (Chowdhery et al. 2022, appendix B): 6N + 12·L·H·Q·T per token, T the sequence
+    length. N counts every parameter that multiplies an activation: all of them but the lookup tables (an
+    untied input embedding, learned positions); a tied embedding counts once, as the output projection."""
+    cfg = self.model_cfg
+    shapes = jax.eval_shape(self.init, jax.random.key(0), self.example_batch(1))['params']
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    if not cfg.tie_embeddings:
+      n -= cfg.vocab_size * cfg.d_model
+    if cfg.positional == 'learned':
+      n -= cfg.max_len * cfg.d_model
+    seq_len = self.config.data.seq_len
+    return batch_size * seq_len * (6 * n + 12 * cfg.num_layers * cfg.d_model * seq_len)
 
   def example_batch(self, batch_size: int) -> dict:
     shape = (batch_size, self.config.data.seq_len)
@@ -79,8 +110,14 @@ class ClassificationTask:
     return 1
 
   def laurel_site_widths(self) -> list[int]:
-    from laurel import resnet
-    return resnet.laurel_site_widths(self.model_cfg)
+    return list(self.model_cfg.block_channels)
+
+  def model_flops(self, batch_size: int) -> float:
+    """3× the compiler's FLOPs of the forward pass (backward ≈ 2× forward), as convolutions reuse weights."""
+    from laurel import train
+    images = jax.ShapeDtypeStruct(self.example_batch(batch_size)['images'].shape, jnp.float32)
+    variables = jax.eval_shape(self.init, jax.random.key(0), self.example_batch(1))
+    return 3 * train.xla_flops(jax.jit(lambda v, x: self.model.apply(v, x, train=False)).lower(variables, images))
 
   def example_batch(self, batch_size: int) -> dict:
     s = self.config.data.image_size
@@ -114,7 +151,7 @@ class ClassificationTask:
 TASKS = {'lm': LMTask, 'classification': ClassificationTask}
 
 
-def get_task(config):
+def get_task(config) -> Task:
   if config.task not in TASKS:
     raise ValueError(f'task={config.task!r}: must be one of {", ".join(TASKS)}')
   return TASKS[config.task](config)

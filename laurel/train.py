@@ -1,17 +1,16 @@
-"""The train loop shared by every task (laurel.tasks): sharded jit step, orbax checkpoints, metrics.
+"""The train loop shared by every task (laurel.tasks): sharded jit step, orbax checkpoints, clu metrics.
 
   state   = TrainState(step, params, opt_state, model_state), sharded by the logical-axis rules
   step    = jax.jit(train_step, in/out shardings, donated state), compiled ahead of time
-  resume  = latest readable checkpoint in WORKDIR/checkpoints (model state + grain iterator state)
-  outputs = WORKDIR/metrics.jsonl, WORKDIR/tensorboard/, WORKDIR/final.json
+  resume  = latest checkpoint every host can read in WORKDIR/checkpoints (model + grain iterator state)
+  outputs = WORKDIR/metrics.jsonl, WORKDIR/tensorboard/, WORKDIR/final.json (and WORKDIR/profile/)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
-import shutil
 import signal
 import sys
 import time
@@ -30,12 +29,83 @@ from absl import logging
 from etils import epath
 
 from laurel import config_lib, sharding, tasks
+from laurel.config_lib import (BOOL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, field, in_range, is_int,
+                               one_of, require)
 
 # Dense bf16 peak FLOP/s per chip, for MFU; devices not listed report no MFU (e.g. CPU).
 PEAK_FLOPS = {'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12, 'TPU v5': 459e12,
               'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12,
               'NVIDIA A100-SXM4-80GB': 312e12, 'NVIDIA A100-SXM4-40GB': 312e12}
 NO_DECAY = ('scale', 'bias', 'rw_w', 'pa_gamma')  # norms, biases and LAuReL scalars
+# Logical axis -> mesh axes. Parameters shard over fsdp (and tensor for the wide dims); activations shard
+# their batch over data x fsdp. Override `logical_axis_rules` in a config to try other layouts.
+LOGICAL_AXIS_RULES = (
+    ('act_batch', ('data', 'fsdp')), ('act_len', None), ('act_embed', None), ('act_heads', 'tensor'),
+    ('act_mlp', 'tensor'), ('act_vocab', 'tensor'), ('act_channels', None), ('embed', 'fsdp'),
+    ('vocab', 'tensor'), ('mlp', 'tensor'), ('heads', 'tensor'), ('kv', None), ('layers', None),
+    ('laurel_rank', None), ('laurel_k', None), ('laurel_rw', None), ('laurel_sites', None), ('conv_in', None),
+    ('conv_out', 'fsdp'), ('classes', None), ('spatial', None),
+)
+DATA_SHARDS = 64  # data_shards=0 uses gcd(batch_size, DATA_SHARDS) input streams, whatever the host count
+UNIT_INTERVAL = in_range(0, 1, closed=(True, False))
+MESH_AXIS = (lambda v: is_int(v) and (v >= 1 or v == -1), 'must be a positive integer or -1')
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """`config.optimizer`: AdamW with linear warmup and cosine decay, global-norm clipping."""
+  learning_rate: float = field(3e-3, POSITIVE)
+  warmup_steps: int = field(100, NON_NEGATIVE_INT)
+  min_lr_ratio: float = field(0.1, in_range(0, 1))  # cosine decays to learning_rate * min_lr_ratio
+  b1: float = field(0.9, UNIT_INTERVAL)
+  b2: float = field(0.95, UNIT_INTERVAL)
+  eps: float = field(1e-8, POSITIVE)
+  weight_decay: float = field(0.1, NON_NEGATIVE)
+  grad_clip: float = field(1.0, POSITIVE)
+  grad_accum_steps: int = field(1, POSITIVE_INT)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """`config.mesh`: the (data, fsdp, tensor) device mesh; -1 takes the devices the other axes leave."""
+  data: int = field(-1, MESH_AXIS)
+  fsdp: int = field(1, MESH_AXIS)
+  tensor: int = field(1, MESH_AXIS)
+
+  def check(self, prefix):
+    sizes = dataclasses.asdict(self)
+    require(list(sizes.values()).count(-1) <= 1, prefix, sizes, 'at most one axis may be -1')
+
+
+def _is_profile_steps(v) -> bool:
+  return v == () or (isinstance(v, tuple) and len(v) == 2 and all(is_int(s) for s in v) and 1 <= v[0] < v[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The top level of a config: the train loop's fields; `model` and `data` are the task's sections."""
+  task: str = field('lm', one_of(*tasks.TASKS))
+  row: str = ''  # the row of the config file this is (tables and scripts group runs by it)
+  preset: str = ''
+  baseline_row: str = ''  # the row this one is compared with
+  seed: int = field(0, (is_int, 'must be an integer'))
+  steps: int = field(1000, POSITIVE_INT)
+  batch_size: int = field(16, POSITIVE_INT)  # global, in sequences (LM) or images
+  log_every: int = field(50, POSITIVE_INT)
+  eval_every: int = field(500, POSITIVE_INT)
+  eval_steps: int = field(10, POSITIVE_INT)
+  checkpoint_every: int = field(500, POSITIVE_INT)
+  keep_checkpoints: int = field(3, POSITIVE_INT)
+  tensorboard: bool = field(True, BOOL)
+  profile_steps: tuple = field((), (_is_profile_steps, 'must be () or (start, stop) with 1 <= start < stop'))
+  # Independent input streams, split over the processes in order; 0 = gcd(batch_size, 64). The global batch
+  # sequence depends on this number only, never on the host count, so a run resumes on any slice.
+  data_shards: int = field(0, NON_NEGATIVE_INT)
+  optimizer: OptimizerConfig = OptimizerConfig()
+  mesh: MeshConfig = MeshConfig()
+  logical_axis_rules: tuple = LOGICAL_AXIS_RULES
+  model: Any = None
+  data: Any = None
 
 
 class TrainingDiverged(RuntimeError):
@@ -50,51 +120,36 @@ class TrainState:
   model_state: Any  # non-trained variables, e.g. BatchNorm statistics; {} for the LM
 
 
+def base_config(**overrides) -> ml_collections.ConfigDict:
+  """The trainer's ConfigDict, every field at its default; configs fill in `model` and `data`."""
+  return config_lib.config_dict(TrainConfig, **overrides)
+
+
+def num_data_shards(config) -> int:
+  return config.data_shards or math.gcd(config.batch_size, DATA_SHARDS)
+
+
 def validate_config(config, num_devices: int | None = None, process_count: int | None = None):
   """Every check that needs no tracing; returns the task. Errors are one line naming field and value."""
-  def need(ok, field, why):
-    if not ok:
-      raise ValueError(f'{field}={_get(config, field)!r}: {why}')
-
-  for field in ('steps', 'batch_size', 'log_every', 'eval_every', 'eval_steps', 'checkpoint_every',
-                'keep_checkpoints', 'optimizer.grad_accum_steps'):
-    value = _get(config, field)
-    need(config_lib.is_int(value) and value >= 1, field, 'must be a positive integer')
-  o = config.optimizer
-  for field in ('learning_rate', 'warmup_steps', 'min_lr_ratio', 'weight_decay', 'grad_clip'):
-    need(config_lib.is_number(o[field]), f'optimizer.{field}', 'must be a number')
-  need(o.learning_rate > 0, 'optimizer.learning_rate', 'must be positive')
-  need(0 <= o.warmup_steps, 'optimizer.warmup_steps', 'must be >= 0')
-  need(0 <= o.min_lr_ratio <= 1, 'optimizer.min_lr_ratio', 'must be in [0, 1]')
-  need(o.weight_decay >= 0, 'optimizer.weight_decay', 'must be >= 0')
-  need(o.grad_clip > 0, 'optimizer.grad_clip', 'must be positive')
+  train_cfg = config_lib.build(TrainConfig, config, '', skip=('model', 'data'))
   task = tasks.get_task(config)
   task.validate()
   num_devices = jax.device_count() if num_devices is None else num_devices
   process_count = jax.process_count() if process_count is None else process_count
-  data, fsdp, _ = sharding.mesh_shape(config.mesh, num_devices)
-  micro = config.batch_size // o.grad_accum_steps
-  need(config.batch_size % o.grad_accum_steps == 0, 'batch_size',
-       f'must be divisible by optimizer.grad_accum_steps={o.grad_accum_steps}')
-  need(micro % (data * fsdp) == 0, 'batch_size',
-       f'each micro-batch ({micro}) must divide over the data-parallel size data*fsdp={data * fsdp}')
-  need(config.batch_size % process_count == 0, 'batch_size', f'must divide over {process_count} processes')
-  need(config_lib.is_int(config.data_shards) and config.data_shards >= 0 and config.data_shards % process_count == 0,
-       'data_shards', f'must be 0 (one per process) or a multiple of the {process_count} processes')
-  need(config.batch_size % max(config.data_shards, 1) == 0, 'batch_size',
-       f'must divide over data_shards={config.data_shards}')
+  data, fsdp, _ = sharding.mesh_shape(train_cfg.mesh, num_devices)
+  batch, accum = train_cfg.batch_size, train_cfg.optimizer.grad_accum_steps
+  require(batch % accum == 0, 'batch_size', batch, f'must be divisible by optimizer.grad_accum_steps={accum}')
+  require((batch // accum) % (data * fsdp) == 0, 'batch_size', batch,
+          f'each micro-batch ({batch // accum}) must divide over the data-parallel size data*fsdp={data * fsdp}')
+  shards = num_data_shards(config)
+  require(batch % shards == 0, 'batch_size', batch, f'must divide over data_shards={shards}')
+  require(shards % process_count == 0, 'data_shards', config.data_shards,
+          f'{shards} input shards do not divide over {process_count} processes; set a multiple')
   return task
 
 
 class ShardedBatches(grain.IterDataset):
-  """Batches made of several independent input shards, concatenated along the batch axis.
-
-  Shard s of `num_shards` belongs to process s % process_count, so the global batch (all processes'
-  rows in process order) is the same whatever the number of processes: config.data_shards fixes it.
-  """
-
-  def __init__(self, shards):
-    super().__init__(shards)
+  """Batches made of several independent input shards, concatenated along the batch axis (local_dataset)."""
 
   def __iter__(self):
     return _ShardedBatchIterator([iter(p) for p in self.parents])
@@ -115,17 +170,11 @@ class _ShardedBatchIterator(grain.DatasetIterator):
 
 
 def local_dataset(task, config, *, train: bool):
-  nproc, pid = jax.process_count(), jax.process_index()
-  num_shards = config.data_shards or nproc
-  mine = range(pid, num_shards, nproc)
+  """This process's rows of the global batch: its consecutive run of the input shards (num_data_shards)."""
+  num_shards, nproc = num_data_shards(config), jax.process_count()
+  mine = range(jax.process_index() * num_shards // nproc, (jax.process_index() + 1) * num_shards // nproc)
   return ShardedBatches([task.dataset(train=train, batch_size=config.batch_size // num_shards, seed=config.seed,
                                       process_index=s, process_count=num_shards) for s in mine])
-
-
-def _get(config, dotted):
-  for part in dotted.split('.'):
-    config = config[part]
-  return config
 
 
 def make_optimizer(o, steps):
@@ -170,70 +219,88 @@ def make_train_step(task, tx, schedule, grad_accum_steps):
   return train_step
 
 
-class MetricsWriter:
-  """metrics.jsonl (one object per logged step) and TensorBoard scalars; process 0 only."""
+class MetricsLog:
+  """WORKDIR/metrics.jsonl (one object per logged step, for scripts) beside clu's writers: the console and
+  TensorBoard. Process 0 writes files; the others only log."""
 
-  def __init__(self, workdir: epath.Path, tensorboard: bool, resume_step: int):
+  def __init__(self, workdir: epath.Path, config, resume_step: int):
     self.active = jax.process_index() == 0
     self.path = workdir / 'metrics.jsonl'
-    self.tb = None
-    if not self.active:
-      return
-    if self.path.exists():  # drop lines a killed run logged past the checkpoint we resume from
+    if self.active and self.path.exists():  # drop lines a killed run logged past the checkpoint we resume from
       kept = [l for l in self.path.read_text().splitlines() if l and json.loads(l)['step'] <= resume_step]
       self.path.write_text(''.join(l + '\n' for l in kept))
-    if tensorboard:
-      from tensorboard.summary.writer.event_file_writer import EventFileWriter
-      self.tb = EventFileWriter(os.fspath(workdir / 'tensorboard'))
+    from clu import metric_writers  # imports TensorFlow (seconds): only where a run starts
+    tensorboard = workdir / 'tensorboard' if config.tensorboard and self.active else None
+    self.writer = metric_writers.create_default_writer(tensorboard, just_logging=not self.active,
+                                                       asynchronous=False)
+    if tensorboard and resume_step == 0:
+      self.writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
+                                 if isinstance(v, (bool, int, float, str))})
 
   def write(self, step: int, values: dict):
-    if not self.active:
-      return
-    row = {'step': step, **{k: (float(v) if isinstance(v, (float, np.floating, jax.Array)) else v)
-                            for k, v in values.items()}}
-    with self.path.open('a') as f:
-      f.write(json.dumps(row) + '\n')
-    if self.tb:
-      from tensorboard.compat.proto import event_pb2, summary_pb2
-      scalars = [summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in row.items()
-                 if k != 'step' and isinstance(v, (int, float)) and math.isfinite(v)]
-      self.tb.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=scalars)))
-      self.tb.flush()
+    values = {k: float(v) if isinstance(v, (float, np.floating, jax.Array)) else v for k, v in values.items()}
+    self.writer.write_scalars(step, {k: v for k, v in values.items() if v is not None})
+    if self.active:
+      with self.path.open('a') as f:
+        f.write(json.dumps({'step': step, **values}) + '\n')
 
   def close(self):
-    if self.tb:
-      self.tb.close()
+    self.writer.close()
+
+
+def _flatten(tree: dict, prefix: str = '') -> dict:
+  out = {}
+  for k, v in tree.items():
+    out.update(_flatten(v, f'{prefix}{k}.') if isinstance(v, dict) else {f'{prefix}{k}': v})
+  return out
 
 
 def _model_signature(config) -> dict:
   return json.loads(ml_collections.ConfigDict({'task': config.task, 'model': config.model}).to_json())
 
 
+# What a damaged checkpoint raises (tensorstore reports missing or corrupt data as ValueError). A checkpoint
+# is moved aside only for these, never for an error that may pass (e.g. a storage service being unavailable).
+UNREADABLE = (ValueError, KeyError, FileNotFoundError, EOFError)
+TRANSIENT_STATUS = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED', 'ABORTED', 'CANCELLED')
+
+
+def _on_every_host(ok: bool) -> bool:
+  """True where every process says True: all hosts must restore the same checkpoint."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
 def _restore_latest(mngr, workdir, config, abstract_state, train_iter):
-  """Latest readable checkpoint, or (None, 0). Unreadable ones are moved aside with a warning, never deleted;
-  a checkpoint of a different model is an error, and nothing in the workdir is touched."""
+  """The latest checkpoint every host can read, or (None, 0). Unreadable ones are moved aside with a
+  warning, never deleted; a checkpoint of another model is an error, and nothing in the workdir changes."""
   for step in sorted(mngr.all_steps(), reverse=True):
+    restored, error = None, None
     try:
       saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-    except Exception as e:  # pylint: disable=broad-except
-      saved, error = None, e
-    if saved is not None and saved != _model_signature(config):
-      raise ValueError(f'--workdir={os.fspath(workdir)!r}: holds checkpoints of a different task/model '
-                       f'(step {step}); use a new workdir or the original config')
-    if saved is not None:
-      try:
-        restored = mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
-        return restored['state'], step
-      except Exception as e:  # pylint: disable=broad-except
-        error = e
+      if saved != _model_signature(config):
+        raise ValueError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use a '
+                         'new workdir or the original config')
+      restored = mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
+    except UNREADABLE as e:
+      if 'different task/model' in str(e) or any(s in str(e) for s in TRANSIENT_STATUS):
+        raise
+      error = e
+    if _on_every_host(restored is not None):
+      return restored['state'], step
     aside = workdir / 'unreadable_checkpoints' / f'{step}.{int(time.time())}'
-    logging.warning('checkpoint %d is unreadable (%s: %s); moving it to %s and trying the previous one',
-                    step, type(error).__name__, str(error).splitlines()[0][:200], aside)
-    print(f'warning: checkpoint {step} is unreadable; moved to {aside}', file=sys.stderr)
+    why = f'{type(error).__name__}: {str(error).splitlines()[0][:200]}' if error else 'unreadable on another host'
+    logging.warning('checkpoint %d is unreadable (%s); moving it to %s', step, why, aside)
     if jax.process_index() == 0:
+      print(f'warning: checkpoint {step} is unreadable; moved to {aside}', file=sys.stderr, flush=True)
       aside.parent.mkdir(parents=True, exist_ok=True)
-      shutil.move(os.fspath(epath.Path(mngr.directory) / str(step)), os.fspath(aside))
+      (epath.Path(mngr.directory) / str(step)).rename(aside)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+      multihost_utils.sync_global_devices(f'moved checkpoint {step}')
     mngr.reload()
   return None, 0
 
@@ -244,11 +311,6 @@ def peak_memory_bytes(compiled) -> int:
   m = compiled.memory_analysis()
   buffers = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
   return int(max(getattr(m, 'peak_memory_in_bytes', 0) or 0, buffers))
-
-
-def _format_eta(seconds: float) -> str:
-  seconds = int(max(seconds, 0))
-  return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else f'{seconds // 60}m{seconds % 60:02d}s'
 
 
 def make_init_state(task, tx, example):
@@ -272,6 +334,11 @@ def step_flops(config) -> float:
     abstract = jax.eval_shape(make_init_state(task, tx, task.example_batch(1)), jax.random.key(0))
     step = make_train_step(task, tx, schedule, config.optimizer.grad_accum_steps)
     return xla_flops(jax.jit(step).lower(abstract, example))
+
+
+def model_flops(config) -> float:
+  """Model FLOPs of one train step on the global batch, from the model alone (no remat, no optimizer)."""
+  return tasks.get_task(config).model_flops(config.batch_size)
 
 
 def xla_flops(lowered_or_compiled) -> float:
@@ -310,14 +377,6 @@ def compile_step(task, config, mesh):
   return compiled, init, abstract, state_shardings
 
 
-def compiled_peak_memory(config, devices=None) -> int:
-  """Peak bytes of `config`'s train step, compiled on `devices` (default: one) and never run."""
-  task = validate_config(config, num_devices=len(devices or [None]))
-  mesh = sharding.make_mesh(config.mesh, devices or jax.devices()[:1])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-    return peak_memory_bytes(compile_step(task, config, mesh)[0])
-
-
 def train(config, workdir: str, devices=None) -> dict:
   """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json."""
   devices = jax.devices() if devices is None else devices
@@ -346,10 +405,20 @@ def train(config, workdir: str, devices=None) -> dict:
 
     num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
     peak_memory = peak_memory_bytes(compiled)
+    # Utilisation only where the chip's peak is known: model FLOPs (MFU) and the compiler's, remat included (HFU).
     peak_flops = PEAK_FLOPS.get(jax.devices()[0].device_kind)
-    flops_per_step = step_flops(config) if peak_flops else 0.0  # MFU only where the chip's peak is known
+    flops = {'mfu': model_flops(config), 'hfu': step_flops(config)} if peak_flops else {}
     units_per_step = config.batch_size * task.units_per_example()
-    writer = MetricsWriter(workdir, config.tensorboard and pid == 0, start)
+    log = MetricsLog(workdir, config, start)
+    from clu import periodic_actions  # pylint: disable=import-outside-toplevel
+    progress = periodic_actions.ReportProgress(num_train_steps=config.steps, every_steps=config.log_every,
+                                               every_secs=None, writer=log.writer)
+    actions = [progress]
+    if config.profile_steps:
+      first, stop = config.profile_steps
+      actions.append(periodic_actions.Profile(logdir=workdir / 'profile', first_profile=first,
+                                              num_profile_steps=stop - first, profile_duration_ms=None,
+                                              every_secs=None))
     if pid == 0:
       (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2))
     print(f'{num_params:,} params | {jax.device_count()} devices, mesh {dict(mesh.shape)} | '
@@ -369,7 +438,7 @@ def train(config, workdir: str, devices=None) -> dict:
       if not math.isfinite(loss):
         raise TrainingDiverged(f'loss is {loss} at step {step}; last good checkpoint: '
                                f'{mngr.latest_step() if mngr.latest_step() is not None else "none"} in '
-                               f'{os.fspath(workdir / "checkpoints")}')
+                               f'{workdir / "checkpoints"}')
 
     def save(step):
       mngr.save(step, force=True, args=ocp.args.Composite(
@@ -389,6 +458,8 @@ def train(config, workdir: str, devices=None) -> dict:
         if pending is not None:  # one step behind, so the host never waits on the step in flight
           check_finite(*pending)
         pending, done = (step + 1, metrics), step + 1
+        for action in actions:
+          action(done)
         last = done == config.steps
         stop = mngr.reached_preemption(done) if nproc > 1 else bool(preempted)
         if done % config.log_every == 0 or last or stop:
@@ -397,22 +468,15 @@ def train(config, workdir: str, devices=None) -> dict:
           step_times.append(dt)
           row = {k: float(v) for k, v in jax.device_get(metrics).items()}
           row.update(step_time_s=dt, **{f'{task.unit}_per_s': units_per_step / dt},
-                     peak_memory_bytes=peak_memory, params=num_params)
-          if peak_flops and flops_per_step:
-            row['mfu'] = flops_per_step / dt / (peak_flops * jax.device_count())
+                     peak_memory_bytes=peak_memory, params=num_params,
+                     **{k: f / dt / (peak_flops * jax.device_count()) for k, f in flops.items()})
           stats = jax.local_devices()[0].memory_stats()
           if stats and 'peak_bytes_in_use' in stats:
             row['device_peak_bytes'] = stats['peak_bytes_in_use']
-          writer.write(done, row)
-          if pid == 0:
-            print(f'step {done}/{config.steps} | loss {row["loss"]:.4f} | lr {row["learning_rate"]:.2e} | '
-                  f'{units_per_step / dt:,.0f} {task.unit}/s | {dt:.3f} s/step | '
-                  f'ETA {_format_eta(dt * (config.steps - done))}', flush=True)
+          log.write(done, row)
         if done % config.eval_every == 0 or last:
           eval_metrics = evaluate()
-          writer.write(done, eval_metrics)
-          if pid == 0:
-            print(f'step {done} | ' + ' | '.join(f'{k} {v:.4f}' for k, v in eval_metrics.items()), flush=True)
+          log.write(done, eval_metrics)
         if done % config.checkpoint_every == 0 or last or stop:
           check_finite(*pending)
           save(done)
@@ -428,11 +492,11 @@ def train(config, workdir: str, devices=None) -> dict:
     finally:
       if previous is not None:
         signal.signal(signal.SIGTERM, previous)
-      writer.close()
+      log.close()
       mngr.close()
 
   final = {'step': config.steps, **eval_metrics, 'params': num_params, 'peak_memory_bytes': peak_memory,
-           'avg_step_time_s': float(np.median(step_times)) if step_times else None}
+           'median_step_time_s': float(np.median(step_times)) if step_times else None}
   if pid == 0:
     (workdir / 'final.json').write_text(json.dumps(final, indent=2) + '\n')
   return final

@@ -3,341 +3,209 @@
   python scripts/benchmark.py [--out=results/benchmark_cpu.json] [--rows=baseline_24,rw_lr] [--batch_size=N]
       [--seq_len=N] [--steps=N] [--steps_per_round=N] [--nofull_shape_memory] [--set=<field>=<value> ...]
 
-Every row is compiled (laurel.train.compile_step) and initialised first; then the rows are timed in rounds, each
-round running --steps_per_round steps of every row in turn, the order rotating from round to round, so that a
-change in the machine's load hits every row alike. Each row first runs --warmup untimed steps; every timed step
-ends in jax.block_until_ready. Baseline-24 is always measured, whatever --rows says. Per row, as ratios to it:
-  step_time_ratio         median step time / Baseline-24's
-  step_time_ratio_paired  median over rounds of the ratio within a round
-  step_time_min_ratio     fastest step / Baseline-24's fastest: other processes can only add time, so on a
-                          shared machine this is the steadiest of the three
-  cpu_time_*              (CPU only) the same for the process's CPU seconds per step, which waiting for a
-                          core does not inflate
-Measured on the 2-core development machine while other jobs ran, single steps varied by 2x from round to round:
-read the CPU ratios as rough, and quote accelerator runs.
-
-Shape. Defaults depend on the platform. On CPU: the true Table 5 model (24 layers, D=768, F=2048, 12 heads,
-vocabulary 32,768: the paper preset of configs/c4_ablation.py) at batch 1 x 512 tokens, float32, the preset's remat:
-a small batch rather than a shrunken model, whose r/D and vocabulary share would distort the ratios
-(/work/shared/NOTES.md). On GPU/TPU: 32 sequences x 1024 tokens per device (Table 5's 512 x 1024 on 16 chips),
-with the preset's bfloat16 and remat. Each flag below overrides its default; --set overrides any config field.
-
-MFU = FLOPs per step / step time / (peak FLOP/s per device x devices), peak from laurel.train.PEAK_FLOPS (null
-where unknown, e.g. CPU). XLA's cost analysis counts a scanned layer stack's body once, so the FLOPs are those
-of the same train step lowered (not compiled) with the layers unrolled; `xla_flops_compiled` is the raw figure
-of the scanned step, for reference. With remat the FLOPs include the recomputation (hardware FLOPs).
-
-Full-shape memory (--full_shape_memory, on by default): each row's step compiled, not run, at Table 5's
-per-device shape (32 x 1024 tokens per device, the preset's bfloat16 and remat), with XLA's peak memory for it.
-On CPU this is the CPU compiler's buffer assignment: compare the ratios with Table 5's, not the bytes.
-
-Multi-host (TPU pods): run on every host with --distributed; process 0 writes --out.
+The rows (Baseline-24 always) are compiled, warmed up and timed in rounds, the order rotating so that the machine's
+load hits every row alike. Ratios to Baseline-24: of the median step, of the fastest (_min: the steadiest on a
+shared machine), the median of in-round ratios (_paired) and, on CPU, of process CPU time (cpu_time_*). Default
+shape on CPU: the paper preset's true model at 1 x 512 tokens, float32 (a shrunken model's r/D and vocabulary share
+would distort the ratios: see the shape notes in the README); else 32 x 1024 tokens per device. mfu counts
+laurel.train.model_flops (6·N·tokens + attention), hfu XLA's FLOPs of the step (flops_per_step, remat included),
+over the devices' peak (null where unknown). Full-shape memory: each row also compiled, not run, at Table 5's
+32 x 1024 tokens per device (on CPU compare ratios, not bytes). Pods: run on every host with --distributed.
 """
-
-from __future__ import annotations
 
 import json
 import math
 import os
 import platform
-import shlex
 import statistics
-import sys
 import time
 
 import common  # puts the repo root on sys.path
-from absl import app, flags, logging
+import flax.linen as nn
+import jax
+import numpy as np
+from absl import app, flags
+from etils import epath
 
-C4_ABLATION = 'configs/c4_ablation.py'
-ROWS = ('baseline_24', 'baseline_28', 'rw', 'lr', 'pa', 'rw_lr', 'rw_lr_pa')
-BASELINE = 'baseline_24'
-# Table 5 (TPU v6e 4x4): step-time ratio, peak-memory ratio, peak memory (GB).
-PAPER = {'baseline_24': (1.000, 1.000, 11.65), 'baseline_28': (1.105, 1.136, 13.23), 'rw': (1.000, 1.024, 11.93),
-         'lr': (1.032, 1.055, 12.29), 'pa': (1.053, 1.077, 12.55), 'rw_lr': (1.042, 1.079, 12.57),
-         'rw_lr_pa': (1.095, 1.107, 12.90)}
+from laurel import config_lib, paper, sharding, train
+
+ROWS, BASELINE = tuple(paper.TABLE5), 'baseline_24'
 
 _OUT = flags.DEFINE_string('out', '', 'Write the results as JSON here (besides the table on stdout).')
 _ROWS = flags.DEFINE_list('rows', list(ROWS), 'Table 5 rows to measure; baseline_24 is always added.')
 _PRESET = flags.DEFINE_enum('preset', 'paper', ['paper', 'tiny'], 'Preset of configs/c4_ablation.py.')
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Global batch (sequences). Default: 1 on CPU, else 32/device.')
 _SEQ_LEN = flags.DEFINE_integer('seq_len', None, 'Tokens per sequence. Default: 512 on CPU, else 1024.')
-_DTYPE = flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'],
-                           "Compute dtype. Default: float32 on CPU, else the preset's.")
-_REMAT = flags.DEFINE_enum('remat', None, ['none', 'full', 'dots', 'dots_no_batch'],
-                           "Remat policy. Default: none on CPU, else the preset's.")
-_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps per row before the first round.')
-_STEPS = flags.DEFINE_integer('steps', None, 'Timed steps per row. Default: 3 on CPU, else 30.')
-_STEPS_PER_ROUND = flags.DEFINE_integer('steps_per_round', None,
-                                        'Steps of a row per round. Default: 1 on CPU, else 5.')
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps per row before the first round.', lower_bound=0)
+_STEPS = flags.DEFINE_integer('steps', None, 'Timed steps per row. Default: 3 on CPU, else 30.', lower_bound=1)
+_PER_ROUND = flags.DEFINE_integer('steps_per_round', None, 'Steps of a row per round. Default: 1 on CPU, else 5.',
+                                  lower_bound=1)
 _FULL = flags.DEFINE_bool('full_shape_memory', True, "Also compile each row at Table 5's per-device shape.")
 _FULL_BATCH = flags.DEFINE_integer('full_shape_batch_per_device', 32, 'Full-shape sequences per device.')
 _FULL_SEQ_LEN = flags.DEFINE_integer('full_shape_seq_len', 1024, 'Full-shape tokens per sequence.')
-_SET = flags.DEFINE_multi_string('set', [], '<field>=<value> config override for every row, e.g. '
-                                 'model.laurel.rank=16 (applied last, to both shapes).')
+_SET = flags.DEFINE_multi_string('set', [], 'Config override <field>=<value> for all rows, e.g. model.remat=full.')
 _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (TPU pods).')
 
 
-def row_config(row, *, batch_size, seq_len, dtype=None, remat=None):
-  """The row's config at the benchmark's shape; synthetic data, so nothing is read or downloaded."""
-  c = common.load_config(C4_ABLATION, f'{row},preset={_PRESET.value}')
-  c.batch_size = batch_size
-  c.data.seq_len = seq_len
-  c.data.name = 'synthetic'
-  c.data.vocab_path = ''
-  c.tensorboard = False
-  if dtype:
-    c.model.dtype = dtype
-  if remat:
-    c.model.remat = remat
-  for assignment in _SET.value:
-    common.set_field(c, *common.parse_assignment(assignment))
-  return c
+def row_config(row, batch_size, seq_len, *extra):
+  """The row's config at the benchmark's shape, on synthetic data (nothing is read or downloaded)."""
+  shape = [f'batch_size={batch_size}', f'data.seq_len={seq_len}', 'data.name=synthetic', 'tensorboard=False']
+  return config_lib.load(f'configs/c4_ablation.py:{row},preset={_PRESET.value}', [*shape, *extra, *_SET.value])
 
 
 def shape_of(configs: dict) -> dict:
   c = configs[BASELINE]
-  m = c.model
-  return {'num_layers': {row: configs[row].model.num_layers for row in configs}, 'd_model': m.d_model,
-          'd_ff': m.d_ff, 'num_heads': m.num_heads, 'vocab_size': m.vocab_size, 'mlp': m.mlp,
-          'laurel_rank': m.laurel.rank, 'laurel_k': m.laurel.k, 'batch_size': c.batch_size,
-          'seq_len': c.data.seq_len, 'tokens_per_step': c.batch_size * c.data.seq_len, 'dtype': m.dtype,
-          'param_dtype': m.param_dtype, 'remat': m.remat, 'scan_layers': m.scan_layers, 'preset': c.preset,
-          'mesh': {k: c.mesh[k] for k in ('data', 'fsdp', 'tensor')}, 'set': list(_SET.value)}
+  return {**{k: v for k, v in c.model.items() if k != 'laurel'}, 'laurel': c.model.laurel.to_dict(),
+          'num_layers': {row: configs[row].model.num_layers for row in configs}, 'batch_size': c.batch_size,
+          'seq_len': c.data.seq_len, 'tokens_per_step': c.batch_size * c.data.seq_len, 'preset': c.preset,
+          'mesh': c.mesh.to_dict(), 'set': list(_SET.value)}
 
 
-def compile_row(config, mesh):
-  import flax.linen as nn
-  import jax
-  from laurel import train
-  task = train.validate_config(config)
-  start = time.perf_counter()
+def compile_row(config, mesh) -> tuple:
+  """(compiled step, state initialiser, task, facts): parameters, compile time and memory, the peak as the train
+  loop logs it beside XLA's own peak (which on CPU counts the arguments only)."""
+  task, start = train.validate_config(config), time.perf_counter()
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     compiled, init_state, abstract, _ = train.compile_step(task, config, mesh)
-  return task, compiled, init_state, abstract, time.perf_counter() - start
+  m = compiled.memory_analysis()
+  return compiled, init_state, task, {
+      'params': int(sum(x.size for x in jax.tree.leaves(abstract.params))), 'compile_s': time.perf_counter() - start,
+      'peak_memory_bytes': train.peak_memory_bytes(compiled), 'argument_bytes': int(m.argument_size_in_bytes),
+      'temp_bytes': int(m.temp_size_in_bytes), 'xla_peak_memory_bytes': int(m.peak_memory_in_bytes or 0)}
 
 
 def synthetic_batch(task, config, mesh):
   """One fixed batch of random tokens, one document per row, placed like the train loop places its batches."""
-  import jax
-  import numpy as np
-  from laurel import sharding
-  local = config.batch_size // jax.process_count()
-  rng = np.random.default_rng(jax.process_index())
-  batch = task.example_batch(local)
-  batch['tokens'] = rng.integers(1, config.model.vocab_size, batch['tokens'].shape, dtype=np.int32)
+  batch = task.example_batch(config.batch_size // jax.process_count())
+  batch['tokens'] = np.random.default_rng(jax.process_index()).integers(
+      1, config.model.vocab_size, batch['tokens'].shape, dtype=np.int32)
   batch['positions'] = np.broadcast_to(np.arange(config.data.seq_len, dtype=np.int32), batch['tokens'].shape).copy()
   return sharding.global_batch(batch, mesh)
 
 
-def memory_breakdown(compiled) -> dict:
-  """The step's peak (laurel.train.peak_memory_bytes, as the train loop logs it), its arguments and temporaries,
-  and XLA's own `peak_memory_in_bytes`, which on CPU leaves the temporaries out."""
-  from laurel import train
-  m = compiled.memory_analysis()
-  return {'peak_memory_bytes': train.peak_memory_bytes(compiled), 'argument_bytes': int(m.argument_size_in_bytes),
-          'temp_bytes': int(m.temp_size_in_bytes),
-          'xla_peak_memory_bytes': int(getattr(m, 'peak_memory_in_bytes', 0) or 0)}
-
-
-def time_rows(rows: dict, batch, warmup: int, steps: int, steps_per_round: int) -> tuple[dict, dict]:
-  """Interleaved timing: wall and process CPU seconds, each {row: [[steps of round 0], [round 1], ...]}.
-  On CPU the process time (all of XLA's threads) is less sensitive than the wall time to other processes."""
-  import jax
-
-  def run(r, n):
-    wall, cpu = [], []
-    for _ in range(n):
-      start, start_cpu = time.perf_counter(), time.process_time()
-      r['state'], r['metrics'] = r['compiled'](r['state'], batch)
-      jax.block_until_ready((r['state'], r['metrics']))
-      wall.append(time.perf_counter() - start)
-      cpu.append(time.process_time() - start_cpu)
-    return wall, cpu
-
-  names = list(rows)
-  for name in names:
-    run(rows[name], warmup)
-  rounds = math.ceil(steps / steps_per_round)
-  wall, cpu = {name: [] for name in names}, {name: [] for name in names}
-  for i in range(rounds):
-    n = min(steps_per_round, steps - i * steps_per_round)
-    order = names[i % len(names):] + names[:i % len(names)]
-    for name in order:
-      w, c = run(rows[name], n)
-      wall[name].append(w)
-      cpu[name].append(c)
-    print(f'round {i + 1}/{rounds}: ' + ', '.join(f'{name} {statistics.median(wall[name][-1]):.3f}s'
-                                                  for name in names), flush=True)
-  return wall, cpu
+def time_rows(rows: dict, batch, steps: int, per_round: int):
+  """Sets each row's 'wall' and 'cpu' (process) seconds per step: [[round 0's], [round 1's], ...]."""
+  names, rounds = list(rows), math.ceil(steps / per_round)
+  for i in range(-1, rounds):  # round -1: the warmup
+    for name in names[i % len(names):] + names[:i % len(names)]:
+      r, times = rows[name], []
+      for _ in range(_WARMUP.value if i < 0 else min(per_round, steps - i * per_round)):
+        start = time.perf_counter(), time.process_time()
+        r['state'], r['metrics'] = jax.block_until_ready(r['step'](r['state'], batch))
+        times.append((time.perf_counter() - start[0], time.process_time() - start[1]))
+      if i >= 0:
+        r.setdefault('wall', []).append([t[0] for t in times])
+        r.setdefault('cpu', []).append([t[1] for t in times])
+    if i >= 0:
+      print(f'round {i + 1}/{rounds}: ' + ', '.join(f'{n} {statistics.median(rows[n]["wall"][-1]):.3f}s'
+                                                    for n in names), flush=True)
 
 
 def summarize(prefix: str, rounds, base_rounds) -> dict:
-  """The median over all steps and its ratio to the baseline's; the median over rounds of the ratio within a
-  round (paired); and the ratio of the fastest steps (min: other processes can only add time)."""
+  """Median, fastest and slowest step; ratios to the baseline's, and the median over rounds of the in-round ratio."""
   steps, base = [t for rnd in rounds for t in rnd], [t for rnd in base_rounds for t in rnd]
   paired = statistics.median(statistics.fmean(a) / statistics.fmean(b) for a, b in zip(rounds, base_rounds))
-  return {f'{prefix}_s': statistics.median(steps),
-          f'{prefix}_ratio': ratio(statistics.median(steps), statistics.median(base)),
+  median = statistics.median(steps)
+  return {f'{prefix}_s': median, f'{prefix}_ratio': ratio(median, statistics.median(base)),
           f'{prefix}_ratio_paired': round(paired, 4), f'{prefix}_min_s': min(steps),
           f'{prefix}_min_ratio': ratio(min(steps), min(base)), f'{prefix}_max_s': max(steps)}
-
-
-def device_info() -> dict:
-  import jax
-  from laurel import train
-  kind = jax.devices()[0].device_kind
-  return {'platform': jax.default_backend(), 'device_kind': kind, 'device_count': jax.device_count(),
-          'process_count': jax.process_count(), 'peak_flops_per_device': train.PEAK_FLOPS.get(kind),
-          'host_cpus': os.cpu_count(), 'hostname': platform.node(), 'jax_version': jax.__version__}
 
 
 def ratio(value, base):
   return round(value / base, 4) if value is not None and base else None
 
 
+def measure(configs, mesh, cpu: bool) -> list[dict]:
+  """Compiles, initialises and times the rows: a result row each."""
+  rows, batch, n = {}, None, jax.device_count()
+  for name, c in configs.items():
+    step, init_state, task, facts = compile_row(c, mesh)
+    with jax.set_mesh(mesh):
+      rows[name] = {'step': step, 'state': init_state(jax.random.key(c.seed)), **facts,
+                    'flops_per_step': train.step_flops(c), 'model_flops_per_step': train.model_flops(c),
+                    'xla_flops_compiled': train.xla_flops(step) * n}
+    batch = batch if batch is not None else synthetic_batch(task, c, mesh)
+    print(f"compiled {name}: {facts['compile_s']:.1f}s, {facts['params']:,} params, peak memory "
+          f"{facts['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)
+  time_rows(rows, batch, _STEPS.value or (3 if cpu else 30), _PER_ROUND.value or (1 if cpu else 5))
+  peak, base, c = (train.PEAK_FLOPS.get(jax.devices()[0].device_kind) or 0) * n, rows[BASELINE], configs[BASELINE]
+  out = []
+  for name, r in rows.items():
+    loss, timing = float(jax.device_get(r['metrics']['loss'])), summarize('step_time', r['wall'], base['wall'])
+    if not math.isfinite(loss):
+      raise RuntimeError(f'{name}: loss is {loss} after the timed steps')
+    step_time = timing['step_time_s']
+    out.append({'name': name, **{k: v for k, v in r.items() if k not in ('step', 'state', 'metrics', 'wall', 'cpu')},
+                **timing, 'step_times_s': r['wall'], 'tokens_per_s': c.batch_size * c.data.seq_len / step_time,
+                'mfu': r['model_flops_per_step'] / step_time / peak if peak else None,
+                'hfu': r['flops_per_step'] / step_time / peak if peak and r['flops_per_step'] else None,
+                'final_loss': loss, **{f'{k}_ratio': ratio(r[key], base[key]) for k, key in (
+                    ('params', 'params'), ('flops', 'flops_per_step'), ('peak_memory', 'peak_memory_bytes'))},
+                **{f'paper_{k}': paper.TABLE5[name][k] for k in ('step_time_ratio', 'peak_memory_ratio')},
+                **(dict(summarize('cpu_time', r['cpu'], base['cpu']), cpu_times_s=r['cpu']) if cpu else {})})
+  return out  # cpu_time_*: process CPU seconds per step, meaningful where the host does the work
+
+
+# The table on stdout, {key: header}, beside Table 5's ratios; full_*: the row's full-shape compile.
+COLUMNS = {'name': 'row', 'params': 'params', 'step_time_s': 'step s', 'step_time_ratio': 'ratio',
+           'step_time_ratio_paired': 'paired', 'step_time_min_ratio': 'min', 'cpu_time_s': 'cpu s',
+           'cpu_time_ratio': 'ratio', 'cpu_time_min_ratio': 'min', 'flops_ratio': 'FLOPs',
+           'paper_step_time_ratio': 'Table5', 'tokens_per_s': 'tokens/s', 'mfu': 'MFU', 'hfu': 'HFU',
+           'mib': 'mem MiB', 'peak_memory_ratio': 'ratio', 'full_gib': 'full GiB', 'full_ratio': 'ratio',
+           'paper_peak_memory_ratio': 'Table5'}
+
+
 def print_table(result):
-  full = {r['name']: r for r in result.get('full_shape_memory', [])}
+  full = {r['name']: {'full_gib': r['peak_memory_bytes'] / 2**30, 'full_ratio': r['peak_memory_ratio']}
+          for r in result.get('full_shape_memory', [])}
+  rows = [{**r, 'mib': r['peak_memory_bytes'] / 2**20, **full.get(r['name'], {})} for r in result['rows']]
+  fmt = lambda v: '-' if v is None else f'{v:,}' if isinstance(v, int) else f'{v:,.{3 if v < 100 else 0}f}'
+  cells = [[h for k, h in COLUMNS.items() if k in rows[0]]] + [
+      [r[k] if k == 'name' else fmt(r[k]) for k in COLUMNS if k in rows[0]] for r in rows]
+  widths = [max(len(line[i]) for line in cells) + 2 for i in range(len(cells[0]))]
   s, d = result['shape'], result['device']
   print(f"\n{d['device_kind']} x{d['device_count']} | batch {s['batch_size']} x {s['seq_len']} tokens | {s['dtype']} | "
         f"remat {s['remat']} | D={s['d_model']} F={s['d_ff']} V={s['vocab_size']} | ratios are to {BASELINE}")
-  # (header, width, value of a row): ratios to the baseline beside Table 5's.
-  columns = [('row', 12, lambda r, f: r['name']), ('params', 12, lambda r, f: f"{r['params']:,}"),
-             ('step s', 9, lambda r, f: f"{r['step_time_s']:.3f}"),
-             ('ratio', 7, lambda r, f: f"{r['step_time_ratio']:.3f}"),
-             ('paired', 7, lambda r, f: f"{r['step_time_ratio_paired']:.3f}"),
-             ('min', 7, lambda r, f: f"{r['step_time_min_ratio']:.3f}")]
-  if 'cpu_time_s' in result['rows'][0]:
-    columns += [('cpu s', 9, lambda r, f: f"{r['cpu_time_s']:.3f}"),
-                ('ratio', 7, lambda r, f: f"{r['cpu_time_ratio']:.3f}"),
-                ('min', 7, lambda r, f: f"{r['cpu_time_min_ratio']:.3f}")]
-  columns += [('FLOPs', 7, lambda r, f: f"{r['flops_ratio']:.3f}" if r['flops_ratio'] else '-'),
-              ('Table5', 7, lambda r, f: f"{r['paper_step_time_ratio']:.3f}"),
-              ('tokens/s', 10, lambda r, f: f"{r['tokens_per_s']:,.0f}"),
-              ('MFU', 7, lambda r, f: f"{100 * r['mfu']:.1f}%" if r['mfu'] is not None else '-'),
-              ('mem MiB', 10, lambda r, f: f"{r['peak_memory_bytes'] / 2**20:,.1f}"),
-              ('ratio', 7, lambda r, f: f"{r['peak_memory_ratio']:.3f}")]
-  if full:
-    columns += [('full GiB', 9, lambda r, f: f"{f['peak_memory_bytes'] / 2**30:.2f}"),
-                ('ratio', 7, lambda r, f: f"{f['peak_memory_ratio']:.3f}")]
-  columns += [('Table5', 7, lambda r, f: f"{r['paper_peak_memory_ratio']:.3f}")]
-  print(''.join(f'{h:<{w}}' if i == 0 else f'{h:>{w}}' for i, (h, w, _) in enumerate(columns)))
-  for r in result['rows']:
-    f = full.get(r['name'])
-    print(''.join(f'{v(r, f):<{w}}' if i == 0 else f'{v(r, f):>{w}}' for i, (_, w, v) in enumerate(columns)))
+  for line in cells:
+    print(''.join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
 
 
-def benchmark() -> dict:
-  import jax
-  from laurel import sharding, train
-  cpu = jax.default_backend() == 'cpu'
-  n = jax.device_count()
-  batch_size = _BATCH.value or (1 if cpu else 32 * n)
-  seq_len = _SEQ_LEN.value or (512 if cpu else 1024)
-  dtype = _DTYPE.value or ('float32' if cpu else None)
-  remat = _REMAT.value  # default: the preset's own (dots_no_batch for the paper preset)
-  steps = _STEPS.value or (3 if cpu else 30)
-  steps_per_round = _STEPS_PER_ROUND.value or (1 if cpu else 5)
-  names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value) if r != BASELINE]
-  unknown = [r for r in names if r not in ROWS]
-  if unknown:
-    raise ValueError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(ROWS)})')
-  if steps < 1 or steps_per_round < 1 or _WARMUP.value < 0:
-    raise ValueError('--steps and --steps_per_round must be >= 1, --warmup >= 0')
-
-  configs = {r: row_config(r, batch_size=batch_size, seq_len=seq_len, dtype=dtype, remat=remat) for r in names}
-  for c in configs.values():
-    train.validate_config(c)
-  mesh = sharding.make_mesh(configs[BASELINE].mesh)
-  result = {'device': device_info(), 'shape': shape_of(configs)}
-  print(f"{result['device']['device_kind']} x{n}: {len(names)} rows at batch {batch_size} x {seq_len}, "
-        f"{configs[BASELINE].model.dtype}, remat {configs[BASELINE].model.remat}", flush=True)
-
-  rows, batch = {}, None
-  for name in names:
-    task, compiled, init_state, abstract, compile_s = compile_row(configs[name], mesh)
-    with jax.set_mesh(mesh):
-      state = init_state(jax.random.key(configs[name].seed))
-    batch = batch if batch is not None else synthetic_batch(task, configs[name], mesh)
-    rows[name] = {'compiled': compiled, 'state': state, 'metrics': None, 'compile_s': compile_s,
-                  'params': int(sum(x.size for x in jax.tree.leaves(abstract.params))),
-                  'flops': train.step_flops(configs[name]),
-                  'xla_flops_compiled': train.xla_flops(compiled) * n,
-                  **memory_breakdown(compiled)}
-    print(f"compiled {name}: {compile_s:.1f}s, {rows[name]['params']:,} params, peak memory "
-          f"{rows[name]['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)
-
-  wall, cpu_times = time_rows(rows, batch, _WARMUP.value, steps, steps_per_round)
-  peak_flops = result['device']['peak_flops_per_device']
-  tokens = batch_size * seq_len
-  base = rows[BASELINE]
-  result['rows'] = []
-  for name in names:
-    r = rows[name]
-    loss = float(jax.device_get(r['metrics']['loss']))
-    timing = summarize('step_time', wall[name], wall[BASELINE])
-    step_time = timing['step_time_s']
-    row = {
-        'name': name, 'params': r['params'], 'params_ratio': ratio(r['params'], base['params']), **timing,
-        'step_times_s': wall[name], 'tokens_per_s': tokens / step_time,
-        'mfu': r['flops'] / step_time / (peak_flops * n) if peak_flops and r['flops'] else None,
-        'flops_per_step': r['flops'], 'flops_ratio': ratio(r['flops'], base['flops']),
-        'xla_flops_compiled': r['xla_flops_compiled'],
-        'peak_memory_bytes': r['peak_memory_bytes'],
-        'peak_memory_ratio': ratio(r['peak_memory_bytes'], base['peak_memory_bytes']),
-        'argument_bytes': r['argument_bytes'], 'temp_bytes': r['temp_bytes'], 'compile_s': r['compile_s'],
-        'final_loss': loss, 'paper_step_time_ratio': PAPER[name][0], 'paper_peak_memory_ratio': PAPER[name][1]}
-    if cpu:  # process CPU seconds per step: meaningful where the host does the work
-      row.update(summarize('cpu_time', cpu_times[name], cpu_times[BASELINE]), cpu_times_s=cpu_times[name])
-    result['rows'].append(row)
-    if not math.isfinite(loss):
-      raise RuntimeError(f'{name}: loss is {loss} after the timed steps')
-  rows.clear()  # frees the train states before the full-shape compiles
-
-  if _FULL.value:
-    full = {r: row_config(r, batch_size=_FULL_BATCH.value * n, seq_len=_FULL_SEQ_LEN.value) for r in names}
-    result['full_shape'] = {k: v for k, v in shape_of(full).items()}
-    result['full_shape']['batch_per_device'] = _FULL_BATCH.value
-    result['full_shape']['note'] = ('compiled, not run; XLA buffer assignment for ' + jax.default_backend()
-                                    + ('; compare ratios with Table 5, not bytes' if cpu else ''))
-    result['full_shape_memory'] = []
-    for name in names:
-      _, compiled, _, _, compile_s = compile_row(full[name], mesh)
-      result['full_shape_memory'].append({'name': name, **memory_breakdown(compiled), 'compile_s': compile_s,
-                                          'paper_peak_memory_gb': PAPER[name][2],
-                                          'paper_peak_memory_ratio': PAPER[name][1]})
-      print(f"full shape {name}: peak memory {result['full_shape_memory'][-1]['peak_memory_bytes'] / 2**30:.2f} "
-            f"GiB ({compile_s:.1f}s to compile)", flush=True)
-      del compiled
-    base_bytes = result['full_shape_memory'][0]['peak_memory_bytes']
-    for r in result['full_shape_memory']:
-      r['peak_memory_ratio'] = ratio(r['peak_memory_bytes'], base_bytes)
-  return result
-
-
-def main(argv):
-  if len(argv) > 1:
-    common.fail(f'unexpected arguments: {" ".join(argv[1:])}')
-  logging.set_verbosity(logging.WARNING)
-  import jax
+def main():
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
-  command = shlex.join(getattr(sys, 'orig_argv', [sys.executable, *sys.argv]))
-  start = time.time()
-  try:
-    result = benchmark()
-  except ValueError as e:
-    common.fail(str(e))
-  result['command'] = command
-  result['wall_s'] = round(time.time() - start, 1)
-  if jax.process_index() != 0:
-    return
-  print_table(result)
-  if _OUT.value:
-    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    with open(_OUT.value, 'w') as f:
-      f.write(json.dumps(result, indent=2) + '\n')
-    print(f'wrote {_OUT.value} ({result["wall_s"]:.0f}s)')
+  start, cpu, n, kind = time.time(), jax.default_backend() == 'cpu', jax.device_count(), jax.devices()[0].device_kind
+  names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value) if r != BASELINE]
+  if unknown := [r for r in names if r not in ROWS]:
+    raise ValueError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(ROWS)})')
+  configs = {r: row_config(r, _BATCH.value or (1 if cpu else 32 * n), _SEQ_LEN.value or (512 if cpu else 1024),
+                           *(['model.dtype=float32'] if cpu else [])) for r in names}
+  full = {r: row_config(r, _FULL_BATCH.value * n, _FULL_SEQ_LEN.value) for r in names} if _FULL.value else {}
+  for c in [*configs.values(), *full.values()]:
+    train.validate_config(c)
+  result = {'device': {'platform': jax.default_backend(), 'device_kind': kind, 'device_count': n,
+                       'process_count': jax.process_count(), 'peak_flops_per_device': train.PEAK_FLOPS.get(kind),
+                       'host_cpus': os.cpu_count(), 'hostname': platform.node(), 'jax_version': jax.__version__},
+            'shape': shape_of(configs)}
+  c, mesh = configs[BASELINE], sharding.make_mesh(configs[BASELINE].mesh)
+  print(f'{kind} x{n}: {len(names)} rows, batch {c.batch_size} x {c.data.seq_len}, {c.model.dtype}', flush=True)
+  result['rows'] = measure(configs, mesh, cpu)  # their train states are freed before the full-shape compiles
+  if full:
+    result['full_shape'] = {**shape_of(full), 'batch_per_device': _FULL_BATCH.value, 'note': 'compiled, not run'}
+    result['full_shape_memory'] = rows = []
+    for name, config in full.items():
+      rows.append({'name': name, **compile_row(config, mesh)[3],
+                   **{f'paper_{k}': paper.TABLE5[name][k] for k in ('peak_memory_gb', 'peak_memory_ratio')}})
+      rows[-1]['peak_memory_ratio'] = ratio(rows[-1]['peak_memory_bytes'], rows[0]['peak_memory_bytes'])
+      print(f"full shape {name}: peak memory {rows[-1]['peak_memory_bytes'] / 2**30:.2f} GiB "
+            f"({rows[-1]['compile_s']:.1f}s)", flush=True)
+  result.update(command=common.command(), wall_s=round(time.time() - start, 1))
+  if jax.process_index() == 0:
+    print_table(result)
+    if _OUT.value:
+      epath.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
+      epath.Path(_OUT.value).write_text(json.dumps(result, indent=2) + '\n')
+      print(f'wrote {_OUT.value} ({result["wall_s"]:.0f}s)')
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(common.main(main))

@@ -1,14 +1,23 @@
-"""Helpers shared by the scripts in this folder: load a config file, apply `field=value` overrides."""
+"""Helpers shared by the scripts in this folder: error handling, result files, and Cloud TPU VM commands."""
 
-from __future__ import annotations
-
-import ast
-import importlib.util
+import csv
+import io
+import json
 import math
+import os
 import pathlib
 import re
 import shlex
+import signal
+import subprocess
 import sys
+
+import matplotlib
+from absl import logging
+from etils import epath
+
+matplotlib.use('Agg')  # figures go to files
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
@@ -20,100 +29,93 @@ def fail(message: str, code: int = 2):
   sys.exit(code)
 
 
-def split_spec(spec: str) -> tuple[str, str]:
-  """'configs/<file>.py:<arg>' -> (path, arg)."""
-  path, _, arg = spec.partition(':')
-  return path, arg
-
-
-def config_path(spec: str) -> pathlib.Path:
-  """The config file of `spec`, relative to the current directory or else to the repo root."""
-  path = pathlib.Path(split_spec(spec)[0])
-  if not path.is_file() and (ROOT / path).is_file():
-    path = ROOT / path
-  if not path.is_file():
-    raise ValueError(f'--config={spec!r}: no such config file')
-  return path
-
-
-def runnable_spec(spec: str) -> str:
-  """`spec` with its file made absolute if it is only found relative to the repo root, for subprocesses."""
-  path, arg = split_spec(spec)
-  return spec if pathlib.Path(path).is_file() else f'{config_path(spec)}:{arg}'
-
-
-def load_module(path):
-  module_spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module
-
-
-def load_config(spec: str, arg: str | None = None):
-  """get_config(arg) of the file in `spec`; `arg` defaults to the part after the colon."""
-  return load_module(config_path(spec)).get_config(split_spec(spec)[1] if arg is None else arg)
-
-
-def get_field(config, dotted: str):
-  node = config
-  for part in dotted.split('.'):
+def main(body):
+  """absl's main for `body()`: no stray arguments; a ValueError ends the script as one line `error: ...`."""
+  def run(argv):
+    if len(argv) > 1:
+      fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    logging.set_verbosity(logging.WARNING)
     try:
-      node = node[part]
-    except (KeyError, AttributeError, TypeError):
-      raise ValueError(f'{dotted}: unknown config field') from None
-  return node
+      body()
+    except ValueError as e:
+      fail(str(e))
+  return run
 
 
-def parse_value(current, text: str):
-  """`text` as the type of the field's current value, the way `--config.<field>=<text>` reads it."""
-  if isinstance(current, bool):
-    if text.lower() in ('true', '1', 'yes'):
-      return True
-    if text.lower() in ('false', '0', 'no'):
-      return False
-    raise ValueError('expected true or false')
-  if isinstance(current, int):
-    return int(text)
-  if isinstance(current, float):
-    return float(text)
-  if isinstance(current, str):
-    return text
-  return ast.literal_eval(text)  # tuples, lists, None
+def command() -> str:
+  """This script's command line, as typed in the repo root."""
+  return shlex.join(['python', os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
 
 
-def set_field(config, dotted: str, text: str):
-  """Assigns `text`, typed like the field, to `config.<dotted>`; one-line ValueError naming the field."""
-  current = get_field(config, dotted)
-  *parents, leaf = dotted.split('.')
-  node = get_field(config, '.'.join(parents)) if parents else config
+def require(**flag_holders):
+  if missing := [name for name, holder in flag_holders.items() if not holder.value]:
+    raise ValueError(f'--{missing[0]} is required')
+
+
+def config_flags(sets) -> list[str]:
+  """--set values, <field>=<value> (or --config.<field>=<value>), as laurel.main's --config.<field>=<value>."""
+  return [f'--config.{s.removeprefix("--").removeprefix("config.")}' for s in sets]
+
+
+def write_results(directory, stem: str, result: dict, rows: list[dict], markdown: str, figure):
+  """<stem>.json (`result`), .csv (`rows`, the keys whose values are not dicts), .md and .png in `directory`."""
+  directory = epath.Path(directory)  # local or gs://
+  directory.mkdir(parents=True, exist_ok=True)
+  columns = [k for k in dict.fromkeys(k for r in rows for k in r) if not any(isinstance(r.get(k), dict) for r in rows)]
+  table, png = io.StringIO(), io.BytesIO()
+  writer = csv.DictWriter(table, columns, extrasaction='ignore', lineterminator='\n')
+  writer.writeheader()
+  writer.writerows(rows)
+  figure.savefig(png, format='png', dpi=120)
+  plt.close(figure)
+  for suffix, text in (('json', json.dumps(result, indent=2) + '\n'), ('csv', table.getvalue()), ('md', markdown)):
+    (directory / f'{stem}.{suffix}').write_text(text)
+  (directory / f'{stem}.png').write_bytes(png.getvalue())
+
+
+def run_points(points: list[dict], log_name: str, after=lambda: None) -> list[str]:
+  """`python -m laurel.main` for each point ({'name', 'dir', 'config', 'overrides'}) without a final.json, in turn,
+  output echoed and appended to <dir>/<log_name>, then `after()`. Returns the names of the points that failed."""
+  failed, running, stop = [], [], []
+  # The running point saves a checkpoint and exits; no further point starts.
+  previous = signal.signal(signal.SIGTERM, lambda *_: [stop.append(True), *(p.terminate() for p in running)])
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get('PYTHONPATH')))))
   try:
-    value = parse_value(current, text)
-  except (ValueError, SyntaxError) as e:
-    raise ValueError(f'{dotted}={text!r}: not a valid {type(current).__name__} ({e})') from None
-  try:
-    node[leaf] = value
-  except (TypeError, ValueError) as e:
-    raise ValueError(f'{dotted}={text!r}: {e}') from None
-
-
-def parse_assignment(text: str) -> tuple[str, str]:
-  """'field=value' -> (field, value); the field may be written --config.field."""
-  field, sep, value = text.partition('=')
-  field = field.removeprefix('--').removeprefix('config.')
-  if not sep or not field:
-    raise ValueError(f'{text!r}: expected field=value, e.g. model.laurel.rank=16')
-  return field, value
+    for i, point in enumerate(points):
+      tag, point_dir = f'[{i + 1}/{len(points)} {point["name"]}]', point['dir']
+      if (point_dir / 'final.json').exists():
+        print(f'{tag} finished, skipped', flush=True)
+        continue
+      if stop:
+        break
+      point_dir.mkdir(parents=True, exist_ok=True)
+      cmd = [sys.executable, '-m', 'laurel.main', f'--config={point["config"]}', f'--workdir={point_dir}',
+             *point['overrides']]
+      print(f'{tag} + {shell_line(cmd)}', flush=True)
+      with (point_dir / log_name).open('a') as log, subprocess.Popen(
+          cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:  # waits on exit
+        running[:] = [proc]
+        for line in proc.stdout:
+          log.write(line)
+          print(f'{tag} {line}', end='', flush=True)
+      running.clear()
+      if proc.returncode:
+        print(f'{tag} failed (exit {proc.returncode}); see {point_dir / log_name}', flush=True)
+        failed.append(point['name'])
+      after()
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  if stop:
+    print('stopped by SIGTERM; rerun the same command to resume', flush=True)
+  return failed
 
 
 # Cloud TPU VMs: slices, gcloud commands and the command each host runs (scripts/launch_tpu.py, sweep.py).
 
+
 # generation: accelerator-type prefix, TensorCores per chip in its name, software version, largest size.
-GENERATIONS = {
-    'v4': ('v4', 2, 'tpu-ubuntu2204-base', 4096),
-    'v5p': ('v5p', 2, 'v2-alpha-tpuv5', 4096),
-    'v5e': ('v5litepod', 1, 'v2-alpha-tpuv5-lite', 256),
-    'v6e': ('v6e', 1, 'v2-alpha-tpuv6e', 256),
-}
+GENERATIONS = {'v4': ('v4', 2, 'tpu-ubuntu2204-base', 4096), 'v5p': ('v5p', 2, 'v2-alpha-tpuv5', 4096),
+               'v5e': ('v5litepod', 1, 'v2-alpha-tpuv5-lite', 256), 'v6e': ('v6e', 1, 'v2-alpha-tpuv6e', 256)}
 # Chips -> the slice's topology: 2-D for v5e/v6e, 3-D for v4/v5p (4 chips per host on all of them).
 TOPOLOGY_2D = {1: '1x1', 4: '2x2', 8: '2x4', 16: '4x4', 32: '4x8', 64: '8x8', 128: '8x16', 256: '16x16'}
 TOPOLOGY_3D = {4: '2x2x1', 8: '2x2x2', 16: '2x2x4', 32: '2x4x4', 64: '4x4x4', 128: '4x4x8', 256: '4x8x8',
@@ -125,12 +127,10 @@ TARBALL = 'laurel-src.tar.gz'
 
 def parse_accelerator(name: str, topology: str | None = None) -> dict:
   """'v6e-16' -> generation, chips, hosts, topology and the create flags; one-line ValueError otherwise."""
-  known = ', '.join(f'{p}-N' for p, *_ in GENERATIONS.values())
-  match = re.fullmatch(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)', name or '')
-  if not match:
+  if not (match := re.fullmatch(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)', name or '')):
+    known = ', '.join(f'{p}-N' for p, *_ in GENERATIONS.values())
     raise ValueError(f'--accelerator={name!r}: unknown TPU accelerator type (known: {known}, e.g. v6e-16)')
-  prefix, size = match.group(1), int(match.group(2))
-  prefix = 'v5litepod' if prefix == 'v5e' else prefix
+  prefix, size = match.group(1).replace('v5e', 'v5litepod'), int(match.group(2))
   gen = next(g for g, (p, *_) in GENERATIONS.items() if p == prefix)
   _, cores_per_chip, version, largest = GENERATIONS[gen]
   chips, table = size // cores_per_chip, (TOPOLOGY_3D if cores_per_chip == 2 else TOPOLOGY_2D)
@@ -153,8 +153,8 @@ def parse_accelerator(name: str, topology: str | None = None) -> dict:
 
 
 def gcloud(verb: str, positional: list[str], zone: str, project: str | None, *extra: str) -> list[str]:
-  project_flag = [f'--project={project}'] if project else []
-  return ['gcloud', 'compute', 'tpus', 'tpu-vm', verb, *positional, f'--zone={zone}', *project_flag, *extra]
+  return ['gcloud', 'compute', 'tpus', 'tpu-vm', verb, *positional, f'--zone={zone}',
+          *([f'--project={project}'] if project else []), *extra]
 
 
 def ssh(tpu, zone, project, command: str) -> list[str]:
@@ -165,25 +165,21 @@ def ssh(tpu, zone, project, command: str) -> list[str]:
 def train_command(config_spec: str, workdir: str, hosts: int, overrides=(), detach=False) -> str:
   """What every host runs: laurel.main from the repo's venv. --num_processes lets jax.distributed find the
   coordinator itself (TPU metadata), before anything starts a backend."""
-  args = [REMOTE_PYTHON, '-m', 'laurel.main', f'--config={config_spec}', f'--workdir={workdir}',
-          f'--num_processes={hosts}', *overrides]
-  run = shlex.join(args)
-  if detach:
-    run = f'nohup {run} > train.log 2>&1 < /dev/null &'
-  return f'cd {REMOTE_DIR} && {run}'
+  run = shlex.join([REMOTE_PYTHON, '-m', 'laurel.main', f'--config={config_spec}', f'--workdir={workdir}',
+                    f'--num_processes={hosts}', *overrides])
+  return f'cd {REMOTE_DIR} && ' + (f'nohup {run} > train.log 2>&1 < /dev/null &' if detach else run)
 
 
 def setup_command(jax_requirement: str, repo_url: str | None, ref: str, install: bool) -> str:
   if not re.fullmatch(r'[\w.\[\],=<>!~-]+', jax_requirement):
     raise ValueError(f'--jax={jax_requirement!r}: not a pip requirement such as jax[tpu]==0.10.2')
-  steps = []
   if repo_url:
     url, ref = shlex.quote(repo_url), shlex.quote(ref)
-    steps.append(f'if [ -d {REMOTE_DIR}/.git ]; then git -C {REMOTE_DIR} fetch -q origin {ref} && '
-                 f'git -C {REMOTE_DIR} checkout -q --force FETCH_HEAD; else git clone -q {url} {REMOTE_DIR} && '
-                 f'git -C {REMOTE_DIR} checkout -q {ref}; fi')
+    steps = [f'if [ -d {REMOTE_DIR}/.git ]; then git -C {REMOTE_DIR} fetch -q origin {ref} && '
+             f'git -C {REMOTE_DIR} checkout -q --force FETCH_HEAD; else git clone -q {url} {REMOTE_DIR} && '
+             f'git -C {REMOTE_DIR} checkout -q {ref}; fi']
   else:
-    steps.append(f'mkdir -p {REMOTE_DIR} && tar xzf {TARBALL} -C {REMOTE_DIR} && rm {TARBALL}')
+    steps = [f'mkdir -p {REMOTE_DIR} && tar xzf {TARBALL} -C {REMOTE_DIR} && rm {TARBALL}']
   if install:
     steps += [f'cd {REMOTE_DIR}', 'python3 -m pip install -q --user uv',
               'python3 -m uv venv -q --allow-existing --python 3.11 .venv',
@@ -193,8 +189,5 @@ def setup_command(jax_requirement: str, repo_url: str | None, ref: str, install:
 
 def shell_line(cmd: list[str]) -> str:
   """The command as one shell line; --flag=value arguments quote only the value, as one would type them."""
-  out = []
-  for arg in cmd:
-    match = re.fullmatch(r'(--[\w-]+=)(.*)', arg, re.S)
-    out.append(match.group(1) + shlex.quote(match.group(2)) if match else shlex.quote(arg))
-  return ' '.join(out)
+  return ' '.join(m.group(1) + shlex.quote(m.group(2)) if (m := re.fullmatch(r'(--[\w-]+=)(.*)', arg, re.S))
+                  else shlex.quote(arg) for arg in cmd)

@@ -1,5 +1,4 @@
 """Shared test helpers: tiny configs for the train loop, run in-process or through the CLI."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -7,6 +6,7 @@ import subprocess
 import sys
 
 from conftest import TEST_XLA_FLAGS
+from laurel import config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -20,12 +20,9 @@ TINY_LM = {
 
 
 def load_config(spec: str, overrides: dict | None = None):
-  """`spec` is 'configs/<file>.py:<arg>'; overrides are dotted field names, as on the command line."""
-  path, _, arg = spec.partition(':')
-  module_spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, ROOT / path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  config = module.get_config(arg or None)
+  """`spec` is 'configs/<file>.py:<arg>'; overrides are dotted field names set as Python values (types the
+  command line could not write included)."""
+  config = config_lib.load(spec)
   for dotted, value in (overrides or {}).items():
     *parents, leaf = dotted.split('.')
     node = config

@@ -13,7 +13,7 @@ from laurel import config_lib
 from laurel import data
 
 SEQ_LEN = 128
-EOS = config_lib.BYTE_VOCAB_SIZE - 1
+EOS = data.BYTE_VOCAB_SIZE - 1
 
 
 @pytest.fixture(scope='module')
@@ -30,8 +30,13 @@ def corpus(tmp_path_factory):
   return root
 
 
+def lm_data(name, seq_len, **overrides):
+  """`config.data` of an LM run (every LMDataConfig field) with `name` and `seq_len`."""
+  return config_lib.config_dict(data.LMDataConfig, name=name, seq_len=seq_len, **overrides)
+
+
 def text_cfg(root, seq_len=SEQ_LEN, fraction=0.3):
-  cfg = config_lib.lm_data('text', seq_len)
+  cfg = lm_data('text', seq_len)
   cfg.path = os.path.join(str(root), '**', '*.txt')
   cfg.validation_fraction = fraction
   return cfg
@@ -119,7 +124,7 @@ def test_train_order_depends_on_seed_and_eval_order_is_fixed(corpus):
 
 @pytest.mark.parametrize('name,train,prefetch', [('text', True, 2), ('text', False, 0), ('synthetic', True, 2)])
 def test_iterator_state_round_trips(corpus, name, train, prefetch):
-  cfg = text_cfg(corpus, seq_len=64) if name == 'text' else config_lib.lm_data(name, 64)
+  cfg = text_cfg(corpus, seq_len=64) if name == 'text' else lm_data(name, 64)
   cfg.prefetch = prefetch
   ds = data.lm_dataset(cfg, train=train, batch_size=3, seed=7)
   it = iter(ds)
@@ -137,12 +142,12 @@ def test_iterator_state_round_trips(corpus, name, train, prefetch):
 
 
 def test_synthetic_is_deterministic_and_byte_level():
-  cfg = config_lib.lm_data('synthetic', 64)
-  data.validate(cfg, config_lib.BYTE_VOCAB_SIZE)
+  cfg = lm_data('synthetic', 64)
+  assert data.validate(cfg, data.BYTE_VOCAB_SIZE) == data.LMDataConfig(name='synthetic', seq_len=64)
   a = next(iter(data.lm_dataset(cfg, train=False, batch_size=2, seed=0)))
   b = next(iter(data.lm_dataset(cfg, train=False, batch_size=2, seed=0)))
   np.testing.assert_array_equal(a['tokens'], b['tokens'])
-  assert a['tokens'].max() < config_lib.BYTE_VOCAB_SIZE
+  assert a['tokens'].max() < data.BYTE_VOCAB_SIZE
   segments(a)
   assert data.SyntheticSource(10, 0)[3] != data.SyntheticSource(10, 1)[3]  # train and validation differ
 
@@ -179,7 +184,7 @@ def sp_model(tmp_path_factory):
 
 def test_c4_with_mock_tfds_and_sentencepiece(sp_model):
   tfds = pytest.importorskip('tensorflow_datasets')
-  cfg = config_lib.lm_data('c4', 32)
+  cfg = lm_data('c4', 32)
   cfg.vocab_path = sp_model
   data.validate(cfg, 64)
   tokenizer = data.make_tokenizer(cfg)
@@ -196,9 +201,9 @@ def test_c4_with_mock_tfds_and_sentencepiece(sp_model):
 
 
 def test_default_corpus_is_the_standard_library():
-  cfg = config_lib.lm_data('text', 64)
+  cfg = lm_data('text', 64)
   assert cfg.path == ''
-  data.validate(cfg, config_lib.BYTE_VOCAB_SIZE)
+  data.validate(cfg, data.BYTE_VOCAB_SIZE)
   train, val = data.split_files('', cfg.validation_fraction)
   assert len(val) > 10 and len(train) > 10 * len(val)
   assert not any('site-packages' in p for p in train + val)
@@ -220,7 +225,7 @@ def test_default_corpus_is_the_standard_library():
     ('c4', 'vocab_path', '', "data.vocab_path=''"),
 ])
 def test_validate_names_the_bad_field(name, field, value, message):
-  cfg = config_lib.lm_data(name, 64)
+  cfg = lm_data(name, 64)
   with cfg.ignore_type():
     setattr(cfg, field, value)
   with pytest.raises(ValueError, match='^' + re.escape(message)) as e:
@@ -230,8 +235,8 @@ def test_validate_names_the_bad_field(name, field, value, message):
 
 def test_validate_vocab_sizes_and_fields(corpus, sp_model, tmp_path):
   with pytest.raises(ValueError, match=r"^model.vocab_size=100: smaller than the tokenizer's 258$"):
-    data.validate(config_lib.lm_data('synthetic', 8), 100)
-  cfg = config_lib.lm_data('c4', 8)
+    data.validate(lm_data('synthetic', 8), 100)
+  cfg = lm_data('c4', 8, vocab_path=data.C4_VOCAB_PATH)
   data.validate(cfg, 32128)  # gs:// is not read here
   cfg.vocab_path = sp_model
   with pytest.raises(ValueError, match=r"^model.vocab_size=39: smaller than the tokenizer's 40$"):

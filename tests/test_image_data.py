@@ -119,6 +119,7 @@ def test_synthetic_classes_are_learnable():
 def test_tiny_preset_data_validates():
   c = imagenet_resnet50.get_config('rw,preset=tiny')
   cfg = image_data.validate(c.data)
+  assert isinstance(cfg, image_data.ImageDataConfig)
   assert (cfg.name, cfg.image_size, cfg.num_classes) == ('synthetic', 32, 10)
   assert set(c.data.keys()) == {f.name for f in dataclasses.fields(image_data.ImageDataConfig)}
   batch = take(image_data.image_dataset(c.data, train=True, batch_size=c.batch_size, seed=c.seed), 1)[0]

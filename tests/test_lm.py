@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import c4_ablation
-from laurel import config_lib
+from laurel import paper, train
 from laurel.lm import LM, LMConfig
 from laurel.residual import LaurelResidual, LaurelSpec, closed_form_params
 from reference import np_reference, np_rmsnorm, np_rw, pull_params
@@ -33,7 +33,7 @@ def _cfg(variant='none', site='block', k=2, laurel=None, **model):
                 scan_layers=False)
   fields.update(model)
   cfg = LMConfig(**fields, laurel=spec)
-  spec.validate(cfg.d_model, cfg.num_sites)
+  cfg.check('model')
   return cfg
 
 
@@ -177,7 +177,7 @@ def _site_calls(cfg, params, tokens_BxL):
 
   def record(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
-    if isinstance(context.module, LaurelResidual) and context.method_name == 'push':
+    if isinstance(context.module, LaurelResidual) and context.method_name == '__call__':
       fx, x, _, _, xn = args
       calls.append((context.module.name, np.asarray(fx), np.asarray(x), np.asarray(xn), np.asarray(out[0])))
     return out
@@ -362,7 +362,7 @@ def test_options_run_and_are_finite_BxLxV(options, variant):
 # ---------------------------------------------------------------------------------------------------
 # Sharding metadata.
 
-RULE_NAMES = {name for name, _ in config_lib.LOGICAL_AXIS_RULES}
+RULE_NAMES = {name for name, _ in train.LOGICAL_AXIS_RULES}
 
 
 @pytest.mark.parametrize('scan_layers', [True, False])
@@ -448,7 +448,7 @@ def test_table5_laurel_deltas_match_paper(table5_counts, row, paper_delta_m, del
   got = total - table5_counts['baseline_24'][1]
   assert got == delta == laurel == cfg.num_sites * closed_form_params(cfg.laurel, cfg.d_model)
   assert abs(got / 1e6 - paper_delta_m) <= 0.1
-  assert abs(total / 1e6 - c4_ablation.PAPER_PARAMS_M[row]) / c4_ablation.PAPER_PARAMS_M[row] < 2e-3
+  assert abs(total / 1e6 - paper.TABLE5[row]['params_m']) / paper.TABLE5[row]['params_m'] < 2e-3
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laurel.residual import ChainRW, LaurelResidual, LaurelSpec, closed_form_params, column_orthogonal_init
-from reference import np_chain_reference, np_reference
+from laurel.residual import (ChainRW, LaurelResidual, LaurelSpec, closed_form_params, column_orthogonal_init, scaled,
+                             site_rw)
+from reference import np_chain_reference
 
 D, RANK, BATCH, LEN = 16, 4, 2, 3
 
@@ -57,23 +58,38 @@ VARIANTS = [
 PAPER_VARIANTS = [(i, s) for i, s in VARIANTS if s.form == 'paper' and s.rw_scale == 2.0]
 
 
+class _Site(nn.Module):
+  """One site, the first of its chain: RW's weights from a one-site ChainRW, α applied to f(x) by `scaled`."""
+  spec: LaurelSpec
+
+  @nn.compact
+  def __call__(self, fx, x, pending, xn):
+    rw = site_rw(ChainRW(self.spec, 1, x.shape[-1], name='rw')() if self.spec.rw else None, 0)
+    alpha, beta_K = rw or (None, None)
+    return LaurelResidual(self.spec, x.shape[-1], name='site')(scaled(fx, alpha), x, pending, beta_K, xn)[0]
+
+
 def _inputs(spec, seed, d=D):
-  """Random fx, x, history (x_{i-1}, …, x_{i-k+1}) and x_normed, each (B, L, D) float32."""
+  """Random fx, x and x_normed, each (B, L, D) float32, and PA's k − 1 pending sums (zero: a chain's start)."""
   rng = np.random.default_rng(seed)
   draw = lambda: rng.normal(size=(BATCH, LEN, d)).astype(np.float32)
   fx_BxLxD, x_BxLxD, xn_BxLxD = draw(), draw(), draw()
-  history = [draw() for _ in range(spec.history_len)]
-  return fx_BxLxD, x_BxLxD, history, xn_BxLxD
+  pending = [np.zeros_like(x_BxLxD) for _ in range(spec.history_len)]
+  return fx_BxLxD, x_BxLxD, pending, xn_BxLxD
 
 
 def _init(spec, d=D, seed=0):
-  """The site's (boxed) params; {} for the plain residual."""
-  fx, x, history, xn = _inputs(spec, 0, d)
-  return LaurelResidual(spec, x.shape[-1]).init(jax.random.key(seed), fx, x, history, xn).get('params', {})
+  """The site's (boxed) params: {'rw': ChainRW's, 'site': LaurelResidual's}, each present where used."""
+  fx, x, pending, xn = _inputs(spec, 0, d)
+  return _Site(spec).init(jax.random.key(seed), fx, x, pending, xn).get('params', {})
 
 
-def _apply(spec, params, fx, x, history, xn):
-  return np.asarray(LaurelResidual(spec, x.shape[-1]).apply({'params': params}, fx, x, history, xn))
+def _site_params(spec, d=D, seed=0):
+  return nn.unbox(_init(spec, d, seed)).get('site', {})
+
+
+def _apply(spec, params, fx, x, pending, xn):
+  return np.asarray(_Site(spec).apply({'params': params}, fx, x, pending, xn))
 
 
 def _perturb(params, seed, scale=0.5):
@@ -89,23 +105,12 @@ def _num_params(params):
 # ---------------------------------------------------------------------------------------------------
 # Forward values.
 
-@pytest.mark.parametrize('spec', [s for _, s in VARIANTS], ids=[i for i, _ in VARIANTS])
-def test_matches_numpy_reference_random_weights_BxLxD(spec):
-  params = _perturb(_init(spec), seed=1)
-  fx, x, history, xn = _inputs(spec, seed=2)
-  out_BxLxD = _apply(spec, params, fx, x, history, xn)
-  assert out_BxLxD.shape == (BATCH, LEN, D) and out_BxLxD.dtype == np.float32
-  np.testing.assert_allclose(out_BxLxD, np_reference(spec, params, fx, x, history, xn), rtol=1e-5, atol=1e-5)
-  if spec.variant != 'none':  # the random parameters really are used
-    assert not np.allclose(out_BxLxD, fx + x, atol=1e-3)
-
-
 def test_rw_softmax_pinned_value_D():
   # w = (log 3, 0): softmax = (3/4, 1/4); rw_scale 2 gives α = 1.5, β = 0.5.
   spec = _spec('rw')
-  params = {'rw_w': jnp.asarray([math.log(3.0), 0.0], jnp.float32)}
+  params = {'rw': {'rw_w': jnp.asarray([[math.log(3.0), 0.0]], jnp.float32)}}
   fx_D, x_D = np.array([1.0, 2.0], np.float32), np.array([4.0, -8.0], np.float32)
-  out_D = np.asarray(LaurelResidual(spec, x_D.shape[-1]).apply({'params': params}, fx_D, x_D))
+  out_D = _apply(spec, params, fx_D, x_D, [], x_D)
   np.testing.assert_allclose(out_D, [1.5 * 1 + 0.5 * 4, 1.5 * 2 - 0.5 * 8], rtol=1e-6)
 
 
@@ -113,18 +118,17 @@ def test_rw_sigmoid_alpha_plus_beta_is_scale_D():
   # σ(w) + σ(−w) = 1: with fx = x the output is rw_scale·x for any w.
   spec = _spec('rw', rw_norm='sigmoid', rw_per_dim=True, rw_scale=3.0)
   rng = np.random.default_rng(0)
-  params = {'rw_w': jnp.asarray(rng.normal(size=(D,)), jnp.float32)}
+  params = {'rw': {'rw_w': jnp.asarray(rng.normal(size=(1, D)), jnp.float32)}}
   x_D = rng.normal(size=(D,)).astype(np.float32)
-  out_D = np.asarray(LaurelResidual(spec, x_D.shape[-1]).apply({'params': params}, x_D, x_D))
+  out_D = _apply(spec, params, x_D, x_D, [], x_D)
   np.testing.assert_allclose(out_D, 3.0 * x_D, rtol=1e-6, atol=1e-6)
 
 
-def test_pa_needs_k_minus_1_previous_activations():
+def test_pa_needs_k_minus_1_pending_sums():
   spec = _spec('pa', k=3)
-  fx, x, history, xn = _inputs(spec, seed=0)
-  params = _init(spec)
-  with pytest.raises(ValueError, match='k-1=2'):
-    LaurelResidual(spec, x.shape[-1]).apply({'params': params}, fx, x, history[:1], xn)
+  fx, x, pending, xn = _inputs(spec, seed=0)
+  with pytest.raises(ValueError, match='k-1=2 pending'):
+    _Site(spec).init(jax.random.key(0), fx, x, pending[:1], xn)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,7 +138,7 @@ CHAIN_SITES = 5
 
 
 class _Chain(nn.Module):
-  """x_{i+1} = LAuReL(tanh(x_i W_i), x_i, …) for i < len(ws), through ChainRW and LaurelResidual.push."""
+  """x_{i+1} = LAuReL(tanh(x_i W_i), x_i, …) for i < len(ws), through ChainRW and LaurelResidual."""
   spec: LaurelSpec
 
   @nn.compact
@@ -145,8 +149,9 @@ class _Chain(nn.Module):
     outs = []
     for i, w in enumerate(ws):
       site_rw = None if rw is None else (rw[0][i], rw[1][i])
-      x, pending = LaurelResidual(s, x.shape[-1], chain=True, name=f'site{i}').push(
-          jnp.tanh(x @ w), x, pending, site_rw, 0.5 * x)
+      alpha, beta_K = site_rw or (None, None)
+      x, pending = LaurelResidual(s, x.shape[-1], name=f'site{i}')(scaled(jnp.tanh(x @ w), alpha), x, pending,
+                                                                   beta_K, 0.5 * x)
       outs.append(x)
     return outs
 
@@ -178,17 +183,6 @@ def test_chain_rw_receiver_betas_pinned_SxK():
   alpha_S, beta_SxK = ChainRW(spec, 3, D).apply({'params': {'rw_w': w_Sx2}})
   np.testing.assert_allclose(alpha_S, [1.5, 1.0, 0.5], rtol=1e-6)
   np.testing.assert_allclose(beta_SxK, [[0.5, 1.0, 1.5], [1.0, 1.5, 0.0], [1.5, 0.0, 0.0]], rtol=1e-6)
-
-
-def test_push_and_pull_refuse_the_other_form():
-  spec = _spec('pa', k=2)
-  fx, x, history, xn = _inputs(spec, seed=0)
-  with pytest.raises(ValueError, match='push'):
-    LaurelResidual(spec, D, chain=True).init(jax.random.key(0), fx, x, history, xn)
-  with pytest.raises(ValueError, match='chain=True'):
-    LaurelResidual(spec, D).init(jax.random.key(0), fx, x, history, method='push')
-  with pytest.raises(ValueError, match='k-1=1 pending'):
-    LaurelResidual(spec, D, chain=True).init(jax.random.key(0), fx, x, (), method='push')
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -251,14 +245,14 @@ def test_column_orthogonal_init_stacked_KxDxR():
                                                    ('rw+lr+pa', 'pa_a', 'pa_b')])
 def test_init_uses_column_orthogonal_a_and_zero_b(variant, a_name, b_name):
   spec = _spec(variant, k=3, pa_h='low_rank')
-  params = nn.unbox(_init(spec))
+  params = _site_params(spec)
   a, b = np.asarray(params[a_name]), np.asarray(params[b_name])
   want_DxR = np.asarray(column_orthogonal_init(None, (D, RANK)))
   np.testing.assert_array_equal(a, np.broadcast_to(want_DxR, a.shape))
   np.testing.assert_array_equal(b, 0.0)
   if spec.pa:  # γ = 1 with low-rank h (B = 0 already zeroes the sum); γ = 0 with identity h
     np.testing.assert_array_equal(np.asarray(params['pa_gamma']), np.ones(spec.k))
-  identity = nn.unbox(_init(_spec('pa', k=3)))
+  identity = _site_params(_spec('pa', k=3))
   np.testing.assert_array_equal(np.asarray(identity['pa_gamma']), np.zeros(3))
 
 
@@ -267,7 +261,7 @@ def test_xavier_init_scale_DxR(variant, a_name):
   # Xavier uniform on A (D×r): limit sqrt(6 / (D + r)); eq. 6's leading k axis is a batch axis.
   d, r = 64, 8
   spec = _spec(variant, rank=r, k=3, a_init='xavier')
-  a = np.asarray(nn.unbox(_init(spec, d=d, seed=7))[a_name])
+  a = np.asarray(_site_params(spec, d=d, seed=7)[a_name])
   assert a.shape[-2:] == (d, r)
   limit = math.sqrt(6.0 / (d + r))
   assert np.abs(a).max() <= limit

@@ -1,4 +1,5 @@
-"""ResNet with LAuReL residuals: exact parameter counts, shapes, BatchNorm modes, LAuReL = baseline at init."""
+"""ResNet with LAuReL residuals: exact parameter counts, shapes, BatchNorm modes, LAuReL = baseline at init,
+PA restarting at each stage, and every stage's chain against a NumPy evaluation of eqs. 2–6."""
 
 import dataclasses
 import functools
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 from configs import imagenet_resnet50
-from laurel import residual, resnet
+from laurel import paper, residual, resnet
+from laurel.train import LOGICAL_AXIS_RULES
 
 RESNET50 = 25_557_032
 RESNET50_BATCH_STATS = 53_120
@@ -55,6 +57,14 @@ def apply_fn(cfg, train):
   return lambda v, x: resnet.ResNet(cfg).apply(v, x, train=train, mutable=['batch_stats'])
 
 
+def param_counts(cfg, image_size=32):
+  """(parameters, batch statistics) of `ResNet(cfg)`, from shapes only (jax.eval_shape allocates nothing)."""
+  x = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+  shapes = jax.eval_shape(lambda x: resnet.ResNet(cfg).init(jax.random.key(0), x, train=False), x)
+  count = lambda tree: sum(int(leaf.size) for leaf in jax.tree.leaves(tree))
+  return count(shapes['params']), count(shapes.get('batch_stats', {}))
+
+
 def flat(tree):
   return flax.traverse_util.flatten_dict(nn.unbox(tree))
 
@@ -66,11 +76,11 @@ def unflat(d):
 # --- parameter counts (shapes only: jax.eval_shape allocates nothing) ---
 
 def test_resnet50_baseline_count_is_exact():
-  assert resnet.param_counts(paper_cfg('baseline')) == (RESNET50, RESNET50_BATCH_STATS)
+  assert param_counts(paper_cfg('baseline')) == (RESNET50, RESNET50_BATCH_STATS)
 
 
 def test_baseline_plus_one_block_adds_one_identity_bottleneck():
-  params, stats = resnet.param_counts(paper_cfg('baseline_plus_1'))
+  params, stats = param_counts(paper_cfg('baseline_plus_1'))
   assert params - RESNET50 == 1_117_184  # 1024·256 + 9·256² + 256·1024 + 2·(256+256+1024)
   assert round(100 * (params - RESNET50) / RESNET50, 2) == 4.37  # Table 1
   assert stats - RESNET50_BATCH_STATS == 2 * (256 + 256 + 1024)
@@ -81,15 +91,15 @@ def test_table1_laurel_rows_add_the_closed_form(row, added):
   cfg = paper_cfg(row)
   assert cfg.laurel.a_init == 'xavier'
   closed = sum(residual.closed_form_params(cfg.laurel, d) for d in (256,) * 3 + (512,) * 4 + (1024,) * 6 + (2048,) * 3)
-  assert closed == cfg.laurel_params() == added
-  assert resnet.param_counts(cfg) == (RESNET50 + added, RESNET50_BATCH_STATS)
+  assert closed == sum(residual.closed_form_params(cfg.laurel, d) for d in cfg.block_channels) == added
+  assert param_counts(cfg) == (RESNET50 + added, RESNET50_BATCH_STATS)
 
 
 @pytest.mark.parametrize('name', VARIANTS)
 def test_every_variant_adds_the_closed_form_per_block(name):
   cfg = small_cfg(**VARIANTS[name])
-  base, base_stats = resnet.param_counts(SMALL)
-  params, stats = resnet.param_counts(cfg)
+  base, base_stats = param_counts(SMALL)
+  params, stats = param_counts(cfg)
   assert params - base == sum(residual.closed_form_params(cfg.laurel, d) for d in (16, 32, 32)) > 0
   assert stats == base_stats
 
@@ -103,6 +113,11 @@ def test_every_parameter_has_logical_axis_names():
   names = flax.traverse_util.flatten_dict(shapes['params'])
   assert names[('stage1_block0', 'conv2', 'kernel')].names == resnet.KERNEL_AXES
   assert names[('stage4_block2', 'laurel', 'pa_a')].names == ('laurel_k', 'conv_out', 'laurel_rank')
+  # RW: one ChainRW per stage holds every block's (w_α, w_β), a row per block.
+  rw = {k: v for k, v in names.items() if k[-1] == 'rw_w'}
+  assert {k: v.value.shape for k, v in rw.items()} == {
+      (f'stage{s + 1}_laurel_rw', 'rw_w'): (n, 2) for s, n in enumerate(cfg.stage_sizes)}
+  assert all(v.names == ('laurel_sites', 'laurel_rw') for v in rw.values())
 
 
 # --- forward ---
@@ -164,8 +179,13 @@ def shared_weights(variables, seed=0):
   return {'params': unflat(params), 'batch_stats': nn.unbox(variables['batch_stats'])}
 
 
+def is_laurel(key):
+  """A LAuReL parameter: under a block's 'laurel' site or a stage's 'stage<s>_laurel_rw' (ChainRW)."""
+  return any('laurel' in part for part in key)
+
+
 def without_laurel(variables):
-  return {'params': unflat({k: v for k, v in flat(variables['params']).items() if 'laurel' not in k}),
+  return {'params': unflat({k: v for k, v in flat(variables['params']).items() if not is_laurel(k)}),
           'batch_stats': variables['batch_stats']}
 
 
@@ -184,32 +204,113 @@ def test_laurel_at_init_equals_baseline(name):
                                rtol=1e-5, atol=1e-5)
   # The comparison is not vacuous: moving one LAuReL parameter off its init changes the output.
   params = flat(variables['params'])
-  key = next(k for k in sorted(params) if k[0] == 'stage2_block1' and k[-1] in ('rw_w', 'lr_b', 'pa_b', 'pa_gamma'))
-  params[key] = params[key] + 0.5 if params[key].ndim == 0 else params[key].at[0].add(0.5)
+  key = next(k for k in sorted(params) if k[0] in ('stage2_block1', 'stage2_laurel_rw')
+             and k[-1] in ('rw_w', 'lr_b', 'pa_b', 'pa_gamma'))
+  # rw_w is (blocks, 2) or (blocks, D): move block 1's first entry (not a whole softmax row, which is inert).
+  params[key] = params[key].at[(1, 0) if key[-1] == 'rw_w' else 0].add(0.5)
   moved = apply_fn(cfg, False)({**variables, 'params': unflat(params)}, x)[0]
   assert not np.allclose(moved, apply_fn(cfg, False)(variables, x)[0], atol=1e-4)
 
 
+def block_outputs(cfg, variables, x):
+  """(logits, {block: its LAuReL output, before the ReLU}, {block: (f(x_i), x_i)}) in eval mode."""
+  logits, state = resnet.ResNet(cfg).apply(variables, x, train=False, capture_intermediates=True,
+                                           mutable=['intermediates'])
+  inter = state['intermediates']
+  outs, inputs = {}, {}
+  for s, n in enumerate(cfg.stage_sizes):
+    for i in range(n):
+      block = inter[f'stage{s + 1}_block{i}']
+      outs[(s, i)] = np.asarray(block['laurel']['__call__'][0][0], np.float64)
+      x_i = block['proj_bn']['__call__'][0] if i == 0 else inter[f'stage{s + 1}_block{i - 1}']['__call__'][0][0]
+      inputs[(s, i)] = (np.asarray(block['bn3']['__call__'][0], np.float64), np.asarray(x_i, np.float64))
+  return np.asarray(logits), outs, inputs
+
+
 def test_pa_history_restarts_at_each_stage():
-  cfg = small_cfg(variant='pa')  # identity h: x_{i+1} = f(x_i) + x_i + Σ_j γ_j x_{i-j}, γ = 0 at init
+  # Identity h: x_{i+1} = f(x_i) + x_i + Σ_j γ_{i,j} x_{i−j}, γ = 0 at init. In push form block i's γ_j weighs
+  # the term x_i it sends to block i + j of its own stage; terms past a stage's last block are dropped.
+  cfg = small_cfg(variant='pa')  # stages (1, 2), k = 3
   x = images()
   variables = shared_weights(init_vars(cfg))
-  ref = apply_fn(cfg, False)(variables, x)[0]
+  ref_logits, ref, _ = block_outputs(cfg, variables, x)
 
-  def with_gamma(block, j):
+  def changed_by(block, j):
+    """The blocks whose LAuReL output moves when `block`'s γ_j is set to 1, and whether the logits move."""
     params = flat(variables['params'])
     params[(block, 'laurel', 'pa_gamma')] = params[(block, 'laurel', 'pa_gamma')].at[j].set(1.0)
-    return apply_fn(cfg, False)({**variables, 'params': unflat(params)}, x)[0]
+    logits, outs, _ = block_outputs(cfg, {**variables, 'params': unflat(params)}, x)
+    moved = {b for b in outs if not np.allclose(outs[b], ref[b], atol=1e-5)}
+    assert (not moved) == np.array_equal(logits, ref_logits)
+    return moved
 
-  # First block of a stage: its history is all zeros (stage2_block0 drops stage 1's activations).
-  for block in ('stage1_block0', 'stage2_block0'):
-    np.testing.assert_array_equal(with_gamma(block, 1), ref)
-    np.testing.assert_array_equal(with_gamma(block, 2), ref)
-  # Second block: x_{i-1} is the first block's projected shortcut; x_{i-2} would be in stage 1, so zero.
-  assert not np.allclose(with_gamma('stage2_block1', 1), ref, atol=1e-4)
-  np.testing.assert_array_equal(with_gamma('stage2_block1', 2), ref)
-  # γ_0 weighs x_i itself, in every block.
-  assert not np.allclose(with_gamma('stage2_block0', 0), ref, atol=1e-4)
+  # Stage 1's only block: x_0 sent to x_0+1, x_0+2 would reach stage 2's blocks; the chain restarts, so
+  # nothing moves, in particular not stage 2's first block.
+  assert changed_by('stage1_block0', 1) == changed_by('stage1_block0', 2) == set()
+  # Stage 2's first block sends its projected shortcut to the next block (only), and nothing past the stage.
+  assert changed_by('stage2_block0', 1) == {(1, 1)}
+  assert changed_by('stage2_block0', 2) == set()
+  assert changed_by('stage2_block1', 1) == changed_by('stage2_block1', 2) == set()
+  # γ_0 weighs x_i itself, in every block, and moves that block and those after it.
+  assert changed_by('stage1_block0', 0) == {(0, 0), (1, 0), (1, 1)}
+  assert changed_by('stage2_block1', 0) == {(1, 1)}
+
+
+def np_stage_outputs(spec, site_params, rw_w_S, inputs):
+  """A stage's LAuReL outputs from the paper's equations in float64, site by site, given each block's f(x_i), x_i.
+
+  eq. 2 x_{i+1} = α_i·f(x_i) + β_i·(x_i + ...): eq. 3/5 adds x_i A_i B_i; eq. 4 adds Σ_{j<k} γ_{i,j}·h_i(x_{i−j}),
+  eq. 6 Σ_{j<k} γ_{i,j}·x_{i−j} A_{i,j} B_{i,j}; terms with i − j before the stage's first block do not exist.
+  The push form's parameters are the sender's: (γ_{i,j}, A_{i,j}, B_{i,j}) = block (i−j)'s (γ_j, A_j, B_j).
+  """
+  p = [jax.tree.map(lambda a: np.asarray(a, np.float64), sp) for sp in site_params]
+  outs = []
+  for i, (fx, x_i) in enumerate(inputs):
+    alpha, beta = 1.0, 1.0
+    if spec.rw:
+      w = np.asarray(rw_w_S[i], np.float64)
+      if spec.rw_norm == 'softmax':
+        e = np.exp(w - w.max(0))
+        alpha, beta = spec.rw_scale * e / e.sum(0)
+      else:
+        alpha, beta = spec.rw_scale / (1 + np.exp(-w)), spec.rw_scale / (1 + np.exp(w))
+    inner = x_i.copy()
+    if spec.lr and not spec.pa:
+      inner += x_i @ p[i]['lr_a'] @ p[i]['lr_b']
+    if spec.pa:
+      for j in range(min(spec.k, i + 1)):
+        sender, x_ij = p[i - j], inputs[i - j][1]
+        if spec.lr:
+          h = x_ij @ sender['pa_a'][j] @ sender['pa_b'][j]
+        elif spec.pa_h == 'low_rank':
+          h = x_ij @ p[i]['pa_a'] @ p[i]['pa_b']  # h_i belongs to the receiving block
+        else:
+          h = x_ij
+        inner += sender['pa_gamma'][j] * h
+    outs.append(alpha * fx + beta * inner)
+  return outs
+
+
+@pytest.mark.parametrize('name', ['rw_lr_pa', 'pa', 'pa_low_rank', 'rw_sigmoid_per_dim', 'rw_lr'])
+def test_stages_match_numpy_paper_equations_at_random_params(name):
+  """Every block of every stage (stages (1, 3), so k = 3 terms reach the third block) against eqs. 2–6."""
+  cfg = dataclasses.replace(small_cfg(**VARIANTS[name]), stage_sizes=(1, 3))
+  x = images()
+  variables = shared_weights(init_vars(cfg))
+  rng = np.random.default_rng(1)
+  params = {k: (v + 0.5 * rng.normal(size=v.shape).astype(v.dtype) if is_laurel(k) else v)
+            for k, v in flat(variables['params']).items()}
+  variables = {**variables, 'params': unflat(params)}
+  _, outs, inputs = block_outputs(cfg, variables, x)
+  p = variables['params']
+  for s, n in enumerate(cfg.stage_sizes):
+    site_params = [p[f'stage{s + 1}_block{i}'].get('laurel', {}) for i in range(n)]
+    rw_w_S = p[f'stage{s + 1}_laurel_rw']['rw_w'] if cfg.laurel.rw else None
+    want = np_stage_outputs(cfg.laurel, site_params, rw_w_S, [inputs[(s, i)] for i in range(n)])
+    for i in range(n):
+      np.testing.assert_allclose(outs[(s, i)], want[i], rtol=1e-4, atol=1e-4, err_msg=f'stage {s + 1} block {i}')
+      fx, x_i = inputs[(s, i)]
+      assert not np.allclose(outs[(s, i)], fx + x_i, atol=1e-3)  # the random LAuReL parameters are used
 
 
 # --- config validation ---
@@ -248,8 +349,10 @@ def test_config_rows(row, preset):
   assert c.task == 'classification' and c.row == row
   assert set(c.model.keys()) == {f.name for f in dataclasses.fields(resnet.ResNetConfig)}
   assert set(c.model.laurel.keys()) == {f.name for f in dataclasses.fields(residual.LaurelSpec)}
-  assert c.paper_top1 == imagenet_resnet50.PAPER_TOP1[row]
-  assert c.paper_params_added_pct == imagenet_resnet50.PAPER_PARAMS_ADDED_PCT[row]
+  assert row in paper.TABLE1 and c.baseline_row == 'baseline'
+  if row != 'baseline_plus_1':  # LAuReL sits on the baseline's network
+    assert cfg.stage_sizes == resnet.ResNetConfig.from_config(imagenet_resnet50.get_config(
+        f'baseline,preset={preset}').model).stage_sizes
   assert cfg.num_classes == c.data.num_classes
   if preset == 'paper':
     assert (c.data.image_size, c.data.name, c.batch_size) == (224, 'imagenet', 1024)
@@ -264,7 +367,6 @@ def test_config_rows(row, preset):
 def test_sharded_train_step_matches_single_device():
   """Batch over data x fsdp, parameters by their logical names: same logits and global-batch statistics."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from laurel import config_lib
   n = jax.device_count()
   fsdp = 2 if n % 2 == 0 else 1
   mesh = jax.make_mesh((n // fsdp, fsdp, 1), ('data', 'fsdp', 'tensor'),
@@ -274,7 +376,7 @@ def test_sharded_train_step_matches_single_device():
   variables = init_vars(cfg)
   want_logits, want_state = apply_fn(cfg, True)(variables, x)
 
-  rules = config_lib.LOGICAL_AXIS_RULES
+  rules = LOGICAL_AXIS_RULES
   param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh, rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     sharded = jax.device_put(variables, param_shardings)
