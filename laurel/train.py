@@ -280,15 +280,19 @@ def _restore_latest(mngr, workdir, config, abstract_state, train_iter):
     restored, error = None, None
     try:
       saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-      if saved != _model_signature(config):
-        raise ValueError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use a '
-                         'new workdir or the original config')
-      restored = mngr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
     except UNREADABLE as e:
-      if 'different task/model' in str(e) or any(s in str(e) for s in TRANSIENT_STATUS):
-        raise
-      error = e
+      saved, error = None, e
+    if saved is not None and saved != _model_signature(config):
+      raise ValueError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use '
+                       'a new workdir or the original config')
+    if saved is not None:
+      try:
+        restored = mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
+      except UNREADABLE as e:
+        error = e
+    if error is not None and any(s in str(error) for s in TRANSIENT_STATUS):
+      raise error
     if _on_every_host(restored is not None):
       return restored['state'], step
     aside = workdir / 'unreadable_checkpoints' / f'{step}.{int(time.time())}'
