@@ -28,12 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-
-FLAGS = flags.FLAGS
 from etils import epath
 
 from laurel import config_lib, data, train
 
+FLAGS = flags.FLAGS
 
 
 class Scorer:
@@ -164,8 +163,39 @@ def choice_task(scorer: Scorer, tokenizer, items: list) -> dict:
 
 
 def task_name(task: str) -> str:
-  name = task[5:] if task.startswith('text:') else task if task in TFDS_TASKS else pathlib.Path(task).stem
+  """The name results go under: text:DIR/*.txt -> DIR's name (the glob's last part without a wildcard),
+  text:a/valid.txt and a/mc.jsonl -> the file's stem, a TFDS task -> itself."""
+  if task.startswith('text:'):
+    parts = pathlib.PurePath(task[5:]).parts
+    fixed = [p for p in parts if not glob.has_magic(p)]
+    name = pathlib.PurePath(fixed[-1]).stem if fixed and fixed[-1] == parts[-1] else fixed[-1] if fixed else 'text'
+  else:
+    name = task if task in TFDS_TASKS else pathlib.Path(task).stem
   return re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_') or 'task'
+
+
+def check_task(task: str) -> None:
+  """A one-line ValueError unless `task` is text:GLOB, an existing JSONL file or a TFDS task."""
+  if not task.startswith('text:') and task not in TFDS_TASKS and not epath.Path(task).is_file():
+    raise ValueError(f'--task={task!r}: not text:GLOB, an existing .jsonl file, nor one of {", ".join(TFDS_TASKS)}')
+
+
+def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_data_dir: str = ''):
+  """Scores the latest checkpoint of the LM run in `workdir` on each task: yields each result as it is written to
+  workdir/eval_<task name>.json."""
+  task, params, step = train.load_lm_run(workdir)
+  config, tokenizer = task.config, data.make_tokenizer(task.config.data)
+  scorer = Scorer(task.model, params, config.data.seq_len, batch_size, tokenizer.pad_id)
+  for spec in tasks:
+    if spec.startswith('text:'):
+      result = text_task(scorer, tokenizer, spec[5:], max_items)
+    elif spec in TFDS_TASKS:
+      result = choice_task(scorer, tokenizer, tfds_items(spec, tfds_data_dir, max_items))
+    else:
+      result = choice_task(scorer, tokenizer, jsonl_items(spec, max_items))
+    result = {'task': task_name(spec), 'spec': spec, 'checkpoint': step, **result}
+    (epath.Path(workdir) / f'eval_{result["task"]}.json').write_text(json.dumps(result, indent=2) + '\n')
+    yield result
 
 
 def main(argv):
@@ -173,23 +203,11 @@ def main(argv):
     config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
   if not FLAGS.workdir or not FLAGS.task:
     config_lib.fail('--workdir and --task are required')
-  for task in FLAGS.task:
-    if not task.startswith('text:') and task not in TFDS_TASKS and not epath.Path(task).is_file():
-      config_lib.fail(f'--task={task!r}: not text:GLOB, an existing .jsonl file, nor one of {", ".join(TFDS_TASKS)}')
   try:
-    task, params, step = train.load_lm_run(FLAGS.workdir)
-    config, tokenizer = task.config, data.make_tokenizer(task.config.data)
-    scorer = Scorer(task.model, params, config.data.seq_len, FLAGS.batch_size, tokenizer.pad_id)
-    for spec in FLAGS.task:
-      if spec.startswith('text:'):
-        result = text_task(scorer, tokenizer, spec[5:], FLAGS.max_items)
-      elif spec in TFDS_TASKS:
-        result = choice_task(scorer, tokenizer, tfds_items(spec, FLAGS.tfds_data_dir, FLAGS.max_items))
-      else:
-        result = choice_task(scorer, tokenizer, jsonl_items(spec, FLAGS.max_items))
-      result = {'task': task_name(spec), 'spec': spec, 'checkpoint': step, **result}
+    for task in FLAGS.task:
+      check_task(task)
+    for result in evaluate_run(FLAGS.workdir, FLAGS.task, FLAGS.batch_size, FLAGS.max_items, FLAGS.tfds_data_dir):
       print(json.dumps(result), flush=True)
-      (epath.Path(FLAGS.workdir) / f'eval_{result["task"]}.json').write_text(json.dumps(result, indent=2) + '\n')
   except ValueError as e:
     config_lib.fail(str(e))
 

@@ -3,6 +3,7 @@
   python scripts/reproduce_c4_ablation.py --preset=tiny --seeds=3 --out=results [--table=residual_designs]
       [--rows=...] [--set=<field>=<value>] [--workdir=gs://BUCKET/c4_ablation]
       [--launch=local|print|tpu --tpu=NAME --zone=ZONE --accelerator=v6e-16 [--nosetup]]
+      [--evaluate=text:held_out/*.txt --evaluate=tasks/mc.jsonl --evaluate=hellaswag [--tfds_data_dir=DIR]]
 
 --table=c4_ablation (default) is Table 5, the LAuReL variants, beside the paper's figures; residual_designs the
 other residual-stream designs (configs/residual_designs.py), one field apart from Baseline-24.
@@ -12,6 +13,11 @@ train.log), here or, with --launch=tpu, on a TPU slice through scripts/launch_tp
 commands). A run that fails is marked failed (failed.json) and the others go on; rerunning skips finished runs and
 resumes the others, and the tables are rewritten after every run. Peak memory is each run's compiled step; step time
 its median step, as noisy as the machine: quote scripts/benchmark.py for overhead.
+
+--evaluate scores every finished run's last checkpoint on laurel.evaluate's tasks, here (from gs:// too), once per
+run and task (<run>/eval_<task>.json is kept); the tables gain each task's metrics, averaged over seeds, with
+ratios to Baseline-24: bits per byte for text, accuracy, length-normalised accuracy and the correct choice's mean
+log-likelihood for multiple choice.
 """
 
 import json
@@ -21,19 +27,22 @@ import common  # puts the repo root on sys.path
 from absl import app, flags
 from etils import epath
 
-from laurel import config_lib, paper
+from laurel import config_lib, evaluate, paper
 
 BASELINE = 'baseline_24'
 KEYS = ('params_m', 'test_loss', 'peak_memory_gb', 'step_time_s')  # measured beside the paper's, with ratios
+EVAL_METRICS = ('bits_per_byte', 'accuracy', 'accuracy_norm', 'correct_loglik')  # of laurel.evaluate's results
 
 _TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to train.')
 _PRESET = flags.DEFINE_enum('preset', 'tiny', ['tiny', 'paper'], "Preset of the table's config.")
 _SEEDS = flags.DEFINE_integer('seeds', 2, 'Seeds per row.')
 _ROWS = flags.DEFINE_list('rows', None, "Rows to run; default: all of the table's.")
 _OUT = flags.DEFINE_string('out', 'results', 'Where the tables and chart go.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directories; default runs/c4_ablation_<preset>.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directories; default runs/<table>_<preset>.')
 _SET = flags.DEFINE_multi_string('set', [], 'Extra config override <field>=<value> for every run (repeatable).')
 _COLLECT_ONLY = flags.DEFINE_bool('collect_only', False, 'Only rebuild the tables from finished runs.')
+_EVALUATE = flags.DEFINE_multi_string('evaluate', [], "A laurel.evaluate task for every finished run (repeatable).")
+_TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for --evaluate's TFDS tasks.")
 _LAUNCH = common.define_launch_flags()
 
 
@@ -68,7 +77,35 @@ def collect(workdir: epath.Path, rows_in_order, with_paper: bool) -> list[dict]:
     r['test_loss_ratio'] = (statistics.fmean(losses[r['name']][s] / losses[BASELINE][s] for s in shared)
                             if shared else None)
     r['paired_seeds'] = len(shared)
+  add_evals(workdir, rows)
   return rows
+
+
+def add_evals(workdir: epath.Path, rows):
+  """eval_<task>_<metric> (mean over the done runs' eval_<task>.json) and its ratio to Baseline-24, per row."""
+  for r in rows:
+    per_task = {}
+    for path in sorted(workdir.glob(f"{r['name']}/seed*/eval_*.json")):
+      if common.point_status(path.parent) == 'done':
+        result = json.loads(path.read_text())
+        for metric in EVAL_METRICS:
+          if metric in result:
+            per_task.setdefault(f"eval_{result['task']}_{metric}", []).append(result[metric])
+    r.update({key: statistics.fmean(values) for key, values in per_task.items()})
+  base = next((r for r in rows if r['name'] == BASELINE), {})
+  for key in dict.fromkeys(k for r in rows for k in r if k.startswith('eval_') and not k.endswith('_ratio')):
+    for r in rows:
+      r[f'{key}_ratio'] = r[key] / base[key] if key in r and base.get(key) else None
+
+
+def evaluate_runs(workdir: epath.Path, rows_in_order):
+  """Scores each finished run on the --evaluate tasks it has no eval_<task>.json for."""
+  for run in (p for row in rows_in_order for p in sorted((workdir / row).glob('seed*'))):
+    todo = [t for t in _EVALUATE.value if not (run / f'eval_{evaluate.task_name(t)}.json').exists()]
+    if todo and common.point_status(run) == 'done':
+      print(f'= evaluate {run}: {", ".join(todo)}', flush=True)
+      for result in evaluate.evaluate_run(str(run), todo, tfds_data_dir=_TFDS_DATA_DIR.value):
+        print(json.dumps(result), flush=True)
 
 
 def markdown(rows, command: str, with_paper: bool) -> str:
@@ -84,9 +121,14 @@ def markdown(rows, command: str, with_paper: bool) -> str:
             f"| {ratio(r['test_loss_ratio'])} | {ratio(r['peak_memory_gb_ratio'])} | {ratio(r['step_time_s_ratio'])} |"
             + (f" {r['paper_params_m']:.2f} | {r['paper_test_loss']:.4f} | {r['paper_peak_memory_gb_ratio']:.3f} "
                f"| {r['paper_step_time_s_ratio']:.3f} |" if with_paper else '') for r in rows]
+  if evals := list(dict.fromkeys(k for r in rows for k in r if k.startswith('eval_') and not k.endswith('_ratio'))):
+    lines += ['', '| row | ' + ' | '.join(f'{k[5:]} | ×' for k in evals) + ' |', '|---' * (1 + 2 * len(evals)) + '|']
+    lines += [f"| {r['name']} | " + ' | '.join(f"{ratio(r.get(k), 4)} | {ratio(r.get(k + '_ratio'))}" for k in evals)
+              + ' |' for r in rows]
   lines += ['', '× columns are ratios to baseline_24 in the same table. Test loss is the mean ± sample std over '
             'seeds of the final eval loss on the held-out split; its ratio (loss ×) is paired: each row against '
-            'baseline_24 on the seeds both have, averaged. Peak memory is the compiled train step.']
+            'baseline_24 on the seeds both have, averaged. Peak memory is the compiled train step.'
+            + (' eval_<task>_<metric>: laurel.evaluate on the last checkpoint, mean over seeds.' if evals else '')]
   return '\n'.join(lines) + '\n'
 
 
@@ -121,6 +163,8 @@ def reproduce():
   specs = {row: config_lib.resolve_spec(f'{table}:{row},preset={_PRESET.value}') for row in chosen}
   for spec in specs.values():  # a bad --set, or a batch the devices cannot take, fails here, before anything runs
     launcher.load(spec, _SET.value)
+  for task in _EVALUATE.value:
+    evaluate.check_task(task)
   workdir = epath.Path(_WORKDIR.value or f'runs/{table}_{_PRESET.value}')  # local or gs://
   out, stem, command = epath.Path(_OUT.value), f'{table}_{_PRESET.value}', common.command()
 
@@ -136,6 +180,8 @@ def reproduce():
   failed = launcher.run(points, 'train.log', write_tables)
   if _LAUNCH['launch'].value == 'print' and not _COLLECT_ONLY.value:
     return
+  if _EVALUATE.value:
+    evaluate_runs(workdir, all_rows)
   if write_tables():
     print((out / f'{stem}.md').read_text())
   if failed:

@@ -118,3 +118,10 @@ def test_evaluate_cli(tmp_path):
   assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
       "error: --task='missing.jsonl': not text:GLOB, an existing .jsonl file, nor one of hellaswag, piqa, arc_easy, "
       'arc_challenge, winogrande']
+
+
+@pytest.mark.parametrize('task, name', [('text:/data/held_out/*.txt', 'held_out'), ('text:c4/**/*.txt', 'c4'),
+                                        ('text:/data/wiki.valid.txt', 'wiki.valid'), ('text:*.txt', 'text'),
+                                        ('tasks/my mc.jsonl', 'my_mc'), ('hellaswag', 'hellaswag')])
+def test_task_names_are_short_and_safe_file_names(task, name):
+  assert evaluate.task_name(task) == name
