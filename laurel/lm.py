@@ -123,14 +123,17 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x, out_scale=None, shared=None):
-    """`out_scale` (a scalar or a vector over the last output axis) multiplies the kernel, not the output.
+    """`out_scale` (a scalar or a vector over the last output axis) multiplies the kernel, where autodiff keeps
+    no activation for its gradient; with fewer tokens than kernel inputs (decoding), the cheaper output.
     `shared`: ResidualTransformer's kernel of this layer's group; the layer adds its own A·B + D to it."""
     shape, names, n_in, _ = self.spec
     kernel = kernel_param(self, 'kernel', self.spec, self.cfg) if shared is None else shared + self.layer_delta()
     dtype = DTYPES[self.cfg.dtype]
-    kernel = kernel.astype(dtype) if out_scale is None else (kernel * out_scale).astype(dtype)
+    on_output = out_scale is not None and math.prod(x.shape[:x.ndim - n_in]) < math.prod(shape[:n_in])
+    kernel = kernel.astype(dtype) if out_scale is None or on_output else (kernel * out_scale).astype(dtype)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    return jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())))
+    y = jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())))
+    return (y * out_scale).astype(dtype) if on_output else y
 
   def layer_delta(self):
     """ResidualTransformer's A_l·B_l + D_l over the kernel seen as an M×N matrix (§3.3; D_l is M×N diagonal).

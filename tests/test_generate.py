@@ -91,3 +91,19 @@ def test_generate_cli_samples_a_trained_run(tmp_path):
   empty = subprocess.run([sys.executable, '-m', 'laurel.generate', f'--workdir={tmp_path}', '--prompt=x'],
                          env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert empty.returncode == 2 and 'no config.json' in empty.stderr and len(empty.stderr.strip().splitlines()) == 1
+
+
+def test_rw_scales_a_decode_steps_outputs_not_its_kernels():
+  """α folded into a kernel costs a multiply per kernel entry, half the matmul's FLOPs for one token: the decode
+  step scales the one token's outputs instead, so RW costs the baseline's FLOPs (XLA's count, every layer)."""
+  def decode_flops(cfg):
+    model = lm.LM(cfg, decode=True)
+    variables = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))))
+    step = jax.jit(lambda p, c, t, pos: model.apply({'params': p, 'cache': c}, t, pos, mutable=['cache']))
+    token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    cost = step.lower(variables['params'], variables['cache'], token, token).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)['flops']
+
+  base = dataclasses.replace(BASE, d_model=64, num_heads=4, d_ff=256, scan_layers=False)
+  rw = dataclasses.replace(base, laurel=residual.LaurelSpec(variant='rw'))
+  assert 1.0 < decode_flops(rw) / decode_flops(base) < 1.01

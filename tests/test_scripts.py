@@ -362,3 +362,19 @@ def test_benchmark_tiny_writes_every_key(tmp_path):
   assert full['baseline_24']['peak_memory_ratio'] == 1.0 and full['rw_lr']['peak_memory_bytes'] > 0
   assert result['full_shape']['batch_size'] == 4 and result['full_shape']['seq_len'] == 64
   assert 'rw_lr' in r.stdout and 'baseline_24' in r.stdout  # the table
+
+
+def test_benchmark_decode_counts_every_layer_and_writes_every_key(tmp_path):
+  out = tmp_path / 'decode.json'
+  r = script('benchmark_decode.py', '--preset=tiny', '--rows=baseline_28,rw_lr_pa', '--prompt_len=8', '--batch=2',
+             '--new_tokens=2', '--rounds=1', f'--out={out}')
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  result = json.loads(out.read_text())
+  rows = {row['name']: row for row in result['rows']}
+  assert list(rows) == ['baseline_24', 'baseline_28', 'rw_lr_pa'] and result['command'].startswith('python scripts/')
+  for key in ('prefill_s', 'decode_b1_s', 'decode_b2_s', 'kv_cache_bytes_b1', 'decode_flops_b1',
+              'decode_bytes_accessed_b2'):
+    assert rows['baseline_24'][f'{key}_ratio'] == 1.0 and rows['rw_lr_pa'][key] > 0, key
+  # 7 layers against 6: a scanned body counted once would give 1.0
+  assert rows['baseline_28']['decode_flops_b1_ratio'] > 1.1
+  assert rows['baseline_28']['kv_cache_bytes_b1_ratio'] == pytest.approx(7 / 6, abs=1e-4)
