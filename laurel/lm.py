@@ -123,17 +123,14 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x, out_scale=None, shared=None):
-    """`out_scale` (a scalar or a vector over the last output axis) multiplies the kernel, where autodiff keeps
-    no activation for its gradient; with fewer tokens than kernel inputs (decoding), the cheaper output.
+    """`out_scale` (a scalar or a vector over the last output axis) multiplies the kernel, not the output.
     `shared`: ResidualTransformer's kernel of this layer's group; the layer adds its own A·B + D to it."""
     shape, names, n_in, _ = self.spec
     kernel = kernel_param(self, 'kernel', self.spec, self.cfg) if shared is None else shared + self.layer_delta()
     dtype = DTYPES[self.cfg.dtype]
-    on_output = out_scale is not None and math.prod(x.shape[:x.ndim - n_in]) < math.prod(shape[:n_in])
-    kernel = kernel.astype(dtype) if out_scale is None or on_output else (kernel * out_scale).astype(dtype)
+    kernel = kernel.astype(dtype) if out_scale is None else (kernel * out_scale).astype(dtype)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    y = jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())))
-    return (y * out_scale).astype(dtype) if on_output else y
+    return jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())))
 
   def layer_delta(self):
     """ResidualTransformer's A_l·B_l + D_l over the kernel seen as an M×N matrix (§3.3; D_l is M×N diagonal).
@@ -318,6 +315,8 @@ class Block(nn.Module):
       return out
 
     mlp_f = lambda x, xn, scale: mlp(xn, scale, pick('mlp_'))
+    if self.decode:  # a scale folded into a kernel costs a multiply per entry; a few tokens' outputs cost less
+      attn_f, mlp_f = (lambda x, xn, scale, f=f: residual.scaled(f(x, xn, None), scale) for f in (attn_f, mlp_f))
 
     def block_f(x, xn, alpha):  # f(x) = block(x) − x: attention + MLP (plus the post-norm shift of h)
       attn_BxLxD = attn_f(x, xn, None)
@@ -347,7 +346,8 @@ class Block(nn.Module):
 
   def site(self, name, f, norm_in, norm_out, stream, rw, t):
     """LAuReL's x_{i+1} = α·f(x_i) + g(x_i, …): norm_in before f (pre-norm) or norm_out after the sum (post-norm).
-    f(x, normed x, α) applies α to its last projection's kernel, so autodiff keeps no activation for α."""
+    f(x, normed x, α) applies α to its last projection's kernel, so autodiff keeps no activation for α (when
+    decoding, to its output)."""
     x_BxLxD, pending = stream
     pre = self.cfg.norm_position == 'pre'
     alpha, beta_K = residual.site_rw(rw, t) or (None, None)

@@ -93,9 +93,11 @@ def test_generate_cli_samples_a_trained_run(tmp_path):
   assert empty.returncode == 2 and 'no config.json' in empty.stderr and len(empty.stderr.strip().splitlines()) == 1
 
 
-def test_rw_scales_a_decode_steps_outputs_not_its_kernels():
-  """α folded into a kernel costs a multiply per kernel entry, half the matmul's FLOPs for one token: the decode
-  step scales the one token's outputs instead, so RW costs the baseline's FLOPs (XLA's count, every layer)."""
+@pytest.mark.parametrize('design', [dict(laurel=residual.LaurelSpec(variant='rw')),
+                                    dict(stream=streams.StreamSpec(design='layerscale'))])
+def test_decode_scales_outputs_not_kernels(design):
+  """RW's α (LayerScale's λ) folded into a kernel costs a multiply per kernel entry, half the matmul's FLOPs for
+  one token: the decode step scales the token's outputs instead, costing the baseline's FLOPs (XLA's count)."""
   def decode_flops(cfg):
     model = lm.LM(cfg, decode=True)
     variables = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))))
@@ -105,5 +107,4 @@ def test_rw_scales_a_decode_steps_outputs_not_its_kernels():
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)['flops']
 
   base = dataclasses.replace(BASE, d_model=64, num_heads=4, d_ff=256, scan_layers=False)
-  rw = dataclasses.replace(base, laurel=residual.LaurelSpec(variant='rw'))
-  assert 1.0 < decode_flops(rw) / decode_flops(base) < 1.01
+  assert 1.0 < decode_flops(dataclasses.replace(base, **design)) / decode_flops(base) < 1.01
