@@ -354,7 +354,8 @@ class Block(nn.Module):
     xn_BxLxD = norm_in(x_BxLxD) if pre else x_BxLxD
     afx_BxLxD = f(x_BxLxD, xn_BxLxD, alpha)
     out_BxLxD, pending = residual.LaurelResidual(self.cfg.laurel, self.cfg.d_model, DTYPES[self.cfg.param_dtype],
-                                                 name=name)(afx_BxLxD, x_BxLxD, pending, beta_K, xn_BxLxD)
+                                                 decode=self.decode, name=name)(afx_BxLxD, x_BxLxD, pending,
+                                                                                 beta_K, xn_BxLxD)
     out_BxLxD = out_BxLxD if pre else norm_out(out_BxLxD)
     return nn.with_logical_constraint(out_BxLxD, ('act_batch', 'act_len', 'act_embed')), pending
 

@@ -167,6 +167,7 @@ class LaurelResidual(nn.Module):
   param_dtype: Any = jnp.float32
   axes: tuple = ('act_batch', 'act_len', 'act_embed')
   embed_axis: str = 'embed'
+  decode: bool = False  # β and γ scale the few tokens' products instead of B (a copy of B per step)
 
   def setup(self):
     s, d = self.spec, self.features
@@ -204,9 +205,15 @@ class LaurelResidual(nn.Module):
       raise ValueError(f'PA needs k-1={s.k - 1} pending sums, got {len(pending)}')
     receiver_beta = lambda j: None if beta_K is None else beta_K[j]
     if s.lr:  # eq. 6: one D → k·r product for all k terms, then each term's B_j scaled by its receiver's β
-      xa_KxR = jnp.einsum('...d,kdr->...kr', x, self.pa_a.astype(x.dtype))
-      sent = [xa_KxR[..., j, :] @ (self.pa_b[j] * self._gamma(j, receiver_beta(j))).astype(x.dtype)
-              for j in range(s.k)]
+      if self.decode:  # k products batched over k: one D → k·r product would copy A to D × k·r on every step
+        x_KxD = jnp.broadcast_to(x, (s.k,) + x.shape)
+        xa_KxR = jnp.einsum('k...d,kdr->k...r', x_KxD, self.pa_a.astype(x.dtype))
+        xab_KxD = jnp.einsum('k...r,krd->k...d', xa_KxR, self.pa_b.astype(x.dtype))
+        sent = [scaled(xab_KxD[j], self._gamma(j, receiver_beta(j))) for j in range(s.k)]
+      else:
+        xa_KxR = jnp.einsum('...d,kdr->...kr', x, self.pa_a.astype(x.dtype))
+        sent = [xa_KxR[..., j, :] @ (self.pa_b[j] * self._gamma(j, receiver_beta(j))).astype(x.dtype)
+                for j in range(s.k)]
     elif s.pa_h == 'low_rank':  # the receiver applies its h (and β) to the sum
       sent = [self._gamma(j, None).astype(x.dtype) * x for j in range(s.k)]
     else:  # eq. 4, identity h: β folded into γ
@@ -214,8 +221,7 @@ class LaurelResidual(nn.Module):
     received = sent[0] + pending[0] if pending else sent[0]
     pending = tuple(p + c for p, c in zip(pending[1:], sent[1:-1])) + tuple(sent[-1:]) if s.k > 1 else ()
     if s.pa_h == 'low_rank' and not s.lr:  # h reads the whole received sum: one activation kept per site
-      b = self.pa_b if beta is None else self.pa_b * beta
-      received = received @ self.pa_a.astype(x.dtype) @ b.astype(x.dtype)
+      received = self._low_rank(received, self.pa_a, self.pa_b, beta)
     return self._combine(afx, x, beta, received), pending
 
   def _gamma(self, j, beta):
@@ -230,9 +236,14 @@ class LaurelResidual(nn.Module):
       lr_out = self.lr_norm(x_normed @ self.lr_a.astype(x.dtype) @ self.lr_b.astype(x.dtype)).astype(x.dtype)
       return scaled(x_normed + lr_out, beta)
     if s.lr:
-      b = self.lr_b if beta is None else self.lr_b * beta
-      return x @ self.lr_a.astype(x.dtype) @ b.astype(x.dtype)
+      return self._low_rank(x, self.lr_a, self.lr_b, beta)
     return None
+
+  def _low_rank(self, x, a, b, beta):
+    """β·(x A B), β folded into B (autodiff keeps no activation for it) unless decoding."""
+    if self.decode:
+      return scaled(x @ a.astype(x.dtype) @ b.astype(x.dtype), beta)
+    return x @ a.astype(x.dtype) @ (b if beta is None else b * beta).astype(x.dtype)
 
   def _combine(self, afx, x, beta, g_rest):
     """β·x_i + α·f(x_i) + the rest of g (which carries its own β), with Gemma 3n's 1/√2."""

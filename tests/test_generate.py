@@ -20,6 +20,10 @@ DESIGNS = {
         BASE, norm_position='post', laurel=residual.LaurelSpec(variant='rw+lr+pa', rank=4, k=3)),
     'rw_lr_pa_sublayer_learned': dataclasses.replace(
         BASE, positional='learned', laurel=residual.LaurelSpec(variant='rw+lr+pa', rank=4, k=3, site='sublayer')),
+    'rw_per_dim_pa_low_rank_h': dataclasses.replace(
+        BASE, laurel=residual.LaurelSpec(variant='rw+pa', rank=4, k=3, pa_h='low_rank', rw_per_dim=True)),
+    'rw_per_dim_lr_pa': dataclasses.replace(
+        BASE, laurel=residual.LaurelSpec(variant='rw+lr+pa', rank=4, k=2, rw_per_dim=True)),
     'gemma3n_attention': dataclasses.replace(
         BASE, laurel=residual.LaurelSpec(variant='rw+lr', rank=4, form='gemma3n', site='attention')),
     'value_residual': dataclasses.replace(BASE, value_residual=True, scan_layers=False),
