@@ -1,14 +1,21 @@
 """Shared test helpers: tiny configs for the train loop, run in-process or through the CLI."""
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from conftest import TEST_XLA_FLAGS
 from laurel import config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# The TPU compiler is an optional extra (Linux only): without it, the tests that compile for a slice skip.
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                                  reason="compiling for a TPU slice needs libtpu: pip install -e '.[tpu]'")
 
 # A model and batch small enough that a step takes milliseconds on one CPU core.
 TINY_LM = {

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, load_config
+from helpers import ROOT, TINY_LM, cli_env, load_config, needs_libtpu
 from laurel import aot, lm, sharding, train
 
 # Table 5's model shrunk to compile in seconds; 4 scanned layers so the loop accounting has iterations to count.
@@ -35,12 +35,21 @@ def test_bad_topology_is_one_line(topology, message):
     aot.parse_topology(topology)
 
 
+def test_without_libtpu_a_slice_is_one_line_naming_the_extra(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'libtpu', None)  # what find_spec sees where the extra is not installed
+  with pytest.raises(ValueError, match=r"^topology='v6e:2x2': compiling for a TPU needs libtpu: pip install -e "
+                                       r"'\.\[tpu\]'$"):
+    aot.slice_devices('v6e:2x2')
+
+
+@needs_libtpu
 def test_slice_devices_are_the_chips_of_the_slice():
   devices = aot.slice_devices('v5p:2x2x2')
   assert len(devices) == 8 and {d.device_kind for d in devices} == {'TPU v5'}
   assert len({d.process_index for d in devices}) == 2 and jax.default_backend() == 'cpu'
 
 
+@needs_libtpu
 def test_costs_count_every_scanned_layer():
   """XLA counts a loop body once; the scan_unroll=2 difference adds the other iterations. The scanned step's FLOPs
   must then match the same step with its layers unrolled (which has no loop), and every figure be per chip."""
@@ -53,6 +62,7 @@ def test_costs_count_every_scanned_layer():
   assert scanned['roofline_step_time_s'] == max(scanned['compute_s'], scanned['memory_s']) > 0
 
 
+@needs_libtpu
 def test_splash_attention_compiles_per_device_for_a_sharded_slice():
   """On a (data 2, tensor 2) mesh the kernel runs under shard_map: Mosaic custom calls on local shapes."""
   config = small('rw_lr', **{'model.attention': 'splash', 'mesh.data': 2, 'mesh.tensor': 2})
@@ -78,6 +88,7 @@ def compile_only(*args, overrides=SMALL):
                         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
 
 
+@needs_libtpu
 def test_compile_only_reports_what_fits():
   r = compile_only('--topology=v5e:2x2')
   assert r.returncode == 0, r.stderr[-2000:]
@@ -89,6 +100,7 @@ def test_compile_only_reports_what_fits():
 TOO_BIG = {**SMALL, 'model.vocab_size': 2**22, 'model.d_model': 1024, 'model.num_heads': 8, 'model.num_layers': 2}
 
 
+@needs_libtpu
 def test_compile_only_refuses_a_step_that_does_not_fit():
   r = compile_only('--topology=v5e:1x1', overrides=TOO_BIG)
   assert r.returncode == 2 and r.stdout == ''

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, cli_env, fake_gcs_env
+from helpers import ROOT, cli_env, fake_gcs_env, needs_libtpu
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 import common  # noqa: E402  (scripts/common.py)
@@ -141,6 +141,7 @@ def test_launch_tpu_checks_the_config_for_the_slice():
 PREFLIGHT = [f'--config.{k}={v}' for k, v in {**TINY_SETS, 'batch_size': 4}.items()]
 
 
+@needs_libtpu
 def test_launch_tpu_preflight_compiles_for_the_slice_before_any_gcloud_command():
   args = ['--dry-run', '--tpu=t', '--zone=z', '--accelerator=v5e-4',
           '--config=configs/c4_ablation.py:rw_lr,preset=tiny', '--workdir=gs://b/r', *PREFLIGHT]
@@ -314,6 +315,7 @@ def test_reproduce_c4_ablation_end_to_end_and_resumable(tmp_path):
       rows['rw']['test_loss'])
 
 
+@needs_libtpu
 def test_benchmark_topology_compiles_every_row_for_the_slice(tmp_path):
   out = tmp_path / 'tpu.json'
   tiny = {k: v for k, v in TINY_SETS.items() if k.startswith('model.')}
