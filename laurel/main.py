@@ -9,7 +9,7 @@ before anything is traced or any checkpoint touched; so does resuming a workdir 
 --allow_config_change. SIGTERM and Ctrl-C save a checkpoint and exit; rerun the same command to resume.
 """
 
-import importlib.util
+import glob
 import logging as logging_std
 import os
 import sys
@@ -62,7 +62,7 @@ def main(argv):
   logging.get_absl_handler().addFilter(_console_filter)
   if _COORDINATOR.value or _NUM_PROCESSES.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  elif importlib.util.find_spec('libtpu') is not None:  # TPU VMs: jax finds its peers (before any backend starts)
+  elif _on_tpu_vm():  # jax finds its peers (before any backend starts)
     try:
       jax.distributed.initialize()
     except (RuntimeError, ValueError) as e:  # a single host outside a pod
@@ -75,6 +75,12 @@ def main(argv):
     config_lib.fail(str(e), code=3)
   except KeyboardInterrupt:  # Ctrl-C before the first step (in the loop it saves a checkpoint)
     config_lib.fail('interrupted before training started; nothing was saved', code=130)
+
+
+def _on_tpu_vm() -> bool:
+  """A Cloud TPU VM's chips are device files (/dev/accel* up to v4, /dev/vfio/<n> from v5e); libtpu alone is not
+  enough, since the TPU compiler is installed on CPU machines too."""
+  return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
 
 
 def _console_filter(record: logging_std.LogRecord) -> bool:

@@ -320,12 +320,17 @@ def read_config(workdir) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(saved)
 
 
+def run_dir(workdir) -> epath.Path:
+  """A run's directory: gs://… as it is, a local path made absolute (orbax refuses a relative one)."""
+  return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
+
+
 def restore_params(workdir, config):
   """(params, step) of the latest checkpoint of a run, e.g. to sample or evaluate it."""
   task = tasks.get_task(config)
   _, init_state, _ = make_train_fns(task, config)
   abstract = jax.eval_shape(init_state, jax.random.key(0))
-  mngr = ocp.CheckpointManager(epath.Path(workdir) / 'checkpoints')
+  mngr = ocp.CheckpointManager(run_dir(workdir) / 'checkpoints')
   step = mngr.latest_step()
   if step is None:
     raise ValueError(f'--workdir={str(workdir)!r}: holds no checkpoint')
@@ -497,7 +502,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
   bad input is checked before anything is compiled (validate_config, check_inputs, guard_config)."""
   devices = jax.devices() if devices is None else devices
   task = validate_config(config, num_devices=len(devices))
-  workdir = epath.Path(workdir)
+  workdir = run_dir(workdir)
   check_inputs(task, config, workdir)
   guard_config(config, workdir, allow_config_change)
   info = run_info(config)

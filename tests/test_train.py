@@ -234,6 +234,14 @@ def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path):
   assert 'at step' in line and 'last good checkpoint' in line
 
 
+def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
+  config = load_config(SPEC, {**TINY_LM, 'steps': 2, 'checkpoint_every': 1})
+  monkeypatch.chdir(tmp_path)  # `make train`'s --workdir=runs/demo
+  train.train(config, 'runs/demo', devices=jax.devices()[:1])
+  assert sorted(p.name for p in (tmp_path / 'runs' / 'demo' / 'checkpoints').iterdir()) == ['1', '2']
+  assert json.loads((tmp_path / 'runs' / 'demo' / 'final.json').read_text())['step'] == 2
+
+
 def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, caplog):
   monkeypatch.setitem(train.PEAK_FLOPS, jax.devices()[0].device_kind, 1e12)  # as if the CPU's peak were known
   caplog.set_level(logging.INFO)
