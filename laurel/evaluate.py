@@ -27,7 +27,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from etils import epath
 
 from laurel import config_lib, data, train
@@ -201,6 +201,7 @@ def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_
 def main(argv):
   if len(argv) > 1:
     config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   if not FLAGS.workdir or not FLAGS.task:
     config_lib.fail('--workdir and --task are required')
   try:

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 
@@ -95,6 +95,7 @@ def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_t
 def main(argv):
   if len(argv) > 1:
     config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   if not FLAGS.workdir:
     config_lib.fail('--workdir is required')
   if not FLAGS.prompt:
