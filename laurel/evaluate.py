@@ -30,7 +30,7 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from laurel import config_lib, data, train
+from laurel import config_lib, data, sharding, train
 
 FLAGS = flags.FLAGS
 
@@ -38,8 +38,8 @@ FLAGS = flags.FLAGS
 class Scorer:
   """Sum of log p(token) over the scored positions of padded sequences, `batch_size` at a time, one jit."""
 
-  def __init__(self, model, params, seq_len: int, batch_size: int, pad_id: int):
-    self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, pad_id
+  def __init__(self, model, params, seq_len: int, batch_size: int, pad_id: int, batch_sharding=None):
+    self.seq_len, self.batch_size, self.pad_id, self.batch_sharding = seq_len, batch_size, pad_id, batch_sharding
 
     @jax.jit
     def logprobs(tokens_BxL, weights_BxL):
@@ -58,6 +58,8 @@ class Scorer:
       for b, (seq, first) in enumerate(chunk):
         tokens[b, :len(seq)] = seq
         weights[b, first:len(seq)] = 1.0
+      if self.batch_sharding is not None:  # rows over the data-parallel devices, as in training
+        tokens, weights = jax.device_put((tokens, weights), self.batch_sharding)
       out.append(np.asarray(self._logprobs(tokens, weights)[0][:len(chunk)], np.float64))
     return np.concatenate(out) if out else np.zeros(0)
 
@@ -183,9 +185,15 @@ def check_task(task: str) -> None:
 def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_data_dir: str = ''):
   """Scores the latest checkpoint of the LM run in `workdir` on each task: yields each result as it is written to
   workdir/eval_<task name>.json."""
-  task, params, step = train.load_lm_run(workdir)
-  config, tokenizer = task.config, data.make_tokenizer(task.config.data)
-  scorer = Scorer(task.model, params, config.data.seq_len, batch_size, tokenizer.pad_id)
+  with train.lm_run_on_mesh(workdir) as (task, params, step, mesh):
+    tokenizer = data.make_tokenizer(task.config.data)
+    rows = mesh.shape['data'] * mesh.shape['fsdp']  # the batch's devices: rounded up to them, padded rows score 0
+    scorer = Scorer(task.model, params, task.config.data.seq_len, -(-batch_size // rows) * rows, tokenizer.pad_id,
+                    sharding.batch_sharding(mesh))
+    yield from _score(scorer, tokenizer, workdir, tasks, step, max_items, tfds_data_dir)
+
+
+def _score(scorer, tokenizer, workdir, tasks, step, max_items, tfds_data_dir):
   for spec in tasks:
     if spec.startswith('text:'):
       result = text_task(scorer, tokenizer, spec[5:], max_items)

@@ -12,7 +12,6 @@ token t sits at position t, so each row decodes at its own position.
 
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +19,7 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 
-from laurel import config_lib, data, lm, sharding, train
+from laurel import config_lib, data, lm, train
 
 
 
@@ -106,12 +105,8 @@ def main(argv):
     if not ok:
       config_lib.fail(f'--{name}={FLAGS[name].value!r}: {why}')
   try:
-    task, params, step = train.load_lm_run(FLAGS.workdir)
-    config, tokenizer = task.config, data.make_tokenizer(task.config.data)
-    mesh = sharding.make_mesh(config.mesh)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-      shapes = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
-      params = jax.device_put(params, sharding.logical_shardings(shapes, mesh, config.logical_axis_rules))
+    with train.lm_run_on_mesh(FLAGS.workdir) as (task, params, step, _):
+      tokenizer = data.make_tokenizer(task.config.data)
       new_BxN, _ = generate(task.model_cfg, params, [tokenizer.encode(p) for p in FLAGS.prompt], FLAGS.max_new_tokens,
                             temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                             seed=FLAGS.seed, use_cache=FLAGS.cache, pad_id=tokenizer.pad_id)

@@ -6,6 +6,7 @@
   outputs = WORKDIR/metrics.jsonl, WORKDIR/tensorboard/, WORKDIR/final.json (and WORKDIR/profile/)
 """
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -349,6 +350,18 @@ def load_lm_run(workdir):
   task = validate_config(config, num_devices=len(jax.devices()))
   params, step = restore_params(workdir, config)
   return task, params, step
+
+
+@contextlib.contextmanager
+def lm_run_on_mesh(workdir):
+  """load_lm_run's (task, params, step) with the params sharded as in training, and the run's mesh, inside that
+  mesh and the logical axis rules: where generate and evaluate compile and run."""
+  task, params, step = load_lm_run(workdir)
+  config = task.config
+  mesh = sharding.make_mesh(config.mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
+    shapes = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
+    yield task, jax.device_put(params, sharding.logical_shardings(shapes, mesh, config.logical_axis_rules)), step, mesh
 
 
 def check_inputs(task, config, workdir: epath.Path) -> None:

@@ -113,6 +113,14 @@ def test_evaluate_cli(tmp_path):
   text, mc = (json.loads(l) for l in out.stdout.splitlines())
   assert text['tokens'] > 0 and 0 < text['bits_per_byte'] < 20 and mc['items'] == 1
   assert json.loads((workdir / 'eval_mc.json').read_text()) == mc
+  # Over 8 devices the batch of 3 is padded to 8 rows sharded over the mesh: the same scores.
+  sharded = subprocess.run(command + ['--batch_size=3'], env=cli_env(8), cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+  assert sharded.returncode == 0, sharded.stderr[-2000:]
+  for one, eight in zip((text, mc), (json.loads(l) for l in sharded.stdout.splitlines())):
+    numbers = {k for k, v in one.items() if isinstance(v, float)}
+    assert numbers and {k: eight[k] for k in numbers} == pytest.approx({k: one[k] for k in numbers}, rel=1e-5)
+    assert {k: v for k, v in eight.items() if k not in numbers} == {k: v for k, v in one.items() if k not in numbers}
   bad = subprocess.run(command[:4] + ['--task=missing.jsonl'], env=cli_env(), cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
   assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
