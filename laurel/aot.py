@@ -107,12 +107,6 @@ def _compile(config, devices):
   return compiled, abstract
 
 
-def _costs(compiled) -> tuple[float, float]:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
-
-
 def _not_fitting(topology: str, chip: Chip, error: Exception) -> ValueError:
   """The TPU compiler's out-of-memory error as one line: what the step needs per chip, and what the chip has."""
   first = str(error).splitlines()[0]
@@ -151,7 +145,7 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   if config.optimizer.grad_accum_steps > 1:
     raise ValueError(f'optimizer.grad_accum_steps={config.optimizer.grad_accum_steps}: the compiler counts the '
                      'micro-batch loop once; measure costs with 1')
-  totals = _costs(compiled)
+  totals = train.xla_costs(compiled)
   if config.model.get('scan_layers'):  # the LM: one scan iteration per layer, or per group of shared layers
     iterations = config.model.num_layers // config.model.share.group_size
     if iterations % 2:
@@ -159,7 +153,7 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
                        f'({iterations})')
     unrolled = ml_collections.ConfigDict(config.to_dict())
     unrolled.model.scan_unroll = 2
-    twice = _costs(_compile(unrolled, devices)[0])
+    twice = train.xla_costs(_compile(unrolled, devices)[0])
     totals = [c + (iterations - 1) * (c2 - c) for c, c2 in zip(totals, twice)]
   flops, bytes_accessed = totals
   peak = train.PEAK_FLOPS[chip.device_kind]

@@ -10,8 +10,10 @@ recomputes the whole forward pass for every new token. Prompts of different leng
 token t sits at position t, so each row decodes at its own position.
 """
 
+import dataclasses
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,16 @@ def sample(logits_BxV, rng, temperature: float, top_k: int = 0, top_p: float = 1
     cutoff_Bx1 = jnp.min(jnp.where(before_BxV < top_p, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
     logits_BxV = jnp.where(logits_BxV < cutoff_Bx1, -jnp.inf, logits_BxV)
   return jax.random.categorical(rng, logits_BxV).astype(jnp.int32)
+
+
+def decode_step_costs(model_cfg: lm.LMConfig, batch: int, length: int) -> tuple[float, float]:
+  """XLA's (FLOPs, bytes accessed) of one decode step of `batch` tokens against a cache of `length`, compiled from
+  shapes alone with the layers unrolled (XLA counts a scanned body once)."""
+  model = lm.LM(dataclasses.replace(model_cfg, scan_layers=False), decode=True)
+  variables = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32))))
+  step = jax.jit(lambda p, c, t, pos: model.apply({'params': p, 'cache': c}, t, pos, mutable=['cache']))
+  token = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+  return train.xla_costs(step.lower(variables['params'], variables['cache'], token, token).compile())
 
 
 def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_tokens: int, *, temperature=0.0,

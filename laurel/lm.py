@@ -316,7 +316,8 @@ class Block(nn.Module):
 
     mlp_f = lambda x, xn, scale: mlp(xn, scale, pick('mlp_'))
     if self.decode:  # a scale folded into a kernel costs a multiply per entry; a few tokens' outputs cost less
-      attn_f, mlp_f = (lambda x, xn, scale, f=f: residual.scaled(f(x, xn, None), scale) for f in (attn_f, mlp_f))
+      on_output = lambda f: lambda x, xn, scale: residual.scaled(f(x, xn, None), scale)
+      attn_f, mlp_f = on_output(attn_f), on_output(mlp_f)
 
     def block_f(x, xn, alpha):  # f(x) = block(x) − x: attention + MLP (plus the post-norm shift of h)
       attn_BxLxD = attn_f(x, xn, None)

@@ -477,11 +477,15 @@ def step_flops(config) -> float:
     return xla_flops(jax.jit(train_step).lower(abstract, task.example_batch(config.batch_size)))
 
 
-def xla_flops(lowered_or_compiled) -> float:
-  """XLA's FLOP count of a lowered or compiled computation (per device; a scanned body counted once)."""
+def xla_costs(lowered_or_compiled) -> tuple[float, float]:
+  """XLA's (FLOPs, bytes accessed) of a lowered or compiled computation (per device; a scanned body counted once)."""
   cost = lowered_or_compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float((cost or {}).get('flops', 0.0))
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
+
+
+def xla_flops(lowered_or_compiled) -> float:
+  return xla_costs(lowered_or_compiled)[0]
 
 
 def compile_step(task, config, mesh):

@@ -6,22 +6,19 @@
 Per row, with random weights at the row's true shape (float32 on CPU): the prefill of `batch` prompts of
 `prompt_len` tokens, and the time per generated token at batch 1 and at `batch` (median over `rounds` rounds whose
 row order rotates, so the machine's load hits every row alike); the KV-cache bytes; and the compiled decode step's
-FLOPs and bytes accessed, as XLA counts them with the layers unrolled (figures noise cannot move). Each as a ratio to Baseline-24. The paper
-reports LAuReL's prefill and generation latency within 1-2% at 4B.
+FLOPs and bytes accessed, as XLA counts them with the layers unrolled (figures noise cannot move). Each as a ratio
+to Baseline-24. The paper reports LAuReL's prefill and generation latency within 1-2% at 4B.
 """
 
-import dataclasses
 import statistics
 import time
 
 import common  # puts the repo root on sys.path
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
-from laurel import config_lib, lm, train
+from laurel import config_lib, generate, lm
 
 BASELINE = 'baseline_24'
 _TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to measure.')
@@ -57,17 +54,10 @@ class Row:
     """Parameters, KV-cache bytes, and XLA's FLOPs and bytes of one decode step at batch 1 and `batch`, compiled
     with the layers unrolled (XLA counts a scanned body once)."""
     out = {'params': int(sum(x.size for x in jax.tree.leaves(self.params)))}
-    unrolled = lm.LM(dataclasses.replace(self.cfg, scan_layers=False), decode=True)
-    step = jax.jit(lambda p, c, t, pos: unrolled.apply({'params': p, 'cache': c}, t, pos, mutable=['cache']))
     for b in (1, _BATCH.value):
       out[f'kv_cache_bytes_b{b}'] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.cache_shapes[b])))
-      variables = jax.eval_shape(lambda b=b: nn.unbox(unrolled.init(jax.random.key(0), jnp.zeros((b, self.total),
-                                                                                                  jnp.int32))))
-      token = jax.ShapeDtypeStruct((b, 1), jnp.int32)
-      cost = step.lower(variables['params'], variables['cache'], token, token).compile().cost_analysis()
-      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-      out[f'decode_flops_b{b}'] = float(cost.get('flops', 0.0))
-      out[f'decode_bytes_accessed_b{b}'] = float(cost.get('bytes accessed', 0.0))
+      out[f'decode_flops_b{b}'], out[f'decode_bytes_accessed_b{b}'] = generate.decode_step_costs(self.cfg, b,
+                                                                                                 self.total)
     return out
 
   def time_prefill(self) -> float:

@@ -102,13 +102,6 @@ def test_generate_cli_samples_a_trained_run(tmp_path):
 def test_decode_scales_outputs_not_kernels(design):
   """RW's α (LayerScale's λ) folded into a kernel costs a multiply per kernel entry, half the matmul's FLOPs for
   one token: the decode step scales the token's outputs instead, costing the baseline's FLOPs (XLA's count)."""
-  def decode_flops(cfg):
-    model = lm.LM(cfg, decode=True)
-    variables = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))))
-    step = jax.jit(lambda p, c, t, pos: model.apply({'params': p, 'cache': c}, t, pos, mutable=['cache']))
-    token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    cost = step.lower(variables['params'], variables['cache'], token, token).compile().cost_analysis()
-    return (cost[0] if isinstance(cost, (list, tuple)) else cost)['flops']
-
-  base = dataclasses.replace(BASE, d_model=64, num_heads=4, d_ff=256, scan_layers=False)
+  decode_flops = lambda cfg: generate.decode_step_costs(cfg, 1, 8)[0]
+  base = dataclasses.replace(BASE, d_model=64, num_heads=4, d_ff=256)
   assert 1.0 < decode_flops(dataclasses.replace(base, **design)) / decode_flops(base) < 1.01
