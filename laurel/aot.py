@@ -146,11 +146,10 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
     raise ValueError(f'optimizer.grad_accum_steps={config.optimizer.grad_accum_steps}: the compiler counts the '
                      'micro-batch loop once; measure costs with 1')
   totals = train.xla_costs(compiled)
-  if config.model.get('scan_layers'):  # the LM: one scan iteration per layer, or per group of shared layers
-    iterations = config.model.num_layers // config.model.share.group_size
+  if config.model.get('scan_layers'):  # the LM: one scan iteration per layer
+    iterations = config.model.num_layers
     if iterations % 2:
-      raise ValueError(f'model.num_layers={config.model.num_layers}: costs need an even number of scan iterations '
-                       f'({iterations})')
+      raise ValueError(f'model.num_layers={iterations}: costs need an even number of scanned layers')
     unrolled = ml_collections.ConfigDict(config.to_dict())
     unrolled.model.scan_unroll = 2
     twice = train.xla_costs(_compile(unrolled, devices)[0])

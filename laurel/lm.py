@@ -6,7 +6,7 @@ positions), tied (or untied) embeddings. The residual connections are, by `model
             Table 5's counts), per sublayer, or on attention only as Gemma 3n places it (`laurel.site`);
   others    ReZero, LayerScale, Hyper-Connections, mHC, DenseFormer (laurel.streams), one site per sublayer.
 Orthogonal to the stream: value residual (ResFormer, in Attention) and ResidualTransformer's weight sharing
-(`model.share`, in Dense and Group). Sites form one chain in push form, so a layer scan keeps nothing extra;
+(`model.share`, in Dense and SharedKernels). Sites form one chain in push form, so a layer scan keeps nothing extra;
 weights whose init depends on the site (LAuReL's RW, HC's A_m, DenseFormer's α) live outside the scan.
 Shapes: B batch, L length, D model width, H heads, K head width, F MLP width, V vocabulary, N layers.
 """
@@ -58,7 +58,7 @@ class LMConfig:
   dtype: str = field('float32', one_of(*DTYPES))  # compute
   param_dtype: str = field('float32', one_of(*DTYPES))
   scan_layers: bool = field(True, BOOL)
-  scan_unroll: int = field(1, POSITIVE_INT)  # scanned layers (or shared-weight groups) per loop iteration
+  scan_unroll: int = field(1, POSITIVE_INT)  # scanned layers per loop iteration
   remat: str = field('none', one_of(*REMAT_POLICIES))
   attention: str = field('xla', one_of(*ATTENTION))
   laurel: residual.LaurelSpec = residual.LaurelSpec()
@@ -85,8 +85,8 @@ class LMConfig:
     self.stream.check_sizes(self.num_layers, f'{prefix}.stream')
     k = self.share.group_size
     require(self.num_layers % k == 0, f'{prefix}.share.group_size', k, f'must divide num_layers={self.num_layers}')
-    require(not self.scan_layers or (self.num_layers // k) % self.scan_unroll == 0, f'{prefix}.scan_unroll',
-            self.scan_unroll, f'must divide the {self.num_layers // k} scan iterations')
+    require(not self.scan_layers or self.num_layers % self.scan_unroll == 0, f'{prefix}.scan_unroll',
+            self.scan_unroll, f'must divide num_layers={self.num_layers}')
     require(k == 1 or self.share.rank <= min(self.d_model, self.d_ff), f'{prefix}.share.rank', self.share.rank,
             f'must be <= min(d_model, d_ff)={min(self.d_model, self.d_ff)}')
 
@@ -97,7 +97,7 @@ class LMConfig:
 
 def layer_kernels(cfg: LMConfig) -> dict:
   """name -> (shape, logical axes, input axes, init scale) of every matrix of a layer: the one place they are
-  declared, for Dense and for ResidualTransformer's shared copies (Group)."""
+  declared, for Dense and for ResidualTransformer's shared copies (SharedKernels)."""
   h, k, d, f = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.d_model, cfg.d_ff
   out_scale = 1.0 / (2 * cfg.num_layers)  # keeps the residual stream's variance flat with depth
   qkv = ((d, h, k), ('embed', 'heads', 'kv'), 1, 1.0)
@@ -108,11 +108,15 @@ def layer_kernels(cfg: LMConfig) -> dict:
   return kernels
 
 
-def kernel_param(module, name, spec, cfg):
+def kernel_param(module, name, spec, cfg, stack=0):
+  """A kernel of `spec`, or `stack` of them along a leading 'layers' axis, each initialised as one."""
   shape, names, n_in, scale = spec
-  init = nn.initializers.variance_scaling(scale, 'fan_in', 'truncated_normal', in_axis=tuple(range(n_in)),
-                                          out_axis=tuple(range(n_in, len(shape))))
-  return module.param(name, nn.with_logical_partitioning(init, names), shape, DTYPES[cfg.param_dtype])
+  lead = (stack,) if stack else ()
+  axes = lambda lo, hi: tuple(range(len(lead) + lo, len(lead) + hi))
+  init = nn.initializers.variance_scaling(scale, 'fan_in', 'truncated_normal', in_axis=axes(0, n_in),
+                                          out_axis=axes(n_in, len(shape)), batch_axis=axes(-len(lead), 0))
+  return module.param(name, nn.with_logical_partitioning(init, ('layers',) * len(lead) + names), lead + shape,
+                      DTYPES[cfg.param_dtype])
 
 
 class Dense(nn.Module):
@@ -295,16 +299,18 @@ class Mlp(nn.Module):
 class Block(nn.Module):
   """One transformer block: attention and MLP around the residual stream's sites (`cfg.stream.design`; for
   'residual', LAuReL's `laurel.site`). Carry: (the stream's carry, V_1 for value residual); `layer_xs` =
-  (layer index, this layer's slice of the chain weights); `shared`: ResidualTransformer's group kernels."""
+  (layer index, this layer's slice of the chain weights); `shared_G`: ResidualTransformer's kernels of every
+  group (SharedKernels), of which the layer takes its own group's."""
   cfg: LMConfig
 
   decode: bool = False
 
   @nn.compact
-  def __call__(self, carry, positions_BxL, segment_ids_BxL, layer_xs, shared=None):
-    cfg, shared = self.cfg, shared or {}
+  def __call__(self, carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G=None):
+    cfg = self.cfg
     stream, values = carry
     layer_index, chain = layer_xs
+    shared = {k: w[layer_index // cfg.share.group_size] for k, w in (shared_G or {}).items()}
     norm_attn, norm_mlp = _norm(cfg, 'norm_attn'), _norm(cfg, 'norm_mlp')
     attn, mlp = Attention(cfg, name='attn'), Mlp(cfg, name='mlp')
     pick = lambda prefix: {k[len(prefix):]: v for k, v in shared.items() if k.startswith(prefix)}
@@ -361,24 +367,19 @@ class Block(nn.Module):
     return nn.with_logical_constraint(out_BxLxD, ('act_batch', 'act_len', 'act_embed')), pending
 
 
-class Group(nn.Module):
-  """ResidualTransformer's group (arXiv 2310.02489, §3.2): K consecutive blocks that share every attention and MLP
-  kernel W (created here), each adding its own A_l·B_l + D_l in Dense."""
+class SharedKernels(nn.Module):
+  """ResidualTransformer's shared weights (arXiv 2310.02489, §3.2): every attention and MLP kernel W_g once per
+  group of K consecutive layers, stacked over the groups. The layers stay one scan, each taking its group's W_g
+  (a scan iteration of K unrolled blocks lets the compiler keep all K blocks' recomputed activations at once)."""
   cfg: LMConfig
-  block: Any = None  # the Block class (remat-wrapped or not)
-  decode: bool = False
 
   @nn.compact
-  def __call__(self, carry, positions_BxL, segment_ids_BxL, group_xs):
+  def __call__(self):
     cfg = self.cfg
-    shared = {f'{part}_{name}': kernel_param(self, f'{part}_{name}', spec, cfg)
-              for part, names in (('attn', ('query', 'key', 'value', 'out')), ('mlp', ('up', 'gate', 'down')))
-              for name, spec in layer_kernels(cfg).items() if name in names}
-    for layer in range(cfg.share.group_size):
-      layer_xs = jax.tree.map(lambda a, layer=layer: a[layer], group_xs)
-      carry, _ = self.block(cfg, self.decode, name=f'layer{layer}')(carry, positions_BxL, segment_ids_BxL, layer_xs,
-                                                                     shared)
-    return carry, None
+    groups = cfg.num_layers // cfg.share.group_size
+    return {f'{part}_{name}': kernel_param(self, f'{part}_{name}', spec, cfg, stack=groups)
+            for part, names in (('attn', ('query', 'key', 'value', 'out')), ('mlp', ('up', 'gate', 'down')))
+            for name, spec in layer_kernels(cfg).items() if name in names}
 
 
 class LM(nn.Module):
@@ -414,24 +415,20 @@ class LM(nn.Module):
     stream, chain_N = self.stream_start(x_BxLxD)
     layer_xs = (jnp.arange(cfg.num_layers), chain_N)
 
+    shared_G = SharedKernels(cfg, name='shared')() if cfg.share.group_size > 1 else None
     block = Block
     if cfg.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-    unit, num_units, unit_kwargs = block, cfg.num_layers, {'decode': self.decode}
-    if cfg.share.group_size > 1:  # one scan step per group of K shared-weight layers
-      unit, num_units = Group, cfg.num_layers // cfg.share.group_size
-      unit_kwargs = {'block': block, 'decode': self.decode}
-      layer_xs = jax.tree.map(lambda a: a.reshape((num_units, cfg.share.group_size) + a.shape[1:]), layer_xs)
     carry = (stream, values)
     if cfg.scan_layers:
-      stack = nn.scan(unit, variable_axes={'params': 0, 'cache': 0}, split_rngs={'params': True},
-                      in_axes=(nn.broadcast, nn.broadcast, 0), length=num_units, unroll=cfg.scan_unroll,
-                      metadata_params={nn.PARTITION_NAME: 'layers'})
-      carry, _ = stack(cfg, name='layers', **unit_kwargs)(carry, positions_BxL, segment_ids_BxL, layer_xs)
+      stack = nn.scan(block, variable_axes={'params': 0, 'cache': 0}, split_rngs={'params': True},
+                      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=cfg.num_layers,
+                      unroll=cfg.scan_unroll, metadata_params={nn.PARTITION_NAME: 'layers'})
+      carry, _ = stack(cfg, self.decode, name='layers')(carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)
     else:
-      for i in range(num_units):
-        unit_xs = jax.tree.map(lambda a, i=i: a[i], layer_xs)
-        carry, _ = unit(cfg, name=f'layers_{i}', **unit_kwargs)(carry, positions_BxL, segment_ids_BxL, unit_xs)
+      for i in range(cfg.num_layers):
+        carry, _ = block(cfg, self.decode, name=f'layers_{i}')(
+            carry, positions_BxL, segment_ids_BxL, jax.tree.map(lambda a, i=i: a[i], layer_xs), shared_G)
     stream = carry[0]
     x_BxLxD = stream[0] if cfg.stream.design == 'residual' else streams.finish(cfg.stream, stream)
 

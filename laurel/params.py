@@ -23,7 +23,8 @@ def count(config) -> dict:
   params = jax.tree_util.tree_leaves_with_path(variables['params'])
   size = lambda leaves: int(sum(np.prod(x.shape) for _, x in leaves))
   laurel = [(p, x) for p, x in params if 'laurel' in jax.tree_util.keystr(p)]
-  layers = [(p, x) for p, x in params if jax.tree_util.keystr(p).startswith("['layers")]  # shared ones once
+  layers = [(p, x) for p, x in params  # ResidualTransformer's shared kernels once
+            if jax.tree_util.keystr(p).startswith(("['layers", "['shared']"))]
   state = [(p, x) for k, v in variables.items() if k != 'params' for p, x in jax.tree_util.tree_leaves_with_path(v)]
   widths = task.laurel_site_widths()
   spec = task.model_cfg.laurel

@@ -67,13 +67,12 @@ def _calls(cfg, params, tokens, module_type):
 def test_residual_transformer_is_the_lm_with_composed_kernels_BxLxV(diagonal):
   cfg = _cfg(share=lm.ShareSpec(group_size=2, rank=3, diagonal=diagonal), mlp='swiglu')
   shared = _random_params(cfg, 1)
-  plain = {k: v for k, v in shared.items() if not k.startswith('layers_')}
+  plain = {k: v for k, v in shared.items() if not k.startswith(('layers_', 'shared'))}
   for layer in range(LAYERS):
-    group = shared[f'layers_{layer // 2}']
-    own = jax.tree.map(np.asarray, group[f'layer{layer % 2}'])
+    own = jax.tree.map(np.asarray, shared[f'layers_{layer}'])
     for part, names in (('attn', ('query', 'key', 'value', 'out')), ('mlp', ('up', 'gate', 'down'))):
       for name in names:
-        w = np.asarray(group[f'{part}_{name}'])
+        w = np.asarray(shared['shared'][f'{part}_{name}'][layer // 2])  # W_g of the layer's group g
         delta = own[part].pop(name)
         n_in = 2 if name == 'out' else 1
         m, n = math.prod(w.shape[:n_in]), math.prod(w.shape[n_in:])
@@ -94,10 +93,40 @@ def test_residual_transformer_shares_scan_and_unrolled_layers_BxLxV():
   cfg = _cfg(share=lm.ShareSpec(group_size=2, rank=3), laurel=residual.LaurelSpec(variant='rw+lr', rank=4))
   unrolled = _random_params(cfg, 3)
   stacked = {k: v for k, v in unrolled.items() if not k.startswith('layers_')}
-  stacked['layers'] = jax.tree.map(lambda *a: jnp.stack(a), unrolled['layers_0'], unrolled['layers_1'])
+  stacked['layers'] = jax.tree.map(lambda *a: jnp.stack(a), *(unrolled[f'layers_{i}'] for i in range(LAYERS)))
   tokens = _tokens(4)
   np.testing.assert_allclose(_logits(dataclasses.replace(cfg, scan_layers=True, remat='full'), stacked, tokens),
                              _logits(cfg, unrolled, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_residual_transformer_groups_start_as_independent_draws_of_the_baselines_init():
+  cfg = _cfg(share=lm.ShareSpec(group_size=2, rank=3), mlp='swiglu')
+  params = nn.unbox(lm.LM(cfg).init(jax.random.key(0), _tokens())['params'])
+  baseline = nn.unbox(lm.LM(_cfg(mlp='swiglu')).init(jax.random.key(0), _tokens())['params'])
+  for name, w_G in params['shared'].items():
+    part, kernel = name.split('_')
+    assert w_G.shape == (LAYERS // 2,) + baseline['layers_0'][part][kernel]['kernel'].shape
+    assert not np.allclose(w_G[0], w_G[1])  # each group its own draw
+    # The fan-in scale of one kernel (the stacked axis is not a fan): the baseline layers' std, within sampling.
+    stds = [np.std(baseline[f'layers_{i}'][part][kernel]['kernel']) for i in range(LAYERS)]
+    np.testing.assert_allclose(np.std(w_G), np.mean(stds), rtol=0.2)
+
+
+def test_residual_transformer_keeps_no_more_activations_than_the_baseline():
+  # Fully rematerialised, 6 scanned layers in groups of K = 3: the backward pass must recompute one layer at a time.
+  # (A scan iteration of K unrolled blocks let XLA recompute all K at once: 2.4x the baseline's temp bytes here.)
+  def temp_bytes(group_size):
+    cfg = lm.LMConfig(vocab_size=64, d_model=32, num_heads=2, d_ff=64, num_layers=6, scan_layers=True, remat='full',
+                      share=lm.ShareSpec(group_size=group_size, rank=2))
+    params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
+    xent = lambda p, t: -jnp.mean(jnp.take_along_axis(
+        jax.nn.log_softmax(lm.LM(cfg).apply({'params': p}, t[:, :-1])), t[:, 1:, None], axis=-1))
+    tokens = jax.ShapeDtypeStruct((8, 129), jnp.int32)
+    return jax.jit(jax.grad(xent)).lower(nn.unbox(params), tokens).compile().memory_analysis().temp_size_in_bytes
+  one_layers_logits = 8 * 2 * 128 * 128 * 4  # B·H·L·L float32: the largest buffer a layer recomputes
+  base = temp_bytes(1)
+  assert base > 3 * one_layers_logits  # the measure sees the activations at all
+  assert temp_bytes(3) < base + one_layers_logits / 4
 
 
 def test_residual_transformer_cuts_layer_weights_about_3x_at_table5_shape():
@@ -105,7 +134,7 @@ def test_residual_transformer_cuts_layer_weights_about_3x_at_table5_shape():
   def layer_params(row):
     task = tasks.get_task(load_config(f'configs/residual_designs.py:{row}'))
     shapes = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
-    return sum(int(np.prod(x.shape)) for k, v in nn.unbox(shapes).items() if k == 'layers'
+    return sum(int(np.prod(x.shape)) for k, v in nn.unbox(shapes).items() if k in ('layers', 'shared')
                for x in jax.tree.leaves(v))
   ratio = layer_params('baseline_24') / layer_params('residual_transformer')
   assert 2.7 < ratio < 3.0, ratio
