@@ -121,5 +121,5 @@ def test_compile_only_needs_a_topology_and_a_topology_needs_compile_only():
 
 
 def test_scan_unroll_must_divide_the_layers():
-  with pytest.raises(ValueError, match=r'^model.scan_unroll=3: must divide the 4 scan iterations$'):
+  with pytest.raises(ValueError, match=r'^model.scan_unroll=3: must divide num_layers=4$'):
     train.validate_config(small(**{'model.scan_unroll': 3}), 1, 1)
