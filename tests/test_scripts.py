@@ -380,3 +380,14 @@ def test_benchmark_decode_counts_every_layer_and_writes_every_key(tmp_path):
   # 7 layers against 6: a scanned body counted once would give 1.0
   assert rows['baseline_28']['decode_flops_b1_ratio'] > 1.1
   assert rows['baseline_28']['kv_cache_bytes_b1_ratio'] == pytest.approx(7 / 6, abs=1e-4)
+
+
+def test_activations_per_layer_sees_value_residuals_first_values(tmp_path):
+  # Value residual carries V_1 through the layer scan, which saves it once per layer: one more activation.
+  out = tmp_path / 'act.json'
+  r = script('activations_per_layer.py', '--rows=baseline_24,value_residual', '--layers=2,4', '--batch=2',
+             '--seq_len=16', f'--out={out}')
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = {row['name']: row['activations_per_layer'] for row in json.loads(out.read_text())['rows']}
+  assert rows['baseline_24'] > 2  # the measure sees activations at all
+  assert 0.9 < rows['value_residual'] - rows['baseline_24'] < 1.1, rows
