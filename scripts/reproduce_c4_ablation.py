@@ -135,7 +135,8 @@ def markdown(rows, command: str, with_paper: bool) -> str:
 def plot(rows, with_paper: bool):
   """Test loss per row: ours one line per seed (rows compare within a colour; the spread between colours is seed
   noise), beside the paper's."""
-  fig, axes = common.plt.subplots(1, 1 + with_paper, figsize=(11 if with_paper else 9, 4), squeeze=False)
+  width = max(4.5, 0.55 * len(rows))  # per panel, so that the rotated row names do not overlap
+  fig, axes = common.plt.subplots(1, 1 + with_paper, figsize=(width * (1 + with_paper), 4.5), squeeze=False)
   ours = axes[0, 0]
   for i, seed in enumerate(sorted({s for r in rows for s in r['test_losses']})):
     xs = [j for j, r in enumerate(rows) if seed in r['test_losses']]
@@ -149,7 +150,7 @@ def plot(rows, with_paper: bool):
     titled.append((theirs, 'paper, Table 5'))
   for ax, title in titled:
     ax.set(title=title, ylabel='test loss')
-    ax.set_xticks(range(len(rows)), [r['name'] for r in rows], rotation=30)
+    ax.set_xticks(range(len(rows)), [r['name'] for r in rows], rotation=35, ha='right', rotation_mode='anchor')
   fig.tight_layout()
   return fig
 
