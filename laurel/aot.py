@@ -147,13 +147,13 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
                      'micro-batch loop once; measure costs with 1')
   totals = train.xla_costs(compiled)
   if config.model.get('scan_layers'):  # the LM: one scan iteration per layer
-    iterations = config.model.num_layers
-    if iterations % 2:
-      raise ValueError(f'model.num_layers={iterations}: costs need an even number of scanned layers')
+    layers = config.model.num_layers
+    if layers % 2:
+      raise ValueError(f'model.num_layers={layers}: costs need an even number of scanned layers')
     unrolled = ml_collections.ConfigDict(config.to_dict())
     unrolled.model.scan_unroll = 2
     twice = train.xla_costs(_compile(unrolled, devices)[0])
-    totals = [c + (iterations - 1) * (c2 - c) for c, c2 in zip(totals, twice)]
+    totals = [c + (layers - 1) * (c2 - c) for c, c2 in zip(totals, twice)]
   flops, bytes_accessed = totals
   peak = train.PEAK_FLOPS[chip.device_kind]
   compute_s, memory_s = flops / peak, bytes_accessed / chip.hbm_bytes_per_s

@@ -15,7 +15,6 @@ import json
 import common  # puts the repo root on sys.path
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 
 from laurel import config_lib, lm, train
@@ -29,20 +28,17 @@ _REMAT = flags.DEFINE_enum('remat', 'dots_no_batch', list(lm.REMAT_POLICIES), 'R
 _OUT = flags.DEFINE_string('out', '', 'Write the results as JSON here.')
 
 
-def temp_bytes(row: str, layers: int) -> int:
+def temp_bytes(row: str, layers: int) -> tuple[int, int]:
+  """(XLA's temporary bytes of the row's compiled loss gradient at `layers` layers, its d_model)."""
   overrides = [f'model.num_layers={layers}', 'model.scan_layers=True', f'model.remat={_REMAT.value}',
-               'model.dtype=float32', 'model.param_dtype=float32']
-  config = config_lib.load(f'configs/{_TABLE.value}.py:{row},preset=tiny', overrides)
-  train.validate_config(config)
-  model = lm.LM(lm.LMConfig.from_config(config.model))
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
-
-  def loss(p, tokens_BxL):
-    logp_BxLxV = jax.nn.log_softmax(model.apply({'params': p}, tokens_BxL[:, :-1]))
-    return -jnp.mean(jnp.take_along_axis(logp_BxLxV, tokens_BxL[:, 1:, None], axis=-1))
-  tokens = jax.ShapeDtypeStruct((_BATCH.value, _SEQ_LEN.value + 1), jnp.int32)
-  compiled = jax.jit(jax.grad(loss)).lower(nn.unbox(params), tokens).compile()
-  return int(compiled.memory_analysis().temp_size_in_bytes), config.model.d_model
+               'model.dtype=float32', 'model.param_dtype=float32', f'data.seq_len={_SEQ_LEN.value}']
+  task = train.validate_config(config_lib.load(f'configs/{_TABLE.value}.py:{row},preset=tiny', overrides))
+  batch = task.example_batch(_BATCH.value)
+  variables = nn.unbox(jax.eval_shape(task.init, jax.random.key(0), batch))
+  params, model_state = variables.pop('params'), variables
+  grad = jax.grad(lambda p, b: task.loss(p, model_state, b, train=True)[0])
+  compiled = jax.jit(grad).lower(params, batch).compile()
+  return int(compiled.memory_analysis().temp_size_in_bytes), task.model_cfg.d_model
 
 
 def main(argv):
