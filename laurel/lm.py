@@ -18,18 +18,31 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from laurel import residual, streams
-from laurel.config_lib import BOOL, DTYPES, POSITIVE_INT, build, field, is_number, one_of, require
+from laurel.config_lib import BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number, one_of, require
 
 # `model.attention`: 'xla' is the reference (einsums, the L×L logits materialised); 'dot_product' is
 # jax.nn.dot_product_attention (cuDNN's fused flash attention on GPU where it applies, else XLA); 'splash' the Pallas
 # splash-attention kernel (TPU; interpreted elsewhere, which only tests use); 'auto' the best of them for the platform.
 ATTENTION = ('xla', 'dot_product', 'splash', 'auto')
 AUTO_ATTENTION = {'tpu': 'splash', 'gpu': 'dot_product', 'cuda': 'dot_product', 'rocm': 'dot_product'}
+# What the backward pass keeps of a layer (`model.remat`); the rest it recomputes. The named activations are tagged
+# with checkpoint_name below: q, k, v after RoPE ('query_proj', 'key_proj', 'value_proj'), the attention output
+# before its projection ('attention_out'), the projected output ('out_proj'), the MLP's normed input ('mlp_input')
+# and its up-projection before the activation ('mlp_hidden'). 'minimal' saves every projection that the backward
+# pass reads (as dots_no_batch, by name).
+_saving = jax.checkpoint_policies.save_only_these_names
 REMAT_POLICIES = {'none': None, 'full': jax.checkpoint_policies.nothing_saveable,
                   'dots': jax.checkpoint_policies.checkpoint_dots,
-                  'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+                  'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  'minimal': _saving('query_proj', 'key_proj', 'value_proj', 'out_proj', 'mlp_hidden'),
+                  'save_qkv': _saving('query_proj', 'key_proj', 'value_proj'),
+                  'save_qkv_attention': _saving('query_proj', 'key_proj', 'value_proj', 'attention_out'),
+                  'save_qkv_mlp': _saving('query_proj', 'key_proj', 'value_proj', 'mlp_hidden'),
+                  'save_out_proj': _saving('out_proj'),
+                  'save_attention_mlp': _saving('attention_out', 'mlp_hidden')}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +73,7 @@ class LMConfig:
   scan_layers: bool = field(True, BOOL)
   scan_unroll: int = field(1, POSITIVE_INT)  # scanned layers per loop iteration
   remat: str = field('none', one_of(*REMAT_POLICIES))
+  loss_chunk: int = field(256, NON_NEGATIVE_INT)  # positions whose logits the loss computes at once; 0 = all
   attention: str = field('xla', one_of(*ATTENTION))
   laurel: residual.LaurelSpec = residual.LaurelSpec()
   stream: streams.StreamSpec = streams.StreamSpec()
@@ -189,6 +203,8 @@ class Attention(nn.Module):
       q_BxLxHxK = rope(q_BxLxHxK, positions_BxL, cfg.rope_base)
       k_BxLxHxK = rope(k_BxLxHxK, positions_BxL, cfg.rope_base)
     q_BxLxHxK = nn.with_logical_constraint(q_BxLxHxK, ('act_batch', 'act_len', 'act_heads', None))
+    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (checkpoint_name(a, f'{n}_proj') for a, n in (
+        (q_BxLxHxK, 'query'), (k_BxLxHxK, 'key'), (v_BxLxHxK, 'value')))
     if decode:  # keys and values of every position so far live in the cache; row b's token t sits at slot t
       k_BxSxHxK, v_BxSxHxK = self.cached(k_BxLxHxK, v_BxLxHxK, positions_BxL)
       slots_S = jnp.arange(k_BxSxHxK.shape[1])  # the reference path: fused kernels take training shapes
@@ -198,7 +214,9 @@ class Attention(nn.Module):
       attend = {'xla': xla_attention, 'dot_product': dot_product_attention, 'splash': splash_attention}
       impl = attention_impl(cfg.attention, x_BxLxD.shape[1])
       out_BxLxHxK = attend[impl](q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
-    return Dense(kernels['out'], cfg, name='out')(out_BxLxHxK, out_scale, shared.get('out')), first_values
+    out_BxLxHxK = checkpoint_name(out_BxLxHxK, 'attention_out')
+    out_BxLxD = Dense(kernels['out'], cfg, name='out')(out_BxLxHxK, out_scale, shared.get('out'))
+    return checkpoint_name(out_BxLxD, 'out_proj'), first_values
 
   def cached(self, k_BxLxHxK, v_BxLxHxK, positions_BxL):
     """Writes the new keys and values at their positions into the 'cache' collection (whose length, the most
@@ -228,16 +246,22 @@ def _platform() -> str:
 
 
 def xla_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, mask_Bx1xLxL=None):
-  """The reference: causal softmax attention within each packed segment (or under `mask`), logits in float32."""
-  logits_BxHxLxL = jnp.einsum('bqhk,bshk->bhqs', q_BxLxHxK, k_BxLxHxK).astype(jnp.float32)
-  logits_BxHxLxL = logits_BxHxLxL / jnp.sqrt(q_BxLxHxK.shape[-1])
+  """The reference: causal softmax attention within each packed segment (or under `mask`), scores in float32. The
+  softmax is normalised after the value product, so one L×L buffer of exponentials is all it keeps (not the
+  logits, the probabilities and their cast copy)."""
+  logits_BxHxLxL = jnp.einsum('bqhk,bshk->bhqs', q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32)
+  logits_BxHxLxL = logits_BxHxLxL / math.sqrt(q_BxLxHxK.shape[-1])
   if mask_Bx1xLxL is None:
     causal_LxL = jnp.tril(jnp.ones((q_BxLxHxK.shape[1], q_BxLxHxK.shape[1]), bool))
     same_segment_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
     mask_Bx1xLxL = (causal_LxL[None] & same_segment_BxLxL)[:, None]
   logits_BxHxLxL = jnp.where(mask_Bx1xLxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
-  probs_BxHxLxL = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
-  return jnp.einsum('bhqs,bshk->bqhk', probs_BxHxLxL, v_BxLxHxK)
+  # Every row keeps at least its own position, so the row maximum is a real logit and no row sums to zero.
+  exps_BxHxLxL = jnp.exp(logits_BxHxLxL - jax.lax.stop_gradient(logits_BxHxLxL.max(-1, keepdims=True)))
+  sums_BxLxHx1 = exps_BxHxLxL.sum(-1).swapaxes(1, 2)[..., None]
+  out_BxLxHxK = jnp.einsum('bhqs,bshk->bqhk', exps_BxHxLxL.astype(v_BxLxHxK.dtype), v_BxLxHxK,
+                           preferred_element_type=jnp.float32)
+  return (out_BxLxHxK / sums_BxLxHx1).astype(v_BxLxHxK.dtype)
 
 
 def dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
@@ -287,7 +311,8 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD, out_scale=None, shared=None):
     cfg, kernels, shared = self.cfg, layer_kernels(self.cfg), shared or {}
-    up = lambda n: Dense(kernels[n], cfg, name=n)(x_BxLxD, shared=shared.get(n))
+    x_BxLxD = checkpoint_name(x_BxLxD, 'mlp_input')
+    up = lambda n: checkpoint_name(Dense(kernels[n], cfg, name=n)(x_BxLxD, shared=shared.get(n)), 'mlp_hidden')
     if cfg.mlp == 'swiglu':
       h_BxLxF = jax.nn.silu(up('gate')) * up('up')
     else:
@@ -382,6 +407,11 @@ class SharedKernels(nn.Module):
             for name, spec in layer_kernels(cfg).items() if name in names}
 
 
+def output_kernel(cfg: LMConfig, params) -> tuple[jax.Array, str]:
+  """(the vocabulary projection's kernel, its einsum axes): the tied embedding (V×D) or the unembedding (D×V)."""
+  return (params['embed']['embedding'], 'vd') if cfg.tie_embeddings else (params['unembed']['kernel'], 'dv')
+
+
 class LM(nn.Module):
   """`LM(cfg).apply(variables, tokens_BxL, positions_BxL, segment_ids_BxL)` -> float32 logits (B, L, V).
 
@@ -391,7 +421,9 @@ class LM(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, hidden=False):
+    """hidden=True returns the final-normed hidden states (B, L, D) instead, for a loss that projects them onto the
+    vocabulary itself (laurel.cross_entropy, with `output_kernel`)."""
     cfg = self.cfg
     b, length = tokens_BxL.shape
     if positions_BxL is None:
@@ -433,6 +465,8 @@ class LM(nn.Module):
     x_BxLxD = stream[0] if cfg.stream.design == 'residual' else streams.finish(cfg.stream, stream)
 
     x_BxLxD = _norm(cfg, 'final_norm')(x_BxLxD)
+    if hidden:
+      return x_BxLxD
     if cfg.tie_embeddings:
       logits_BxLxV = embed.attend(x_BxLxD)
     else:

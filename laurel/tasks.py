@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from laurel import data, image_data, lm, resnet
+from laurel import cross_entropy, data, image_data, lm, resnet
+from laurel.config_lib import DTYPES
 
 
 class Task(Protocol):
@@ -79,16 +80,14 @@ class LMTask:
   def loss(self, params, model_state, batch, train: bool):
     del train  # no dropout
     tokens_BxL, segments_BxL = batch['tokens'], batch['segment_ids']
-    logits_BxLxV = self.model.apply({'params': params, **model_state}, tokens_BxL, batch['positions'],
-                                    segments_BxL)
-    logits_BxLxV, targets_BxL = logits_BxLxV[:, :-1], tokens_BxL[:, 1:]
-    # Predict token t+1 only inside the document of token t, never into padding (segment 0).
-    weights_BxL = ((segments_BxL[:, 1:] == segments_BxL[:, :-1]) & (segments_BxL[:, 1:] > 0)).astype(jnp.float32)
-    nll_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
-    correct_BxL = (jnp.argmax(logits_BxLxV, -1) == targets_BxL).astype(jnp.float32)
+    x_BxLxD = self.model.apply({'params': params, **model_state}, tokens_BxL, batch['positions'], segments_BxL,
+                               hidden=True)
+    targets_BxL, weights_BxL = cross_entropy.shifted_targets(tokens_BxL, segments_BxL)
+    nll, correct = cross_entropy.chunked(x_BxLxD, *lm.output_kernel(self.model_cfg, params), targets_BxL,
+                                         weights_BxL, self.model_cfg.loss_chunk, DTYPES[self.model_cfg.dtype])
     n = weights_BxL.sum()
-    metrics = {'loss': ((nll_BxL * weights_BxL).sum(), n), 'accuracy': ((correct_BxL * weights_BxL).sum(), n)}
-    return metrics['loss'][0] / jnp.maximum(n, 1.0), (metrics, model_state)
+    metrics = {'loss': (nll, n), 'accuracy': (correct, n)}
+    return nll / jnp.maximum(n, 1.0), (metrics, model_state)
 
   def dataset(self, **kwargs):  # Task.dataset's keyword arguments
     return data.lm_dataset(self.config.data, **kwargs)

@@ -58,7 +58,7 @@ NO_DECAY = ('scale', 'bias', 'rw_w', 'pa_gamma', 'rezero_alpha', 'layerscale', '
 # the old state.
 RESUMABLE = ('steps', 'log_every', 'eval_every', 'eval_steps', 'checkpoint_every', 'keep_checkpoints', 'tensorboard',
              'profile_steps', 'mesh', 'logical_axis_rules', 'optimizer.grad_accum_steps', 'model.remat',
-             'data.num_workers', 'data.prefetch')
+             'model.loss_chunk', 'data.num_workers', 'data.prefetch')
 UNIT_INTERVAL = in_range(0, 1, closed=(True, False))
 MESH_AXIS = (lambda v: is_int(v) and (v >= 1 or v == -1), 'must be a positive integer or -1')
 PROFILE_STEPS = (lambda v: v == () or (isinstance(v, tuple) and len(v) == 2 and all(map(is_int, v))
@@ -262,7 +262,11 @@ class MetricsLog:
 
 
 def _model_signature(config) -> dict:
-  return json.loads(ml_collections.ConfigDict({'task': config.task, 'model': config.model}).to_json())
+  """What a checkpoint must have been trained with: the task and the model, less the fields a resume may change
+  (also dropped from a saved signature, so checkpoints that recorded them still match)."""
+  signature = json.loads(ml_collections.ConfigDict({'task': config['task'], 'model': config['model']}).to_json())
+  signature['model'] = {k: v for k, v in signature['model'].items() if f'model.{k}' not in RESUMABLE}
+  return signature
 
 
 # What a damaged checkpoint raises (tensorstore reports missing or corrupt data as ValueError). A checkpoint
@@ -280,7 +284,7 @@ def _restore_latest(mngr, workdir, config, abstract_state, train_iter):
       saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
     except UNREADABLE as e:
       saved, error = None, e
-    if saved is not None and saved != _model_signature(config):
+    if saved is not None and _model_signature(saved) != _model_signature(config):
       raise ValueError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use '
                        'a new workdir or the original config')
     if saved is not None:

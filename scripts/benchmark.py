@@ -46,6 +46,8 @@ _FULL_BATCH = flags.DEFINE_integer('full_shape_batch_per_device', 32, 'Full-shap
 _FULL_SEQ_LEN = flags.DEFINE_integer('full_shape_seq_len', 1024, 'Full-shape tokens per sequence.')
 _SET = flags.DEFINE_multi_string('set', [], 'Config override <field>=<value> for all rows, e.g. model.remat=full.')
 _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (TPU pods).')
+_POLICIES = flags.DEFINE_list('remat_policies', None, 'With --topology: compile Baseline-24 once per remat policy '
+                              '(model.remat) instead of the rows; ratios are to the first policy.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'Compile every row for this TPU slice (v4, v5e, v5p, v6e; e.g. '
                                 'v6e:4x4) on this machine, run nothing: per-chip memory, compiler FLOPs and bytes, '
                                 "roofline step time, at the preset's batch and length. Needs libtpu.")
@@ -59,7 +61,7 @@ def row_config(row, batch_size, seq_len, *extra):
 
 
 def shape_of(configs: dict) -> dict:
-  c = configs[BASELINE]
+  c = next(iter(configs.values()))  # Baseline-24 comes first
   return {**{k: v for k, v in c.model.items() if not hasattr(v, 'to_dict')}, 'laurel': c.model.laurel.to_dict(),
           'num_layers': {row: configs[row].model.num_layers for row in configs}, 'batch_size': c.batch_size,
           'seq_len': c.data.seq_len, 'tokens_per_step': c.batch_size * c.data.seq_len, 'preset': c.preset,
@@ -68,6 +70,7 @@ def shape_of(configs: dict) -> dict:
 
 def paper_figures(row: str, keys) -> dict:
   """Table 5's figures for a row of the c4_ablation table (the other tables have no published column)."""
+  row = row.split()[0]  # 'baseline_24 remat=full' is Baseline-24
   return {f'paper_{k}': paper.TABLE5[row][k] for k in keys} if _TABLE.value == 'c4_ablation' else {}
 
 
@@ -184,9 +187,14 @@ SLICE_COLUMNS = {'name': 'row', 'params': 'params', 'peak_gb': 'peak GB', 'peak_
 
 
 def measure_slice(names) -> dict:
-  """Every row compiled by the TPU compiler for --topology on this machine (laurel.aot); nothing runs."""
+  """Every row (or, with --remat_policies, Baseline-24 under every policy) compiled by the TPU compiler for
+  --topology on this machine (laurel.aot); nothing runs."""
   topology = _TOPOLOGY.value
-  configs = {r: row_config(r, _BATCH.value, _SEQ_LEN.value) for r in names}
+  if _POLICIES.value:
+    configs = {f'{BASELINE} remat={p}': row_config(BASELINE, _BATCH.value, _SEQ_LEN.value, f'model.remat={p}')
+               for p in _POLICIES.value}
+  else:
+    configs = {r: row_config(r, _BATCH.value, _SEQ_LEN.value) for r in names}
   for c in configs.values():  # every row is checked for the slice before anything compiles
     train.validate_config(c, *aot.slice_size(topology))
   devices, chip = aot.slice_devices(topology), aot.CHIPS[aot.parse_topology(topology)[0]]

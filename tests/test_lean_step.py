@@ -1,0 +1,174 @@
+"""Tests of the lean train step: the chunked cross-entropy (laurel.cross_entropy) and the named remat policies."""
+
+import contextlib
+import io
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import load_config
+from laurel import cross_entropy, lm, tasks
+
+VOCAB, D, LEN, BATCH = 37, 8, 12, 3
+# Row 0: two documents, then padding; row 1: one document; row 2: three documents.
+SEGMENTS_BxL = np.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12, [1] * 3 + [2] * 6 + [3] * 3], np.int32)
+
+
+def _np_loss_sums(x_BxLxD, w_VxD, tokens_BxL, segments_BxL):
+  """Σ weight·nll and Σ weight·[argmax = target] from the full logits, in float64: position t predicts token t+1
+  where both lie in the same document (segment > 0)."""
+  logits_BxLxV = np.einsum('bld,vd->blv', np.float64(x_BxLxD), np.float64(w_VxD))[:, :-1]
+  targets_BxL = tokens_BxL[:, 1:]
+  weights_BxL = (segments_BxL[:, 1:] == segments_BxL[:, :-1]) & (segments_BxL[:, 1:] > 0)
+  top_BxL = logits_BxLxV.max(-1)
+  lse_BxL = top_BxL + np.log(np.exp(logits_BxLxV - top_BxL[..., None]).sum(-1))
+  label_BxL = np.take_along_axis(logits_BxLxV, targets_BxL[..., None], -1)[..., 0]
+  correct_BxL = logits_BxLxV.argmax(-1) == targets_BxL
+  return ((lse_BxL - label_BxL) * weights_BxL).sum(), (correct_BxL * weights_BxL).sum()
+
+
+def _random(seed):
+  rng = np.random.default_rng(seed)
+  x_BxLxD = rng.normal(size=(BATCH, LEN, D)).astype(np.float32)
+  w_VxD = rng.normal(size=(VOCAB, D)).astype(np.float32)
+  tokens_BxL = rng.integers(0, VOCAB, size=(BATCH, LEN)).astype(np.int32)
+  return x_BxLxD, w_VxD, tokens_BxL
+
+
+@pytest.mark.parametrize('chunk', [0, 1, 4, 5, 12, 64])  # all at once, dividing, not dividing, longer than L
+def test_chunked_cross_entropy_equals_full_logits_with_packing_and_padding(chunk):
+  x_BxLxD, w_VxD, tokens_BxL = _random(chunk)
+  targets_BxL, weights_BxL = cross_entropy.shifted_targets(tokens_BxL, SEGMENTS_BxL)
+  nll, correct = cross_entropy.chunked(x_BxLxD, w_VxD, 'vd', targets_BxL, weights_BxL, chunk)
+  want_nll, want_correct = _np_loss_sums(x_BxLxD, w_VxD, tokens_BxL, SEGMENTS_BxL)
+  np.testing.assert_allclose(nll, want_nll, rtol=1e-5)
+  assert correct == want_correct
+  assert weights_BxL.sum() == 7 + 11 + 9  # every position but document ends and padding
+  # The same kernel laid out D×V gives the same sums.
+  nll_dv, _ = cross_entropy.chunked(x_BxLxD, w_VxD.T, 'dv', targets_BxL, weights_BxL, chunk)
+  np.testing.assert_allclose(nll_dv, nll, rtol=1e-6)
+
+
+def test_chunked_cross_entropy_gradients_equal_full_logits():
+  x_BxLxD, w_VxD, tokens_BxL = _random(1)
+  targets_BxL, weights_BxL = cross_entropy.shifted_targets(tokens_BxL, SEGMENTS_BxL)
+
+  def full(x, w):  # today's formulation: slice the float32 logits and take the label's log-probability
+    logits_BxLxV = jnp.einsum('bld,vd->blv', x, w)[:, :-1]
+    logp_BxL = jnp.take_along_axis(jax.nn.log_softmax(logits_BxLxV), jnp.asarray(tokens_BxL)[:, 1:, None], -1)[..., 0]
+    return -(logp_BxL * weights_BxL[:, :-1]).sum()
+
+  want = jax.grad(full, (0, 1))(x_BxLxD, w_VxD)
+  for chunk in (0, 5):
+    got = jax.grad(lambda x, w: cross_entropy.chunked(x, w, 'vd', targets_BxL, weights_BxL, chunk)[0], (0, 1))(
+        x_BxLxD, w_VxD)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _temp_bytes_of_loss_gradient(chunk, batch=2, length=256, vocab=4096, d=16):
+  x = jax.ShapeDtypeStruct((batch, length, d), jnp.float32)
+  w = jax.ShapeDtypeStruct((vocab, d), jnp.float32)
+  targets = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  weights = jax.ShapeDtypeStruct((batch, length), jnp.float32)
+  grad = jax.grad(lambda x, w, t, m: cross_entropy.chunked(x, w, 'vd', t, m, chunk)[0], (0, 1))
+  return jax.jit(grad).lower(x, w, targets, weights).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_cross_entropy_keeps_one_chunk_of_logits_live():
+  logits_bytes = 2 * 256 * 4096 * 4  # float32 (B, L, V): 8 MiB
+  assert _temp_bytes_of_loss_gradient(0) >= logits_bytes
+  # 8 chunks of 32 positions: forward and backward hold a chunk's logits and their gradient (and the compiler's
+  # copies of them), never all of them.
+  assert _temp_bytes_of_loss_gradient(32) < logits_bytes / 2
+
+
+# The LM task's loss on a tiny model at random parameters, packed batches, tied and untied embeddings.
+
+TINY = {'model.d_model': 16, 'model.num_heads': 2, 'model.d_ff': 32, 'model.num_layers': 2, 'model.vocab_size': 40,
+        'data.name': 'synthetic', 'data.seq_len': LEN, 'model.scan_layers': False}
+
+
+def _task_and_params(tie, seed, **overrides):
+  config = load_config('configs/c4_ablation.py:rw_lr,preset=tiny',
+                       {**TINY, 'model.tie_embeddings': tie, **overrides})
+  task = tasks.get_task(config)
+  shapes = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda s: jnp.asarray(0.3 * rng.normal(size=s.shape), s.dtype), nn.unbox(shapes))
+  return task, params
+
+
+def _packed_batch(seed):
+  tokens_BxL = np.random.default_rng(seed).integers(1, 40, size=(BATCH, LEN)).astype(np.int32)
+  positions_BxL = np.concatenate([np.arange(5), np.arange(4), np.zeros(3)]).astype(np.int32)
+  positions_BxL = np.stack([positions_BxL, np.arange(LEN), np.r_[np.arange(3), np.arange(6), np.arange(3)]])
+  return {'tokens': tokens_BxL, 'segment_ids': SEGMENTS_BxL, 'positions': positions_BxL.astype(np.int32)}
+
+
+@pytest.mark.parametrize('tie', [True, False], ids=['tied', 'untied'])
+def test_lm_loss_and_gradients_equal_the_full_logits_loss(tie):
+  task, params = _task_and_params(tie, seed=int(tie), **{'model.loss_chunk': 5})
+  batch = _packed_batch(2)
+
+  def full_logits_loss(params):  # the loss as computed from the model's own logits, all positions at once
+    logits_BxLxV = task.model.apply({'params': params}, batch['tokens'], batch['positions'], batch['segment_ids'])
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxLxV[:, :-1]), batch['tokens'][:, 1:, None], -1)[..., 0]
+    segments_BxL = batch['segment_ids']
+    weights_BxL = (segments_BxL[:, 1:] == segments_BxL[:, :-1]) & (segments_BxL[:, 1:] > 0)
+    return (nll * weights_BxL).sum() / weights_BxL.sum()
+
+  (value, (metrics, _)), grads = jax.value_and_grad(task.loss, has_aux=True)(params, {}, batch, True)
+  want_value, want_grads = jax.value_and_grad(full_logits_loss)(params)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  np.testing.assert_allclose(metrics['loss'][0] / metrics['loss'][1], want_value, rtol=1e-5)
+  assert metrics['loss'][1] == 27
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6), grads, want_grads)
+
+
+# Remat policies: each keeps what it names, and none changes the gradients.
+
+def _block_residuals(policy):
+  """Shapes of what the backward pass keeps of one rematerialised block (flax.linen.remat), beyond its inputs."""
+  cfg = lm.LMConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_layers=2, scan_layers=False)
+  block = nn.remat(lm.Block, policy=lm.REMAT_POLICIES[policy])(cfg)
+  x_BxLxD = jnp.ones((2, 8, 16))
+  positions_BxL, segments_BxL = jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32)
+  carry = ((x_BxLxD, ()), None)
+  variables = block.init(jax.random.key(0), carry, positions_BxL, segments_BxL, (0, None))
+
+  def f(params, x_BxLxD):
+    return block.apply({'params': params}, ((x_BxLxD, ()), None), positions_BxL, segments_BxL, (0, None))[0][0][0]
+
+  printed = io.StringIO()  # jax prints them ('f32[2,8,16] from ...'); only the printing form is public
+  with contextlib.redirect_stdout(printed):
+    jax.ad_checkpoint.print_saved_residuals(f, variables['params'], x_BxLxD)
+  kept = [re.match(r'\w+\[([\d,]*)\] (.*)', line).groups() for line in printed.getvalue().splitlines()]
+  shapes = [tuple(int(n) for n in dims.split(',') if n) for dims, why in kept if 'from the argument' not in why]
+  return sorted(s for s in shapes if len(s) > 2)
+
+
+@pytest.mark.parametrize('policy,kept', [
+    ('full', []),
+    ('save_qkv', [(2, 8, 2, 8)] * 3),
+    ('save_qkv_attention', [(2, 8, 2, 8)] * 4),
+    ('save_qkv_mlp', [(2, 8, 2, 8)] * 3 + [(2, 8, 24)]),
+    ('save_out_proj', [(2, 8, 16)]),
+    ('minimal', [(2, 8, 2, 8)] * 3 + [(2, 8, 16), (2, 8, 24)]),
+])
+def test_remat_policy_keeps_exactly_what_it_names(policy, kept):
+  assert _block_residuals(policy) == sorted(kept)
+
+
+@pytest.mark.parametrize('policy', ['save_qkv', 'minimal', 'full'])
+def test_remat_policies_give_the_same_gradients(policy):
+  task, params = _task_and_params(True, seed=3, **{'model.scan_layers': True, 'model.remat': 'none'})
+  remat_task = tasks.get_task(load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {
+      **TINY, 'model.scan_layers': True, 'model.remat': policy}))
+  batch = _packed_batch(4)
+  grad = lambda t: jax.grad(lambda p: t.loss(p, {}, batch, True)[0])(params)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), grad(remat_task), grad(task))
