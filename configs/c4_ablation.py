@@ -47,7 +47,7 @@ def table5_config(row: str, preset: str, layers: int, **model):
         log_every=100, eval_every=2000, eval_steps=50, checkpoint_every=2000,
         optimizer=dict(learning_rate=1e-3, warmup_steps=1000),
         model=config_lib.config_dict(lm.LMConfig, vocab_size=32768, d_model=768, num_heads=12, d_ff=2048,
-                                     num_layers=layers, dtype='bfloat16', remat='dots_no_batch', laurel=laurel,
+                                     num_layers=layers, dtype='bfloat16', remat='save_qkv', laurel=laurel,
                                      **model),
         data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=1024, vocab_path=data.C4_VOCAB_PATH),
     ).lock()

@@ -16,9 +16,11 @@ import re
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
 
-from laurel import sharding, train
+from laurel import cross_entropy, lm, sharding, train
+from laurel.config_lib import DTYPES
 
 
 CHIP_SOURCE = ('per-chip HBM capacity and bandwidth, and the dense bf16 peak FLOP/s in laurel.train.PEAK_FLOPS: the '
@@ -154,11 +156,31 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
     unrolled.model.scan_unroll = 2
     twice = train.xla_costs(_compile(unrolled, devices)[0])
     totals = [c + (layers - 1) * (c2 - c) for c, c2 in zip(totals, twice)]
+    totals = [c + extra for c, extra in zip(totals, _uncounted_loss_chunks(config, devices))]
   flops, bytes_accessed = totals
   peak = train.PEAK_FLOPS[chip.device_kind]
   compute_s, memory_s = flops / peak, bytes_accessed / chip.hbm_bytes_per_s
   return {**facts, 'flops_per_step': flops, 'bytes_accessed_per_step': bytes_accessed, 'compute_s': compute_s,
           'memory_s': memory_s, 'roofline_step_time_s': max(compute_s, memory_s)}
+
+
+def _uncounted_loss_chunks(config, devices) -> tuple[float, float]:
+  """(FLOPs, bytes) of the loss's chunks after the first (laurel.cross_entropy): its scan body is counted once too.
+  One chunk's loss and gradients are compiled alone, batch-sharded over the same mesh."""
+  model = lm.LMConfig.from_config(config.model)
+  chunk = min(model.loss_chunk or config.data.seq_len, config.data.seq_len)
+  chunks = -(-config.data.seq_len // chunk)
+  if chunks == 1:
+    return 0.0, 0.0
+  mesh = sharding.make_mesh(config.mesh, devices)
+  dtype, batch = DTYPES[model.dtype], sharding.batch_sharding(mesh)
+  kernel = jax.ShapeDtypeStruct((model.vocab_size, model.d_model), DTYPES[model.param_dtype],
+                                sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+  shape = lambda *tail, dtype: jax.ShapeDtypeStruct((config.batch_size, chunk, *tail), dtype, sharding=batch)
+  grads = jax.grad(lambda x, w, t, m: cross_entropy.chunked(x, w, 'vd', t, m, chunk, dtype)[0], (0, 1))
+  one = train.xla_costs(jax.jit(grads).lower(shape(model.d_model, dtype=dtype), kernel, shape(dtype=jnp.int32),
+                                             shape(dtype=jnp.float32)).compile())
+  return tuple((chunks - 1) * c for c in one)
 
 
 def preflight(config, topology: str | None) -> str:

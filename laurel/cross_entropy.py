@@ -1,14 +1,18 @@
 """Next-token cross-entropy without the full logits: one chunk of positions at a time.
 
 The (batch, length, vocabulary) float32 logits of a step at Table 5's shape are 4 GiB per chip, plus their bf16
-copy and gradient. Here a scan over chunks of `chunk` positions computes each chunk's logits, its log-sum-exp and
-its label logit, and keeps nothing of them: the chunk body is rematerialised, so the backward pass recomputes one
-chunk's logits at a time and only the hidden states (B, L, D) are saved. The label logit is a masked sum over the
-vocabulary (a one-hot contraction) rather than a gather, which the TPU compiler lays out better.
+copy and gradient. Here a scan over chunks of `chunk` positions computes each chunk's logits once, and from them
+the loss and, when differentiated, its gradients with respect to the hidden states and the output kernel (a
+custom VJP): no chunk's logits outlive their iteration, and nothing is recomputed in the backward pass, which only
+scales the saved gradients. The label logit is a masked sum over the vocabulary (a one-hot contraction) on targets
+shifted by one, rather than a gather on sliced logits.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 
@@ -24,8 +28,15 @@ def shifted_targets(tokens_BxL, segment_ids_BxL):
 def chunked(x_BxLxD, kernel, kernel_axes: str, targets_BxL, weights_BxL, chunk: int, dtype=None):
   """(Σ weight·nll, Σ weight·[argmax = target]) over every position, with logits x·W computed `chunk` positions at
   a time (0: all at once). `kernel` is the output projection, laid out as `kernel_axes` ('dv', or 'vd' for a tied
-  embedding); it is cast to `dtype` inside each chunk, so its gradient accumulates over chunks in its own dtype."""
-  b, length, _ = x_BxLxD.shape
+  embedding), used in `dtype` (default: x's); matmuls accumulate in float32, as does the kernel's gradient. No
+  gradient flows to the targets or the weights."""
+  return _chunked(kernel_axes, chunk, jnp.dtype(dtype or x_BxLxD.dtype), x_BxLxD, kernel, targets_BxL,
+                  weights_BxL)
+
+
+def _scan_chunks(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL, grads: bool):
+  """The sums, and with `grads` the gradients of Σ weight·nll with respect to x and the kernel."""
+  b, length, d = x_BxLxD.shape
   chunk = chunk or length
   pad = -length % chunk
   if pad:  # padded positions weigh nothing
@@ -33,23 +44,55 @@ def chunked(x_BxLxD, kernel, kernel_axes: str, targets_BxL, weights_BxL, chunk: 
                                          for a in (x_BxLxD, targets_BxL, weights_BxL))
   n = (length + pad) // chunk
   chunks = lambda a: a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)  # batch stays the sharded axis
+  w = kernel.astype(dtype)
+  product = lambda spec, a, c: jnp.einsum(spec, a, c, preferred_element_type=jnp.float32)
 
-  @jax.checkpoint
-  def chunk_sums(x_BxCxD, targets_BxC, weights_BxC):
-    w = kernel.astype(dtype or x_BxCxD.dtype)
-    logits_BxCxV = jnp.einsum(f'bcd,{kernel_axes}->bcv', x_BxCxD.astype(w.dtype), w,
-                              preferred_element_type=jnp.float32)
+  def body(carry, xs):
+    nll, correct, grad_kernel = carry
+    x_BxCxD, targets_BxC, weights_BxC = xs
+    logits_BxCxV = product(f'bcd,{kernel_axes}->bcv', x_BxCxD.astype(dtype), w)
     logits_BxCxV = nn.with_logical_constraint(logits_BxCxV, ('act_batch', 'act_len', 'act_vocab'))
-    vocab_V = jnp.arange(logits_BxCxV.shape[-1])
-    label_BxC = jnp.sum(jnp.where(vocab_V == targets_BxC[..., None], logits_BxCxV, 0.0), axis=-1)
-    nll_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1) - label_BxC
-    correct_BxC = (jnp.argmax(logits_BxCxV, axis=-1) == targets_BxC).astype(jnp.float32)
-    return jnp.sum(nll_BxC * weights_BxC), jnp.sum(correct_BxC * weights_BxC)
-
-  def body(sums, xs):
-    nll, correct = chunk_sums(*xs)
-    return (sums[0] + nll, sums[1] + correct), None
+    is_label_BxCxV = jnp.arange(logits_BxCxV.shape[-1]) == targets_BxC[..., None]
+    label_BxC = jnp.sum(jnp.where(is_label_BxCxV, logits_BxCxV, 0.0), axis=-1)
+    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    nll = nll + jnp.sum((lse_BxC - label_BxC) * weights_BxC)
+    correct = correct + jnp.sum((jnp.argmax(logits_BxCxV, axis=-1) == targets_BxC) * weights_BxC)
+    if not grads:
+      return (nll, correct, grad_kernel), None
+    # d(Σ w·nll)/d logits = w·(softmax − one-hot)
+    grad_BxCxV = (jnp.exp(logits_BxCxV - lse_BxC[..., None]) - is_label_BxCxV) * weights_BxC[..., None]
+    grad_BxCxV = grad_BxCxV.astype(dtype)
+    grad_x_BxCxD = product(f'bcv,{kernel_axes}->bcd', grad_BxCxV, w).astype(x_BxCxD.dtype)
+    grad_kernel = grad_kernel + product(f'bcv,bcd->{kernel_axes}', grad_BxCxV, x_BxCxD.astype(dtype))
+    return (nll, correct, grad_kernel), grad_x_BxCxD
 
   zero = jnp.zeros((), jnp.float32)
-  (nll, correct), _ = jax.lax.scan(body, (zero, zero), (chunks(x_BxLxD), chunks(targets_BxL), chunks(weights_BxL)))
-  return nll, correct
+  init = (zero, zero, jnp.zeros(kernel.shape, jnp.float32) if grads else None)
+  (nll, correct, grad_kernel), grad_x = jax.lax.scan(body, init, (chunks(x_BxLxD), chunks(targets_BxL),
+                                                                   chunks(weights_BxL)))
+  if not grads:
+    return nll, correct
+  grad_x_BxLxD = grad_x.swapaxes(0, 1).reshape(b, length + pad, d)[:, :length]
+  return (nll, correct), (grad_x_BxLxD, grad_kernel)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunked(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL):
+  return _scan_chunks(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL, grads=False)
+
+
+def _chunked_fwd(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL):
+  sums, grads = _scan_chunks(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL, grads=True)
+  return sums, (grads, targets_BxL, weights_BxL, jnp.zeros((), kernel.dtype))  # the last: the kernel's dtype
+
+
+def _chunked_bwd(kernel_axes, chunk, dtype, saved, cotangents):
+  del kernel_axes, chunk, dtype
+  (grad_x_BxLxD, grad_kernel), targets_BxL, weights_BxL, kernel_like = saved
+  g = cotangents[0]  # the accuracy count has no gradient
+  zero_targets = np.zeros(targets_BxL.shape, jax.dtypes.float0)
+  return ((g * grad_x_BxLxD).astype(grad_x_BxLxD.dtype), (g * grad_kernel).astype(kernel_like.dtype), zero_targets,
+          jnp.zeros_like(weights_BxL))
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -15,6 +15,7 @@ over the devices' peak (null where unknown). Full-shape memory: each row also co
 """
 
 import importlib.metadata
+import json
 import math
 import os
 import platform
@@ -26,6 +27,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from absl import app, flags
+from etils import epath
 
 from laurel import aot, config_lib, paper, sharding, train
 
@@ -198,12 +200,16 @@ def measure_slice(names) -> dict:
   for c in configs.values():  # every row is checked for the slice before anything compiles
     train.validate_config(c, *aot.slice_size(topology))
   devices, chip = aot.slice_devices(topology), aot.CHIPS[aot.parse_topology(topology)[0]]
-  rows = []
+  rows, kept = [], KeptRows(topology)
   for name, config in configs.items():
-    start = time.perf_counter()
-    rows.append({'name': name, **aot.compile_for_slice(config, topology), 'compile_s': time.perf_counter() - start})
-    print(f"compiled {name} for {topology}: {rows[-1]['compile_s']:.0f}s, peak "
-          f"{rows[-1]['peak_memory_bytes'] / 1e9:.2f} GB per chip", flush=True)
+    start, row = time.perf_counter(), kept.get(name, config)
+    note = ' (kept from an earlier run)' if row else ''
+    if row is None:
+      row = {'name': name, **aot.compile_for_slice(config, topology), 'compile_s': time.perf_counter() - start}
+      kept.add(name, config, row)
+    rows.append(row)
+    print(f"compiled {name} for {topology}: {row['compile_s']:.0f}s, peak {row['peak_memory_bytes'] / 1e9:.2f} GB "
+          f'per chip{note}', flush=True)
   for r in rows:
     for key, value in (('peak_memory', 'peak_memory_bytes'), ('argument', 'argument_bytes'), ('temp', 'temp_bytes'),
                        ('flops', 'flops_per_step'), ('bytes_accessed', 'bytes_accessed_per_step'),
@@ -217,6 +223,36 @@ def measure_slice(names) -> dict:
                      'libtpu_version': importlib.metadata.version('libtpu'), 'jax_version': jax.__version__,
                      'note': 'compiled for the slice on a machine without one, not run; figures are per chip'},
           'shape': shape_of(configs), 'rows': rows}
+
+
+class KeptRows:
+  """Rows compiled for a slice take minutes each here, so with --out each is also written to <out>.partial.jsonl
+  as it completes, and a rerun reuses a row compiled from the same config, libtpu and committed code (none while
+  the tree has uncommitted changes). The file is removed once the full JSON is written."""
+
+  def __init__(self, topology: str):
+    self.path = epath.Path(_OUT.value + '.partial.jsonl') if _OUT.value else None
+    commit = train.code_commit()
+    self.stamp = (None if commit is None or commit.endswith('+') else
+                  f"{topology} {commit} libtpu {importlib.metadata.version('libtpu')} jax {jax.__version__}")
+    self.rows = {}
+    if self.path and self.stamp and self.path.exists():
+      self.rows = {r['key']: r['row'] for r in map(json.loads, self.path.read_text().splitlines())}
+
+  def key(self, name, config):
+    return f'{name} {self.stamp} {config.to_json_best_effort(sort_keys=True)}'
+
+  def get(self, name, config):
+    return self.rows.get(self.key(name, config)) if self.stamp else None
+
+  def add(self, name, config, row):
+    if self.path and self.stamp:
+      self.rows[self.key(name, config)] = row
+      common.write_json_lines(self.path, [{'key': k, 'row': r} for k, r in self.rows.items()])
+
+  def discard(self):
+    if self.path and self.path.exists():
+      self.path.unlink()
 
 
 def print_slice_table(result):
@@ -245,7 +281,8 @@ def main():
   if unknown := [r for r in names if r not in known]:
     raise ValueError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(known)})')
   if _TOPOLOGY.value:  # before anything starts a backend: the slice's compiler runs beside the CPU one
-    return write(measure_slice(names), start, print_slice_table)
+    write(measure_slice(names), start, print_slice_table)
+    return KeptRows(_TOPOLOGY.value).discard()
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   cpu, n, kind = jax.default_backend() == 'cpu', jax.device_count(), jax.devices()[0].device_kind

@@ -54,6 +54,11 @@ def write_json(path: str, result: dict):
   epath.Path(path).write_text(json.dumps(result, indent=2) + '\n')
 
 
+def write_json_lines(path, rows: list[dict]):
+  """`rows` as JSON lines at `path`, written whole (not every filesystem appends)."""
+  epath.Path(path).write_text(''.join(json.dumps(r) + '\n' for r in rows))
+
+
 def command() -> str:
   """This script's command line, as typed in the repo root."""
   return shlex.join(['python', os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import load_config
-from laurel import cross_entropy, lm, tasks
+from helpers import load_config, needs_libtpu
+from laurel import aot, cross_entropy, lm, tasks
 
 VOCAB, D, LEN, BATCH = 37, 8, 12, 3
 # Row 0: two documents, then padding; row 1: one document; row 2: three documents.
@@ -172,3 +172,15 @@ def test_remat_policies_give_the_same_gradients(policy):
   batch = _packed_batch(4)
   grad = lambda t: jax.grad(lambda p: t.loss(p, {}, batch, True)[0])(params)
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), grad(remat_task), grad(task))
+
+
+@needs_libtpu
+def test_compiler_costs_count_every_loss_chunk():
+  """XLA counts the chunk loop's body once; laurel.aot adds the other chunks. The chunked loss computes each chunk's
+  logits once (its backward only scales saved gradients), so the step costs what the unchunked one does."""
+  shape = {**TINY, 'model.num_layers': 2, 'model.scan_layers': True, 'model.dtype': 'bfloat16', 'data.seq_len': 128,
+           'batch_size': 8, 'model.vocab_size': 512}
+  costs = {chunk: aot.compile_for_slice(load_config('configs/c4_ablation.py:baseline_24,preset=tiny', {
+      **shape, 'model.loss_chunk': chunk}), 'v6e:2x2')['flops_per_step'] for chunk in (0, 32)}
+  # The loss is about two thirds of this tiny step's FLOPs: counted once, its 4 chunks would fall short by half.
+  assert costs[32] == pytest.approx(costs[0], rel=0.03)
