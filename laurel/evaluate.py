@@ -45,12 +45,19 @@ class Scorer:
     def logprobs(tokens_BxL, weights_BxL):
       logits_BxLxV = model.apply({'params': params}, tokens_BxL)[:, :-1]
       logp_BxL = jnp.take_along_axis(jax.nn.log_softmax(logits_BxLxV), tokens_BxL[:, 1:, None], axis=-1)[..., 0]
-      return (logp_BxL * weights_BxL[:, 1:]).sum(-1), (jnp.argmax(logits_BxLxV, -1) == tokens_BxL[:, 1:])
+      scored_BxL = weights_BxL[:, 1:] > 0
+      greedy_B = jnp.all((jnp.argmax(logits_BxLxV, -1) == tokens_BxL[:, 1:]) | ~scored_BxL, axis=-1)
+      return (logp_BxL * weights_BxL[:, 1:]).sum(-1), greedy_B
     self._logprobs = logprobs
 
   def __call__(self, sequences: list[tuple[list[int], int]]) -> np.ndarray:
     """Per sequence (tokens, first scored position): the summed log-likelihood of tokens[first:]."""
-    out = []
+    return self.score(sequences)[0]
+
+  def score(self, sequences: list[tuple[list[int], int]], progress=None) -> tuple[np.ndarray, np.ndarray]:
+    """(the summed log-likelihoods, whether every scored token is the argmax) per sequence; `progress(n)` is told
+    of each batch's n sequences."""
+    logliks, greedy = [np.zeros(0)], [np.zeros(0, bool)]
     for start in range(0, len(sequences), self.batch_size):
       chunk = sequences[start:start + self.batch_size]
       tokens = np.full((self.batch_size, self.seq_len), self.pad_id, np.int32)
@@ -60,8 +67,20 @@ class Scorer:
         weights[b, first:len(seq)] = 1.0
       if self.batch_sharding is not None:  # rows over the data-parallel devices, as in training
         tokens, weights = jax.device_put((tokens, weights), self.batch_sharding)
-      out.append(np.asarray(self._logprobs(tokens, weights)[0][:len(chunk)], np.float64))
-    return np.concatenate(out) if out else np.zeros(0)
+      loglik_B, greedy_B = self._logprobs(tokens, weights)
+      logliks.append(np.asarray(loglik_B[:len(chunk)], np.float64))
+      greedy.append(np.asarray(greedy_B[:len(chunk)]))
+      if progress is not None:
+        progress(len(chunk))
+    return np.concatenate(logliks), np.concatenate(greedy)
+
+
+def make_scorer(task, params, mesh, tokenizer, batch_size: int) -> Scorer:
+  """The scorer of an LM run on its mesh (train.lm_run_on_mesh): `batch_size` rounded up to the data-parallel
+  devices (padded rows score nothing), the batch sharded over them."""
+  rows = mesh.shape['data'] * mesh.shape['fsdp']
+  return Scorer(task.model, params, task.config.data.seq_len, -(-batch_size // rows) * rows, tokenizer.pad_id,
+                sharding.batch_sharding(mesh))
 
 
 def text_task(scorer: Scorer, tokenizer, pattern: str, max_items: int) -> dict:
@@ -140,16 +159,21 @@ def tfds_items(name: str, data_dir: str, max_items: int) -> list:
   return [(pairs, label) for pairs, label in items if 0 <= label < len(pairs)]
 
 
+def choice_sequence(tokenizer, seq_len: int, context: str, continuation: str) -> tuple[list[int], int]:
+  """(tokens, first scored position) that score `continuation` given `context`: tokenised apart, the continuation
+  cut to seq_len - 1 tokens and the context from the left to fill the rest; an empty context is the end-of-document
+  token (what precedes a document in training), so the continuation's first token is scored too."""
+  ctx, cont = tokenizer.encode(context) or [tokenizer.eos_id], tokenizer.encode(continuation)[:seq_len - 1]
+  keep = ctx[max(0, len(ctx) - (seq_len - len(cont))):]
+  return keep + cont, len(keep)
+
+
 def choice_task(scorer: Scorer, tokenizer, items: list) -> dict:
   """Accuracy, length-normalised accuracy and the correct choice's mean log-likelihood over `items`."""
   if not items:
     raise ValueError('multiple choice: no items')
-  sequences = []
-  for pairs, _ in items:
-    for context, choice in pairs:
-      ctx, cont = tokenizer.encode(context), tokenizer.encode(choice)[:scorer.seq_len - 1]
-      keep = ctx[max(0, len(ctx) - (scorer.seq_len - len(cont))):]
-      sequences.append((keep + cont, len(keep)))
+  sequences = [choice_sequence(tokenizer, scorer.seq_len, context, choice) for pairs, _ in items
+               for context, choice in pairs]
   scores, at = scorer(sequences), 0
   correct = correct_norm = 0
   correct_loglik = []
@@ -187,9 +211,7 @@ def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_
   workdir/eval_<task name>.json."""
   with train.lm_run_on_mesh(workdir) as (task, params, step, mesh):
     tokenizer = data.make_tokenizer(task.config.data)
-    rows = mesh.shape['data'] * mesh.shape['fsdp']  # the batch's devices: rounded up to them, padded rows score 0
-    scorer = Scorer(task.model, params, task.config.data.seq_len, -(-batch_size // rows) * rows, tokenizer.pad_id,
-                    sharding.batch_sharding(mesh))
+    scorer = make_scorer(task, params, mesh, tokenizer, batch_size)
     yield from _score(scorer, tokenizer, workdir, tasks, step, max_items, tfds_data_dir)
 
 

@@ -42,6 +42,24 @@ def test_scorer_sums_the_log_likelihood_of_the_scored_tokens(scorer):
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_scorer_tells_whether_every_scored_token_is_the_argmax(scorer):
+  scorer, params = scorer
+  logits = np.asarray(lm.LM(CFG).apply({'params': params}, jnp.asarray([[5, 9]], jnp.int32))[0])
+  after_5, after_9 = int(np.argmax(logits[0])), int(np.argmax(logits[1]))
+  other = 1 + after_9 % 256  # any token but the argmax
+  sequences = [([5, 9, after_9], 2), ([5, 9, other], 2), ([5, 9, after_9], 1), ([5, after_5], 1)]
+  logliks, greedy = scorer.score(sequences)  # the second batch padded: padding is never scored
+  assert list(greedy) == [True, False, after_5 == 9, True]
+  np.testing.assert_allclose(logliks, scorer(sequences))
+
+
+def test_choice_sequence_cuts_the_context_and_scores_after_eos_when_it_is_empty():
+  tokenizer = data.ByteTokenizer()
+  assert evaluate.choice_sequence(tokenizer, 12, '', 'ab') == ([tokenizer.eos_id, 98, 99], 1)
+  assert evaluate.choice_sequence(tokenizer, 4, 'abcdef', 'xy') == ([102, 103, 121, 122], 2)
+  assert evaluate.choice_sequence(tokenizer, 4, 'a', 'vwxyz') == ([98, 119, 120, 121], 1)
+
+
 def test_text_task_scores_every_token_but_the_first_once(scorer, tmp_path):
   scorer, params = scorer
   tokenizer = data.ByteTokenizer()
