@@ -207,10 +207,11 @@ def _rename(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
-               process_count: int = 1) -> grain.IterDataset:
+               process_count: int = 1, max_segments: int = 0) -> grain.IterDataset:
   """Endless batches of `batch_size` for one process. train: shuffled with `seed`, reshuffled every epoch; else
   the validation split in a fixed order (the same batches from every fresh iterator). Document i of an epoch goes
-  to process i % process_count. The iterator's get_state()/set_state() round-trip exactly (JSON-able)."""
+  to process i % process_count. The iterator's get_state()/set_state() round-trip exactly (JSON-able). Rows hold
+  at most `max_segments` chunks (model.max_segments; 0 = as many as fit, at most seq_len as each has a token)."""
   tokenizer = make_tokenizer(data_cfg)
   ds = _source(data_cfg, train)
   if train:
@@ -224,7 +225,8 @@ def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_ind
   ds = grain_exp.FlatMapIterDataset(ds, _Chunk(data_cfg.seq_len))
   ds = grain_exp.FirstFitPackIterDataset(
       ds, length_struct={'tokens': data_cfg.seq_len}, num_packing_bins=max(batch_size, MIN_PACKING_BINS),
-      seed=seed, shuffle_bins=train, padding_struct={'tokens': tokenizer.pad_id})
+      seed=seed, shuffle_bins=train, padding_struct={'tokens': tokenizer.pad_id},
+      max_sequences_per_bin=max_segments or None)
   ds = ds.map(_rename).batch(batch_size, drop_remainder=True)
   if data_cfg.num_workers > 0:
     if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside absl.app use their defaults

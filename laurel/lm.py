@@ -12,6 +12,8 @@ Shapes: B batch, L length, D model width, H heads, K head width, F MLP width, V 
 """
 
 import dataclasses
+import functools
+import inspect
 import math
 from typing import Any
 
@@ -21,13 +23,17 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from laurel import residual, streams
-from laurel.config_lib import BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number, one_of, require
+from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number, one_of,
+                               require)
 
 # `model.attention`: 'xla' is the reference (einsums, the L×L logits materialised); 'dot_product' is
-# jax.nn.dot_product_attention (cuDNN's fused flash attention on GPU where it applies, else XLA); 'splash' the Pallas
-# splash-attention kernel (TPU; interpreted elsewhere, which only tests use); 'auto' the best of them for the platform.
-ATTENTION = ('xla', 'dot_product', 'splash', 'auto')
-AUTO_ATTENTION = {'tpu': 'splash', 'gpu': 'dot_product', 'cuda': 'dot_product', 'rocm': 'dot_product'}
+# jax.nn.dot_product_attention's XLA implementation (the same maths under a boolean mask; never cuDNN); 'cudnn' cuDNN's
+# fused flash attention with packed documents as per-row offsets and lengths (NVIDIA Hopper or newer, bf16/fp16, a
+# bound `max_segments` on documents per row); 'splash' the Pallas splash-attention kernel (TPU; interpreted elsewhere,
+# which only tests use); 'auto' splash on TPU where the length allows it, cudnn on GPU where it can serve (see
+# cudnn_unsupported), else xla.
+ATTENTION = ('xla', 'dot_product', 'cudnn', 'splash', 'auto')
+AUTO_ATTENTION = {'tpu': 'splash', 'gpu': 'cudnn', 'cuda': 'cudnn'}
 # What the backward pass keeps of a layer (`model.remat`); the rest it recomputes. The named activations are tagged
 # with checkpoint_name below: q, k, v after RoPE ('query_proj', 'key_proj', 'value_proj'), the attention output
 # before its projection ('attention_out'), the projected output ('out_proj'), the MLP's normed input ('mlp_input')
@@ -75,6 +81,9 @@ class LMConfig:
   remat: str = field('none', one_of(*REMAT_POLICIES))
   loss_chunk: int = field(256, NON_NEGATIVE_INT)  # positions whose logits the loss computes at once; 0 = all
   attention: str = field('xla', one_of(*ATTENTION))
+  # Most documents the loader packs into one row (grain's max_sequences_per_bin); 0 = as many as fit. cudnn attention
+  # needs a bound: it keeps softmax statistics for max_segments + 1 runs per row (the documents and the padding).
+  max_segments: int = field(0, NON_NEGATIVE_INT)
   laurel: residual.LaurelSpec = residual.LaurelSpec()
   stream: streams.StreamSpec = streams.StreamSpec()
   value_residual: bool = field(False, BOOL)  # ResFormer (arXiv 2410.17897)
@@ -211,9 +220,9 @@ class Attention(nn.Module):
       mask_Bx1xLxS = (slots_S[None, None, :] <= positions_BxL[:, :, None])[:, None]
       out_BxLxHxK = xla_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, segment_ids_BxL, mask_Bx1xLxS)
     else:
-      attend = {'xla': xla_attention, 'dot_product': dot_product_attention, 'splash': splash_attention}
-      impl = attention_impl(cfg.attention, x_BxLxD.shape[1])
-      out_BxLxHxK = attend[impl](q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
+      attend = {'xla': xla_attention, 'dot_product': dot_product_attention, 'splash': splash_attention,
+                'cudnn': functools.partial(cudnn_attention, max_segments=cfg.max_segments)}
+      out_BxLxHxK = attend[attention_impl(cfg, x_BxLxD.shape[1])](q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
     out_BxLxHxK = checkpoint_name(out_BxLxHxK, 'attention_out')
     out_BxLxD = Dense(kernels['out'], cfg, name='out')(out_BxLxHxK, out_scale, shared.get('out'))
     return checkpoint_name(out_BxLxD, 'out_proj'), first_values
@@ -231,13 +240,17 @@ class Attention(nn.Module):
     return keys.value, values.value
 
 
-def attention_impl(attention: str, length: int) -> str:
-  """'auto' resolved for the platform the step is compiled for (the mesh's devices', a TPU slice's abstract ones
-  included; else the default backend's): splash on TPU where the length allows it, dot_product on GPU, else xla."""
-  if attention != 'auto':
-    return attention
-  impl = AUTO_ATTENTION.get(_platform(), 'xla')
-  return 'xla' if impl == 'splash' and not splash_block(length) else impl
+def attention_impl(cfg: LMConfig, length: int) -> str:
+  """`cfg.attention` with 'auto' resolved for the platform the step is compiled for (the mesh's devices', a TPU
+  slice's abstract ones included; else the default backend's): splash on TPU where the length allows it, cudnn on GPU
+  where it can serve `cfg` (cudnn_unsupported), else xla."""
+  if cfg.attention != 'auto':
+    return cfg.attention
+  platform = _platform()
+  impl = AUTO_ATTENTION.get(platform, 'xla')
+  if impl == 'splash' and not splash_block(length) or impl == 'cudnn' and cudnn_unsupported(cfg, platform):
+    return 'xla'
+  return impl
 
 
 def _platform() -> str:
@@ -265,9 +278,94 @@ def xla_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, mask_Bx1xLxL
 
 
 def dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
-  """jax.nn.dot_product_attention with the causal flag and the segments as a mask (cuDNN on GPU)."""
+  """jax.nn.dot_product_attention's XLA implementation, causal, with the segments as a boolean mask."""
   same_segment_Bx1xLxL = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
-  return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mask=same_segment_Bx1xLxL, is_causal=True)
+  return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mask=same_segment_Bx1xLxL, is_causal=True,
+                                      implementation='xla')
+
+
+# cuDNN's packed ("ragged") attention is reached through jax's private module jax._src.cudnn.fused_attention_stablehlo
+# (q_offsets/kv_offsets with q_seqlen/kv_seqlen, jax PR #25812; checked on jax 0.10.2). cudnn_unsupported checks that
+# the installed jax still has it; tests/test_attention.py pins the API used here.
+CUDNN_PACKED_ARGS = ('q_seqlen', 'kv_seqlen', 'q_offsets', 'kv_offsets', 'scale', 'mask_type', 'qkv_layout')
+CUDNN_MIN_VERSION = 90600  # packed layout: jax's own test of it asks for cuDNN 9.6
+CUDNN_MAX_HEAD_WIDTH = 256  # on Hopper and newer, which the packed layout needs anyway
+
+
+def _cudnn_module():
+  """jax's private cuDNN attention module; a one-line ValueError if the installed jax lacks its packed layout."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as module  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    module = None
+  if module is None or not set(CUDNN_PACKED_ARGS) <= set(inspect.signature(module.dot_product_attention).parameters):
+    raise ValueError(f"model.attention='cudnn': jax {jax.__version__} lacks the packed cuDNN attention API of "
+                     'jax._src.cudnn.fused_attention_stablehlo (checked on jax 0.10.2)')
+  return module
+
+
+def cudnn_unsupported(cfg: LMConfig, platform: str | None = None) -> str | None:
+  """Why cudnn attention cannot serve `cfg` on `platform` (default: the step's, see _platform) as a one-line error
+  naming the field and value, or None when it can. The config first, then the machine: an NVIDIA GPU of compute
+  capability 9.0 or newer (the packed layout), cuDNN 9.6 or newer, and a jax that has the API."""
+  head_width = cfg.d_model // cfg.num_heads
+  if cfg.dtype not in ('bfloat16', 'float16'):
+    return f"model.dtype={cfg.dtype!r}: model.attention='cudnn' needs bfloat16 or float16 compute"
+  if head_width % 8 or head_width > CUDNN_MAX_HEAD_WIDTH:
+    return (f'model.num_heads={cfg.num_heads}: a head width of {head_width} (d_model/num_heads); '
+            f"model.attention='cudnn' needs a multiple of 8, at most {CUDNN_MAX_HEAD_WIDTH}")
+  if not cfg.max_segments:
+    return ("model.max_segments=0: model.attention='cudnn' needs a bound on the documents packed per row (cuDNN "
+            'keeps softmax statistics for each); set one, e.g. 16, and the loader packs at most that many')
+  platform = platform or _platform()
+  if platform not in ('gpu', 'cuda'):
+    return f"model.attention='cudnn': needs an NVIDIA GPU; the step is compiled for {platform}"
+  try:
+    module = _cudnn_module()
+    version = module.check_cudnn_version()
+  except ValueError as e:
+    return str(e)
+  except RuntimeError as e:  # no cuDNN found
+    return f"model.attention='cudnn': {e}"
+  if version < CUDNN_MIN_VERSION:
+    return f"model.attention='cudnn': packed documents need cuDNN 9.6 or newer, found version {version}"
+  if not module.check_compute_capability('9.0'):
+    return (f"model.attention='cudnn': packed documents need an NVIDIA GPU of compute capability 9.0 (Hopper) or "
+            f'newer, found {jax.devices()[0].device_kind}')
+  return None
+
+
+def cudnn_segments(segment_ids_BxL, max_segments: int):
+  """Packed rows in cuDNN's form, M = max_segments + 1 slots per row: (seqlens_BxM, offsets_BxM1, overflow_B), the
+  length and first position of each run of equal segment ids (each document, and the padding after them as a run of
+  its own, so that every token lies in one; -1 in unused slots, and in offsets' extra last column), and the rows
+  that hold more than M runs. Documents are contiguous runs, as packing makes them: an id that recurs after another
+  starts a new run."""
+  b, length = segment_ids_BxL.shape
+  slots = max_segments + 1
+  starts_BxL = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]], axis=1)
+  run_BxL = jnp.cumsum(starts_BxL, axis=1, dtype=jnp.int32) - 1
+  slot_BxL = jnp.where(starts_BxL & (run_BxL < slots), run_BxL, slots + 1)  # slots + 1: out of range, dropped
+  offsets_BxM1 = jnp.full((b, slots + 1), -1, jnp.int32).at[jnp.arange(b)[:, None], slot_BxL].set(
+      jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)), mode='drop')
+  starts_BxM, next_BxM = offsets_BxM1[:, :-1], offsets_BxM1[:, 1:]
+  ends_BxM = jnp.where(next_BxM >= 0, next_BxM, length)
+  seqlens_BxM = jnp.where(starts_BxM >= 0, ends_BxM - starts_BxM, -1)
+  return seqlens_BxM, offsets_BxM1, run_BxL[:, -1] >= slots
+
+
+def cudnn_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, max_segments: int):
+  """cuDNN's fused flash attention, causal within each packed document given as offsets and lengths (cudnn_segments;
+  never a dense mask). A row with more than `max_segments` documents (the loader never makes one) comes out NaN, so
+  its step fails loudly instead of being wrong. LMTask.validate calls cudnn_unsupported before anything compiles."""
+  seqlens_BxM, offsets_BxM1, overflow_B = cudnn_segments(segment_ids_BxL, max_segments)
+  seqlens_BxM, offsets_BxM1 = (nn.with_logical_constraint(x, ('act_batch', None)) for x in (seqlens_BxM, offsets_BxM1))
+  module = _cudnn_module()
+  out_BxLxHxK = module.dot_product_attention(
+      q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, q_seqlen=seqlens_BxM, kv_seqlen=seqlens_BxM, q_offsets=offsets_BxM1,
+      kv_offsets=offsets_BxM1, scale=float(q_BxLxHxK.shape[-1]) ** -0.5, mask_type=module.MaskType.PADDING_CAUSAL,
+      qkv_layout='BTNH')
+  return jnp.where(overflow_B[:, None, None, None], jnp.nan, out_BxLxHxK)
 
 
 def splash_block(length: int) -> int:
@@ -278,14 +376,21 @@ def splash_block(length: int) -> int:
 
 def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
   """The Pallas splash-attention kernel (causal mask, segment ids), per device under shard_map since the SPMD
-  partitioner cannot split a kernel; interpreted off TPU. Never materialises the L×L logits."""
+  partitioner cannot split a kernel; interpreted off TPU. Never materialises the L×L logits. q, k and v are laid
+  out sequence-minor (K×L tiles), so a head width of 64 is not padded to the 128 lanes.
+
+  Under a mesh it always runs sharded: rows over the batch axes (a batch that does not divide them, e.g. init's
+  batch of one, is padded with empty rows and cut back), heads over theirs; heads that do not divide, or a sharded
+  sequence axis (each device would attend within its own slice only), are a ValueError while tracing."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=import-outside-toplevel
-  mesh, length = jax.sharding.get_abstract_mesh(), q_BxLxHxK.shape[1]
+  mesh, (batch, length, heads, _) = jax.sharding.get_abstract_mesh(), q_BxLxHxK.shape
   block, interpret = splash_block(length), _platform() != 'tpu'
   if not block:  # LMTask.validate checks data.seq_len; this catches a direct call
     raise ValueError(f"model.attention='splash': needs a length that is a multiple of 128, not {length}")
+  seq_minor = splash.QKVLayout.SEQ_MINOR
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+                            q_layout=seq_minor, k_layout=seq_minor, v_layout=seq_minor)
 
   def attend(q_BxHxLxK, k_BxHxLxK, v_BxHxLxK, segment_ids_BxL):  # this device's rows and heads
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * q_BxHxLxK.shape[1])
@@ -297,12 +402,33 @@ def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
   heads_first = lambda x: x.swapaxes(1, 2)
   q_BxHxLxK = heads_first(q_BxLxHxK / jnp.sqrt(q_BxLxHxK.shape[-1]).astype(q_BxLxHxK.dtype))
   args = (q_BxHxLxK, heads_first(k_BxLxHxK), heads_first(v_BxLxHxK), segment_ids_BxL)
-  spec = nn.logical_to_mesh_axes(('act_batch', 'act_heads', 'act_len', None)) if not mesh.empty else None
-  parts = [math.prod(mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ())) for p in spec or ()]
-  if spec and all(n % p == 0 for n, p in zip(q_BxHxLxK.shape, parts)):  # else e.g. init's batch of one: as it is
-    attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, jax.P(spec[0], None)), out_specs=spec,
-                           check_vma=False)
-  return heads_first(attend(*args))
+  if mesh.empty:
+    return heads_first(attend(*args))
+  spec = nn.logical_to_mesh_axes(('act_batch', 'act_heads', 'act_len', None))
+  parts = [math.prod(mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ())) for p in spec]
+  if parts[2] > 1:
+    raise ValueError(f"model.attention='splash': needs each row's whole sequence on a device, but the logical axis "
+                     f"rules shard act_len over {spec[2]} ({parts[2]} ways)")
+  if heads % parts[1]:
+    raise ValueError(f"model.num_heads={heads}: model.attention='splash' shards heads over {spec[1]} "
+                     f'({parts[1]} ways), which must divide them')
+  pad = -batch % parts[0]  # empty rows (segment 0) that make the batch divide; their outputs are cut off
+  args = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in args]
+  attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, jax.P(spec[0], None)), out_specs=spec,
+                         check_vma=False)
+  return heads_first(attend(*args)[:batch])
+
+
+def attention_flops(batch: int, length: int, heads: int, head_width: int, causal: bool = True,
+                    train: bool = True) -> float:
+  """FLOPs of attention's two matmuls (Q·Kᵀ and P·V, 2 FLOPs per multiply-add) for `batch` rows of `length`, per
+  layer; the compiler's count leaves out a Pallas kernel's own. causal: only the L(L+1)/2 query-key pairs the mask
+  keeps (the work a kernel needs, not what it spends on whole tiles); else all L². train: forward and backward, the
+  backward's four matmuls (dV, dP, dQ, dK) twice the forward's, without the recomputation of P that flash kernels
+  add (as 6·N per token counts the rest of the step)."""
+  pairs = length * (length + 1) // 2 if causal else length * length
+  forward = 2 * 2 * batch * heads * pairs * head_width
+  return 3.0 * forward if train else float(forward)
 
 
 class Mlp(nn.Module):

@@ -39,10 +39,16 @@ class LMTask:
     self.model = lm.LM(self.model_cfg)
 
   def validate(self):
-    data.validate(self.config.data, self.model_cfg.vocab_size)
+    cfg = self.model_cfg
+    data.validate(self.config.data, cfg.vocab_size)
     seq_len = self.config.data.seq_len
-    if self.model_cfg.attention == 'splash' and not lm.splash_block(seq_len):
+    if cfg.attention == 'splash' and not lm.splash_block(seq_len):
       raise ValueError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
+    if cfg.max_segments > seq_len:
+      raise ValueError(f'model.max_segments={cfg.max_segments}: a row of data.seq_len={seq_len} tokens holds at most '
+                       f'{seq_len} documents')
+    if cfg.attention == 'cudnn' and (reason := lm.cudnn_unsupported(cfg)):
+      raise ValueError(reason)
 
   def check_data(self):
     data.check_available(self.config.data)
@@ -90,7 +96,7 @@ class LMTask:
     return nll / jnp.maximum(n, 1.0), (metrics, model_state)
 
   def dataset(self, **kwargs):  # Task.dataset's keyword arguments
-    return data.lm_dataset(self.config.data, **kwargs)
+    return data.lm_dataset(self.config.data, max_segments=self.model_cfg.max_segments, **kwargs)
 
 
 class ClassificationTask:

@@ -1,4 +1,5 @@
 """laurel.aot: the train step compiled by the TPU compiler for a slice this machine does not have (libtpu)."""
+import dataclasses
 import subprocess
 import sys
 
@@ -68,12 +69,13 @@ def test_splash_attention_compiles_per_device_for_a_sharded_slice():
   config = small('rw_lr', **{'model.attention': 'splash', 'mesh.data': 2, 'mesh.tensor': 2})
   devices = aot.slice_devices('v6e:2x2')
   task = train.validate_config(config, 4, 1)
+  auto = dataclasses.replace(task.model_cfg, attention='auto')
   mesh = sharding.make_mesh(config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     hlo = train.compile_step(task, config, mesh)[0].as_text()
-    assert lm.attention_impl('auto', 128) == 'splash' and lm.attention_impl('auto', 100) == 'xla'
+    assert lm.attention_impl(auto, 128) == 'splash' and lm.attention_impl(auto, 100) == 'xla'
   assert 'tpu_custom_call' in hlo
-  assert lm.attention_impl('auto', 128) == 'xla'  # off the slice's mesh: this CPU
+  assert lm.attention_impl(auto, 128) == 'xla'  # off the slice's mesh: this CPU
 
 
 def test_splash_needs_a_length_of_whole_tiles():
