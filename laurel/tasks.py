@@ -9,6 +9,7 @@ import numpy as np
 import optax
 
 from laurel import data, image_data, lm, resnet
+from laurel.config_lib import InputError
 
 
 class Task(Protocol):
@@ -17,8 +18,10 @@ class Task(Protocol):
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
   model_cfg: Any  # the validated `config.model` (LMConfig, ResNetConfig)
 
-  def validate(self) -> None: ...  # checks config.data; one-line ValueError
-  def check_data(self) -> None: ...  # the data (and vocabulary) exist and can be read; one-line ValueError
+  def validate(self) -> None: ...  # checks config.data; one-line InputError
+  def check_data(self) -> None: ...  # the data (and vocabulary) exist and can be read; one-line InputError
+  def unused_fields(self) -> dict[str, str]: ...  # {dotted field: why it changes nothing here}
+  def sharded_sizes(self) -> dict[str, tuple[str, int]]: ...  # logical axis -> (its config field, size)
   def units_per_example(self) -> int: ...
   def laurel_site_widths(self) -> list[int]: ...  # D of every LAuReL site, for parameter accounting
   def example_batch(self, batch_size: int) -> dict: ...  # zeros of the batch's shapes and dtypes
@@ -41,10 +44,18 @@ class LMTask:
     data.validate(self.config.data, self.model_cfg.vocab_size)
     seq_len = self.config.data.seq_len
     if self.model_cfg.attention == 'splash' and not lm.splash_block(seq_len):
-      raise ValueError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
+      raise InputError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
 
   def check_data(self):
-    data.check_available(self.config.data)
+    data.check_available(self.config.data, self.model_cfg.vocab_size)
+
+  def unused_fields(self) -> dict[str, str]:
+    return {**self.model_cfg.unused_fields('model'), **data.unused_fields(self.config.data)}
+
+  def sharded_sizes(self) -> dict[str, tuple[str, int]]:
+    m = self.model_cfg
+    return {'heads': ('model.num_heads', m.num_heads), 'mlp': ('model.d_ff', m.d_ff),
+            'vocab': ('model.vocab_size', m.vocab_size), 'embed': ('model.d_model', m.d_model)}
 
   def units_per_example(self) -> int:
     return self.config.data.seq_len
@@ -109,6 +120,12 @@ class ClassificationTask:
   def check_data(self):
     image_data.check_available(self.config.data)
 
+  def unused_fields(self) -> dict[str, str]:
+    return self.model_cfg.unused_fields('model')
+
+  def sharded_sizes(self) -> dict[str, tuple[str, int]]:
+    return {'conv_out': ('model.base_width', self.model_cfg.base_width)}  # every width is a multiple of it
+
   def units_per_example(self) -> int:
     return 1
 
@@ -154,5 +171,5 @@ TASKS = {'lm': LMTask, 'classification': ClassificationTask}
 
 def get_task(config) -> Task:
   if config.task not in TASKS:
-    raise ValueError(f'task={config.task!r}: must be one of {", ".join(TASKS)}')
+    raise InputError(f'task={config.task!r}: must be one of {", ".join(TASKS)}')
   return TASKS[config.task](config)

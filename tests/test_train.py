@@ -191,8 +191,8 @@ def test_resuming_with_another_config_is_refused_unless_allowed_and_then_recorde
   assert result.returncode == 2 and 'Traceback' not in result.stderr
   assert result.stderr.splitlines()[-1] == (
       f"error: --workdir='{finished_run}': its checkpoints (step 6) were trained with optimizer.learning_rate=0.003 "
-      '(now 0.01), seed=0 (now 5); resume with the saved config.json, or pass --allow_config_change to go on with '
-      'the new values')
+      f'(now 0.01), seed=0 (now 5); resume with the saved config (--config={finished_run}), or pass '
+      '--allow_config_change to go on with the new values')
   assert _tree_snapshot(finished_run) == before
 
   workdir = tmp_path / 'copy'
