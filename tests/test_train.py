@@ -298,7 +298,8 @@ def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tm
 
 
 def test_step_flops_count_every_scanned_layer():
-  flops = [train.step_flops(load_config(SPEC, {**TINY_LM, 'model.num_layers': n})) for n in (2, 3, 4)]
+  flops = [train.step_flops(load_config(SPEC, {**TINY_LM, 'model.num_layers': n, 'model.laurel.k': 2}))
+           for n in (2, 3, 4)]
   per_layer = [flops[1] - flops[0], flops[2] - flops[1]]
   assert per_layer[0] > 0 and per_layer[1] == pytest.approx(per_layer[0], rel=1e-3)
 
