@@ -2,7 +2,7 @@
 
   topology 'v6e:4x4' -> the slice's compile-only devices (jax.experimental.topologies), a mesh over them
   compile_for_slice(config, topology) -> the TPU compiler's per-chip memory, FLOPs and bytes accessed; nothing is run
-  preflight(config, topology) -> the same, or a one-line ValueError when the step does not fit the chip's HBM
+  preflight(config, topology) -> the same, or a one-line InputError when the step does not fit the chip's HBM
 
 Needs libtpu (`pip install -e '.[tpu]'`). The state and batch are abstract (jax.ShapeDtypeStruct with shardings),
 so nothing concrete ever lands on the abstract devices; the CPU stays the process's only backend.
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from laurel import cross_entropy, lm, sharding, train
-from laurel.config_lib import DTYPES
+from laurel.config_lib import DTYPES, InputError
 
 
 CHIP_SOURCE = ('per-chip HBM capacity and bandwidth, and the dense bf16 peak FLOP/s in laurel.train.PEAK_FLOPS: the '
@@ -45,14 +45,14 @@ CHIPS = {'v4': Chip('TPU v4', 32 * 2**30, 1200e9, 3, 'megacore', 'v4'),
 
 
 def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
-  """'v6e:4x4' -> ('v6e', (4, 4)); a one-line ValueError naming the field otherwise."""
+  """'v6e:4x4' -> ('v6e', (4, 4)); a one-line InputError naming the field otherwise."""
   gen, _, shape = (topology or '').partition(':')
   dims = shape.split('x')
   if gen not in CHIPS or not all(d.isdigit() and int(d) > 0 for d in dims):
-    raise ValueError(f'topology={topology!r}: must be <generation>:<chips per axis>, e.g. v6e:4x4 or v5p:2x2x4 '
+    raise InputError(f'topology={topology!r}: must be <generation>:<chips per axis>, e.g. v6e:4x4 or v5p:2x2x4 '
                      f'(generations: {", ".join(CHIPS)})')
   if len(dims) != CHIPS[gen].dims:
-    raise ValueError(f'topology={topology!r}: a {gen} slice is {CHIPS[gen].dims}-D, e.g. '
+    raise InputError(f'topology={topology!r}: a {gen} slice is {CHIPS[gen].dims}-D, e.g. '
                      f'{gen}:{"x".join(["2"] * CHIPS[gen].dims)}')
   return gen, tuple(map(int, dims))
 
@@ -74,7 +74,7 @@ def slice_devices(topology: str) -> list:
   """The compile-only devices of `topology`, one per chip, in processes as on the slice's hosts."""
   gen, _ = parse_topology(topology)
   if importlib.util.find_spec('libtpu') is None:
-    raise ValueError(f"topology={topology!r}: compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
+    raise InputError(f"topology={topology!r}: compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
   if not os.environ.get('JAX_PLATFORMS'):  # on a TPU VM too: the real chips may be busy training
     jax.config.update('jax_platforms', 'cpu')
   # libtpu's lock on /tmp/libtpu_lockfile guards real chips; a compile-only client needs none, and another
@@ -91,7 +91,7 @@ def slice_devices(topology: str) -> list:
         platform='tpu', topology_name=topology, chip_config_name=CHIPS[gen].chip_config,
         chips_per_host_bounds=_host_bounds(topology), num_slices=1).devices
   except jax.errors.JaxRuntimeError as e:
-    raise ValueError(f'topology={topology!r}: libtpu has no such slice ({str(e).splitlines()[0]})') from None
+    raise InputError(f'topology={topology!r}: libtpu has no such slice ({str(e).splitlines()[0]})') from None
 
 
 def _compile(config, devices):
@@ -109,15 +109,15 @@ def _compile(config, devices):
   return compiled, abstract
 
 
-def _not_fitting(topology: str, chip: Chip, error: Exception) -> ValueError:
+def _not_fitting(topology: str, chip: Chip, error: Exception) -> InputError:
   """The TPU compiler's out-of-memory error as one line: what the step needs per chip, and what the chip has."""
   first = str(error).splitlines()[0]
   need = re.search(r'required for [\w ]+\(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)', first) or \
       re.search(r'Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm', first)
   if need:
-    return ValueError(f'topology={topology!r}: does not fit: the step needs {need.group(1)}B of HBM per chip, '
+    return InputError(f'topology={topology!r}: does not fit: the step needs {need.group(1)}B of HBM per chip, '
                       f'a {chip.device_kind} chip has {need.group(2)}B for it ({chip.hbm_bytes / 1e9:.1f} GB in all)')
-  return ValueError(f'topology={topology!r}: does not fit a {chip.device_kind} chip '
+  return InputError(f'topology={topology!r}: does not fit a {chip.device_kind} chip '
                     f'({chip.hbm_bytes / 1e9:.1f} GB of HBM): {first}')
 
 
@@ -145,13 +145,13 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   if not costs:
     return facts
   if config.optimizer.grad_accum_steps > 1:
-    raise ValueError(f'optimizer.grad_accum_steps={config.optimizer.grad_accum_steps}: the compiler counts the '
+    raise InputError(f'optimizer.grad_accum_steps={config.optimizer.grad_accum_steps}: the compiler counts the '
                      'micro-batch loop once; measure costs with 1')
   totals = train.xla_costs(compiled)
   if config.model.get('scan_layers'):  # the LM: one scan iteration per layer
     layers = config.model.num_layers
     if layers % 2:
-      raise ValueError(f'model.num_layers={layers}: costs need an even number of scanned layers')
+      raise InputError(f'model.num_layers={layers}: costs need an even number of scanned layers')
     unrolled = ml_collections.ConfigDict(config.to_dict())
     unrolled.model.scan_unroll = 2
     twice = train.xla_costs(_compile(unrolled, devices)[0])
@@ -185,15 +185,15 @@ def _uncounted_loss_chunks(config, devices) -> tuple[float, float]:
 
 def preflight(config, topology: str | None) -> str:
   """Compiles the step for `topology` and checks that it fits each chip's HBM: a one-line report, or a one-line
-  ValueError giving the per-chip need and the chip's HBM. The check before every TPU launch."""
+  InputError giving the per-chip need and the chip's HBM. The check before every TPU launch."""
   if not topology:
-    raise ValueError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
+    raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
   gen, _ = parse_topology(topology)
   chip, facts = CHIPS[gen], compile_for_slice(config, topology, costs=False)
   gb = lambda key: f'{facts[key] / 1e9:.3g} GB'
   need = f'the step needs {gb("peak_memory_bytes")} of HBM per chip'
   if facts['peak_memory_bytes'] > chip.hbm_bytes:
-    raise ValueError(f'topology={topology!r}: does not fit: {need}, a {chip.device_kind} chip has '
+    raise InputError(f'topology={topology!r}: does not fit: {need}, a {chip.device_kind} chip has '
                      f'{chip.hbm_bytes / 1e9:.1f} GB')
   return (f'preflight {topology}: fits: {need} of {chip.hbm_bytes / 1e9:.1f} GB ({gb("argument_bytes")} arguments, '
           f'{gb("temp_bytes")} temporaries)')

@@ -2,8 +2,9 @@
 
 Each config section is a frozen dataclass declaring its fields' defaults and checks. `config_dict` makes its
 ConfigDict (what `get_config(arg)` returns, every field overridable); `build` checks one back into the dataclass,
-raising a one-line ValueError naming field and value. `load('configs/<file>.py:<arg>', ['--config.<field>=<value>'])`
-reads a config as laurel.main does; `arg` is a row with `key=value` options, e.g. `rw_lr,preset=tiny` (`parse_arg`).
+raising a one-line InputError (a ValueError) naming field and value. `load('configs/<file>.py:<arg>',
+['--config.<field>=<value>'])` reads a config as laurel.main does; `arg` is a row with `key=value` options, e.g.
+`rw_lr,preset=tiny` (`parse_arg`).
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import app, flags
+from etils import epath
 from ml_collections import config_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -55,9 +57,14 @@ def field(default, check=None, **kwargs):
   return dataclasses.field(default=default, metadata={'check': check} if check else {}, **kwargs)
 
 
+class InputError(ValueError):
+  """Bad input (a config field, a flag, a path, a workdir): what the user can fix. Only this becomes a one-line
+  `error: ...` with exit 2; any other exception is a bug or an environment failure and keeps its traceback."""
+
+
 def require(ok: bool, field_name: str, value, why: str) -> None:
   if not ok:
-    raise ValueError(f'{field_name}={value!r}: {why}')
+    raise InputError(f'{field_name}={value!r}: {why}')
 
 
 def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
@@ -74,19 +81,19 @@ def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
       value = config_dict(value)
     out[f.name] = value
   if overrides:
-    raise ValueError(f'{type(base).__name__}: unknown fields {", ".join(sorted(overrides))}')
+    raise InputError(f'{type(base).__name__}: unknown fields {", ".join(sorted(overrides))}')
   return out
 
 
 def build(cls, cfg, prefix: str, skip: Sequence[str] = ()):
   """`cls` from a ConfigDict (or dict) of some of its fields, every value checked; then `obj.check(prefix)`
-  for the checks across fields. Unknown fields and bad values raise ValueError('<prefix>.<field>=<value>: why')."""
+  for the checks across fields. Unknown fields and bad values raise InputError('<prefix>.<field>=<value>: why')."""
   fields = {f.name: f for f in dataclasses.fields(cls)}
   path = lambda name: f'{prefix}.{name}' if prefix else name
   values = {k: v for k, v in dict(cfg.items() if cfg is not None else {}).items() if k not in skip}
   unknown = sorted(set(values) - set(fields))
   if unknown:
-    raise ValueError(f'{path(unknown[0])}: unknown field (known: {", ".join(sorted(set(fields) - set(skip)))})')
+    raise InputError(f'{path(unknown[0])}: unknown field (known: {", ".join(sorted(set(fields) - set(skip)))})')
   for name, value in values.items():
     f = fields[name]
     if dataclasses.is_dataclass(f.default):
@@ -109,24 +116,39 @@ def parse_arg(arg: str | None, rows, default_row: str, options: dict) -> tuple[s
       row = part
       continue
     if key not in options:
-      raise ValueError(f'config arg {key}={value!r}: unknown option (known: {", ".join(sorted(options))})')
+      raise InputError(f'config arg {key}={value!r}: unknown option (known: {", ".join(sorted(options))})')
     if value not in options[key][1]:
-      raise ValueError(f'config arg {key}={value!r}: must be one of {", ".join(options[key][1])}')
+      raise InputError(f'config arg {key}={value!r}: must be one of {", ".join(options[key][1])}')
     chosen[key] = value
   if row not in rows:
-    raise ValueError(f'config row {row!r}: unknown (known: {", ".join(rows)})')
+    raise InputError(f'config row {row!r}: unknown (known: {", ".join(rows)})')
   return row, chosen
 
 
 def resolve_spec(spec: str) -> str:
   """'configs/<file>.py:<arg>' as given if the file exists here, else found in the repo (or by its name in
-  configs/, e.g. 'c4_ablation:rw_lr'); one-line ValueError if none exists."""
+  configs/, e.g. 'c4_ablation:rw_lr'); a run's directory or its config.json (local or gs://) is the config that run
+  saved (laurel/saved_config.py). One-line InputError if none exists."""
+  if (run := _saved_run(spec)) is not None:
+    return f'{REPO / "laurel" / "saved_config.py"}:{run}'
   path, sep, arg = spec.partition(':')
   candidates = [pathlib.Path(path), REPO / path, REPO / 'configs' / path, REPO / 'configs' / f'{path}.py']
   found = next((p for p in candidates if p.is_file()), None)
   if found is None:
-    raise ValueError(f'--config={spec!r}: no such config file')
+    raise InputError(f'--config={spec!r}: no such config file')
   return spec if found == candidates[0] else f'{found}{sep}{arg}'
+
+
+def _saved_run(spec: str) -> str | None:
+  """`spec` if it is a run's directory holding config.json, or a config.json file; else None."""
+  if '://' not in spec and ':' in spec:  # a config file's argument
+    return None
+  try:
+    path = epath.Path(spec)
+    found = path.is_file() if path.name.endswith('.json') else (path / 'config.json').is_file()
+  except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
+    raise InputError(f'--config={spec!r}: {io_error_reason(e)}') from None
+  return spec if found else None
 
 
 def flag_error_message(error: Exception, argv: Sequence[str]) -> str:
@@ -175,11 +197,11 @@ def parse_flags(argv):
 
 def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
   """The config of `spec` with `--config.<field>=<value>` overrides (also written `<field>=<value>`), read by
-  ml_collections exactly as laurel.main reads its flags; one-line ValueError for anything bad."""
+  ml_collections exactly as laurel.main reads its flags; one-line InputError for anything bad."""
   argv = [o if o.startswith('--') else f'--config.{o}' for o in overrides]
   for o in argv:
     if not o.startswith('--config.') or '=' not in o:
-      raise ValueError(f'{o}: write config overrides as --config.<field>=<value>')
+      raise InputError(f'{o}: write config overrides as --config.<field>=<value>')
   try:
     argv = ['laurel', f'--config={resolve_spec(spec)}', *argv]
     flag_values = flags.FlagValues()
@@ -187,5 +209,5 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
     flag_values(argv)
     return flag_values.config
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    raise ValueError(flag_error_message(e, argv)) from None
+    raise InputError(flag_error_message(e, argv)) from None
 

@@ -26,8 +26,8 @@ import grain
 from grain import experimental as grain_exp
 import numpy as np
 
-from laurel.config_lib import (NON_NEGATIVE_INT, POSITIVE_INT, STRING, build, field, in_range, io_error_reason, one_of,
-                               require)
+from laurel.config_lib import (NON_NEGATIVE_INT, POSITIVE_INT, STRING, InputError, build, field, in_range,
+                               io_error_reason, one_of, require)
 
 BYTE_VOCAB_SIZE = 258  # ByteTokenizer's: 256 bytes, padding and end of document
 C4_VOCAB_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'  # T5's 32k SentencePiece model
@@ -109,7 +109,7 @@ def make_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
     return ByteTokenizer()
   tokenizer = SentencePieceTokenizer(_read_vocab(data_cfg.vocab_path))
   if tokenizer.eos_id < 0:
-    raise ValueError(f'data.vocab_path={data_cfg.vocab_path!r}: the SentencePiece model defines no EOS id')
+    raise InputError(f'data.vocab_path={data_cfg.vocab_path!r}: the SentencePiece model defines no EOS id')
   return tokenizer
 
 
@@ -218,7 +218,7 @@ def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_ind
     ds = ds.seed(seed).shuffle()
   ds = ds[process_index::process_count]
   if not len(ds):  # pylint: disable=g-explicit-length-test
-    raise ValueError(f'data.name={data_cfg.name!r}: no documents for process {process_index} of '
+    raise InputError(f'data.name={data_cfg.name!r}: no documents for process {process_index} of '
                      f'{process_count} in the {"train" if train else "validation"} split')
   # Repeat after the shard: each epoch reshuffles, and a process keeps its share of every epoch.
   ds = ds.repeat().map(functools.partial(_tokenize, tokenizer)).to_iter_dataset(READ_OPTIONS)
@@ -239,7 +239,7 @@ def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_ind
 
 
 def validate(data_cfg, vocab_size: int, field: str = 'data') -> LMDataConfig:
-  """One-line ValueErrors naming the bad field, before anything is traced or read in bulk."""
+  """One-line InputErrors naming the bad field, before anything is traced or read in bulk."""
   cfg = build(LMDataConfig, data_cfg, field)
   fail = lambda name, why: require(False, f'{field}.{name}', getattr(cfg, name), why)
   if cfg.name == 'text':
@@ -262,6 +262,21 @@ def validate(data_cfg, vocab_size: int, field: str = 'data') -> LMDataConfig:
   require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,
           f"smaller than the tokenizer's {tokenizer_vocab}")
   return cfg
+
+
+def unused_fields(data_cfg, prefix: str = 'data') -> dict[str, str]:
+  """{field: why} of the fields the chosen source does not read."""
+  cfg = build(LMDataConfig, data_cfg, prefix)
+  name = f'{prefix}.name={cfg.name!r}'
+  tfds_unused = (cfg.name != 'c4' or bool(cfg.path), f'{name} reads no TFDS' if cfg.name != 'c4' else
+                 f'{prefix}.path is set: C4 is read from its shards there, not from TFDS')
+  checks = {'path': (cfg.name == 'synthetic', f'{name} reads no files'),
+            'validation_fraction': (cfg.name != 'text', f'{name}: only text holds files out'),
+            'vocab_path': (cfg.name != 'c4', f'{name} is byte-level'),
+            'train_split': (cfg.name != 'c4', f'{name} has no named splits'),
+            'eval_split': (cfg.name != 'c4', f'{name} has no named splits'),
+            'tfds_name': tfds_unused, 'tfds_data_dir': tfds_unused}
+  return {f'{prefix}.{field}': why for field, (no_effect, why) in checks.items() if no_effect}
 
 
 def c4_shards(path: str, split: str) -> list[str]:
@@ -288,9 +303,10 @@ def tfds_splits(version_dir: epath.Path) -> tuple[set[str], set[str]]:
           {info.get('fileFormat', 'tfrecord'), *info.get('alternativeFileFormats', [])})
 
 
-def check_available(data_cfg) -> None:
-  """The source's data and vocabulary exist and are readable (gs:// included), read before anything compiles; a
-  one-line ValueError naming the path and how to prepare what is missing. Never downloads."""
+def check_available(data_cfg, vocab_size: int | None = None) -> None:
+  """The source's data and vocabulary exist and are readable (gs:// included), read before anything compiles, and
+  the vocabulary fits `vocab_size`; a one-line InputError naming the path and how to prepare what is missing.
+  Never downloads."""
   cfg = build(LMDataConfig, data_cfg, 'data')
   if cfg.name != 'c4':
     return
@@ -314,6 +330,11 @@ def check_available(data_cfg) -> None:
       require(split in present, 'data.tfds_data_dir', cfg.tfds_data_dir,
               f'{found} has no split {split!r} (it has: {", ".join(sorted(present))})')
   try:
-    make_tokenizer(cfg)
+    tokenizer = make_tokenizer(cfg)
+  except InputError:
+    raise
   except Exception as e:  # pylint: disable=broad-except  # any filesystem's error, or sentencepiece's for a non-model
     require(False, 'data.vocab_path', cfg.vocab_path, f'cannot read a SentencePiece model: {io_error_reason(e)}')
+  if vocab_size is not None:  # validate() leaves a gs:// vocabulary to this check, where GCS is reachable
+    require(vocab_size >= tokenizer.vocab_size, 'model.vocab_size', vocab_size,
+            f"smaller than the tokenizer's {tokenizer.vocab_size} (data.vocab_path={cfg.vocab_path!r})")

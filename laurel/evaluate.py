@@ -31,6 +31,7 @@ from absl import app, flags, logging
 from etils import epath
 
 from laurel import config_lib, data, sharding, train
+from laurel.config_lib import InputError
 
 FLAGS = flags.FLAGS
 
@@ -40,9 +41,10 @@ class Scorer:
 
   def __init__(self, model, params, seq_len: int, batch_size: int, pad_id: int, batch_sharding=None):
     self.seq_len, self.batch_size, self.pad_id, self.batch_sharding = seq_len, batch_size, pad_id, batch_sharding
+    self.params = params
 
-    @jax.jit
-    def logprobs(tokens_BxL, weights_BxL):
+    @jax.jit  # params are arguments: closed over, they would be constants of the compiled program
+    def logprobs(params, tokens_BxL, weights_BxL):
       logits_BxLxV = model.apply({'params': params}, tokens_BxL)[:, :-1]
       logp_BxL = jnp.take_along_axis(jax.nn.log_softmax(logits_BxLxV), tokens_BxL[:, 1:, None], axis=-1)[..., 0]
       scored_BxL = weights_BxL[:, 1:] > 0
@@ -67,7 +69,7 @@ class Scorer:
         weights[b, first:len(seq)] = 1.0
       if self.batch_sharding is not None:  # rows over the data-parallel devices, as in training
         tokens, weights = jax.device_put((tokens, weights), self.batch_sharding)
-      loglik_B, greedy_B = self._logprobs(tokens, weights)
+      loglik_B, greedy_B = self._logprobs(self.params, tokens, weights)
       logliks.append(np.asarray(loglik_B[:len(chunk)], np.float64))
       greedy.append(np.asarray(greedy_B[:len(chunk)]))
       if progress is not None:
@@ -86,7 +88,7 @@ def make_scorer(task, params, mesh, tokenizer, batch_size: int) -> Scorer:
 def text_task(scorer: Scorer, tokenizer, pattern: str, max_items: int) -> dict:
   files = sorted(pathlib.Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
   if not files:
-    raise ValueError(f'--task=text:{pattern}: matches no files')
+    raise InputError(f'--task=text:{pattern}: matches no files')
   files = files[:max_items or None]
   windows, tokens, num_bytes = [], 0, 0
   step = scorer.seq_len - 1
@@ -111,10 +113,10 @@ def jsonl_items(path: str, max_items: int) -> list:
       item = json.loads(line)
       context, choices, label = str(item['context']), [str(c) for c in item['choices']], int(item['label'])
     except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(f'--task={path}: line {n} is not {{"context": str, "choices": [str, ...], "label": int}} '
+      raise InputError(f'--task={path}: line {n} is not {{"context": str, "choices": [str, ...], "label": int}} '
                        f'({type(e).__name__})') from None
     if not choices or not 0 <= label < len(choices):
-      raise ValueError(f'--task={path}: line {n}: label {label} is not an index of its {len(choices)} choices')
+      raise InputError(f'--task={path}: line {n}: label {label} is not an index of its {len(choices)} choices')
     items.append(([(context, c) for c in choices], label))
   return items
 
@@ -153,7 +155,7 @@ def tfds_items(name: str, data_dir: str, max_items: int) -> list:
   try:
     source = tfds.data_source(tfds_name, split=split, data_dir=data_dir or None, download=False)
   except Exception as e:  # pylint: disable=broad-except  # TFDS raises several types for data not prepared
-    raise ValueError(f'--task={name}: no prepared {tfds_name} ({split}) in --tfds_data_dir={data_dir!r}; prepare it '
+    raise InputError(f'--task={name}: no prepared {tfds_name} ({split}) in --tfds_data_dir={data_dir!r}; prepare it '
                      f'where TFDS can download: tfds build {tfds_name.split("/")[0]} ({type(e).__name__})') from None
   items = [item(source[i]) for i in range(min(len(source), max_items or len(source)))]
   return [(pairs, label) for pairs, label in items if 0 <= label < len(pairs)]
@@ -171,7 +173,7 @@ def choice_sequence(tokenizer, seq_len: int, context: str, continuation: str) ->
 def choice_task(scorer: Scorer, tokenizer, items: list) -> dict:
   """Accuracy, length-normalised accuracy and the correct choice's mean log-likelihood over `items`."""
   if not items:
-    raise ValueError('multiple choice: no items')
+    raise InputError('multiple choice: no items')
   sequences = [choice_sequence(tokenizer, scorer.seq_len, context, choice) for pairs, _ in items
                for context, choice in pairs]
   scores, at = scorer(sequences), 0
@@ -201,9 +203,9 @@ def task_name(task: str) -> str:
 
 
 def check_task(task: str) -> None:
-  """A one-line ValueError unless `task` is text:GLOB, an existing JSONL file or a TFDS task."""
+  """A one-line InputError unless `task` is text:GLOB, an existing JSONL file or a TFDS task."""
   if not task.startswith('text:') and task not in TFDS_TASKS and not epath.Path(task).is_file():
-    raise ValueError(f'--task={task!r}: not text:GLOB, an existing .jsonl file, nor one of {", ".join(TFDS_TASKS)}')
+    raise InputError(f'--task={task!r}: not text:GLOB, an existing .jsonl file, nor one of {", ".join(TFDS_TASKS)}')
 
 
 def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_data_dir: str = ''):
@@ -239,7 +241,7 @@ def main(argv):
       check_task(task)
     for result in evaluate_run(FLAGS.workdir, FLAGS.task, FLAGS.batch_size, FLAGS.max_items, FLAGS.tfds_data_dir):
       print(json.dumps(result), flush=True)
-  except ValueError as e:
+  except InputError as e:
     config_lib.fail(str(e))
 
 

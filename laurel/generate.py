@@ -22,6 +22,7 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 
 from laurel import config_lib, data, lm, train
+from laurel.config_lib import InputError
 
 
 
@@ -57,10 +58,10 @@ def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_t
   """(new tokens (B, max_new_tokens), the logits that chose them (B, max_new_tokens, V)) for each prompt."""
   lengths_B = np.array([len(p) for p in prompts], np.int32)
   if lengths_B.min() < 1:
-    raise ValueError('prompt: empty after tokenisation')
+    raise InputError('prompt: empty after tokenisation')
   total = int(lengths_B.max()) + max_new_tokens
   if model_cfg.positional == 'learned' and total > model_cfg.max_len:
-    raise ValueError(f'max_new_tokens={max_new_tokens}: prompt + new tokens ({total}) exceed model.max_len='
+    raise InputError(f'max_new_tokens={max_new_tokens}: prompt + new tokens ({total}) exceed model.max_len='
                      f'{model_cfg.max_len}')
   tokens_BxT = np.full((len(prompts), total), pad_id, np.int32)
   for b, p in enumerate(prompts):
@@ -73,14 +74,14 @@ def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_t
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
         lambda: model.init(jax.random.key(0), jnp.zeros((len(prompts), total), jnp.int32)))['cache'])
 
-    @jax.jit
-    def step(cache, tokens_BxL, positions_BxL):
+    @jax.jit  # params are arguments: closed over, they would be constants of the compiled program
+    def step(params, cache, tokens_BxL, positions_BxL):
       logits, updated = model.apply({'params': params, 'cache': cache}, tokens_BxL, positions_BxL, mutable=['cache'])
       return logits, updated['cache']
 
     prompt_len = int(lengths_B.max())  # prefill: every prompt at once, right-padded (padding is never attended)
     positions = jnp.broadcast_to(jnp.arange(prompt_len), (len(prompts), prompt_len))
-    logits_BxLxV, cache = step(cache, jnp.asarray(tokens_BxT[:, :prompt_len]), positions)
+    logits_BxLxV, cache = step(params, cache, jnp.asarray(tokens_BxT[:, :prompt_len]), positions)
     logits_BxV = logits_BxLxV[rows_B, lengths_B - 1]
     for t in range(max_new_tokens):
       rng, key = jax.random.split(rng)
@@ -88,13 +89,13 @@ def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_t
       new.append(token_B)
       new_logits.append(logits_BxV)
       if t + 1 < max_new_tokens:
-        logits_Bx1xV, cache = step(cache, token_B[:, None], jnp.asarray(lengths_B + t)[:, None])
+        logits_Bx1xV, cache = step(params, cache, token_B[:, None], jnp.asarray(lengths_B + t)[:, None])
         logits_BxV = logits_Bx1xV[:, 0]
   else:
-    forward = jax.jit(lambda tokens: lm.LM(model_cfg).apply({'params': params}, tokens))
+    forward = jax.jit(lambda params, tokens: lm.LM(model_cfg).apply({'params': params}, tokens))
     tokens = jnp.asarray(tokens_BxT)
     for t in range(max_new_tokens):
-      logits_BxV = forward(tokens)[rows_B, lengths_B - 1 + t]  # causal: what lies beyond is never read
+      logits_BxV = forward(params, tokens)[rows_B, lengths_B - 1 + t]  # causal: what lies beyond is never read
       rng, key = jax.random.split(rng)
       token_B = sample(logits_BxV, key, temperature, top_k, top_p)
       new.append(token_B)
@@ -122,7 +123,7 @@ def main(argv):
       new_BxN, _ = generate(task.model_cfg, params, [tokenizer.encode(p) for p in FLAGS.prompt], FLAGS.max_new_tokens,
                             temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                             seed=FLAGS.seed, use_cache=FLAGS.cache, pad_id=tokenizer.pad_id)
-  except ValueError as e:
+  except InputError as e:
     config_lib.fail(str(e))
   print(f'checkpoint {step} of {FLAGS.workdir}', file=sys.stderr)
   for prompt, row in zip(FLAGS.prompt, new_BxN):

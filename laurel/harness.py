@@ -43,7 +43,7 @@ AUTO_BATCH_SIZE = 16
 DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default for generate_until
 
 
-class BadInput(ValueError):
+class BadInput(config_lib.InputError):
   """An input error the command line reports in one line."""
 
 
@@ -73,7 +73,7 @@ class LaurelLM(LM):
       with train.lm_run_on_mesh(workdir) as (task, params, step, mesh):
         self.tokenizer = data.make_tokenizer(task.config.data)
         self._scorer = evaluate.make_scorer(task, params, mesh, self.tokenizer, batch_size)
-    except ValueError as e:
+    except config_lib.InputError as e:
       raise BadInput(str(e)) from None
     self.workdir, self.step, self.seq_len, self.batch_size = workdir, step, task.config.data.seq_len, batch_size
     self._model_cfg, self._params, self._mesh = task.model_cfg, params, mesh

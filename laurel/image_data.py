@@ -56,7 +56,7 @@ def validate(data_cfg: Any, field: str = 'data') -> ImageDataConfig:
 
 
 def check_available(data_cfg: Any) -> None:
-  """ImageNet's prepared ArrayRecord files are where the config says (never downloaded); one-line ValueError."""
+  """ImageNet's prepared ArrayRecord files are where the config says (never downloaded); one-line InputError."""
   cfg = validate(data_cfg)
   if cfg.name == 'imagenet':
     found = data.tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)

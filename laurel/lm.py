@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from laurel import residual, streams
-from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number, one_of,
-                               require)
+from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, InputError, build, field, is_number,
+                               one_of, require)
 
 # `model.attention`: 'xla' is the reference (einsums, the L×L logits materialised); 'dot_product' is
 # jax.nn.dot_product_attention's XLA implementation (the same maths under a boolean mask; never cuDNN); 'cudnn' cuDNN's
@@ -112,6 +112,18 @@ class LMConfig:
             self.scan_unroll, f'must divide num_layers={self.num_layers}')
     require(k == 1 or self.share.rank <= min(self.d_model, self.d_ff), f'{prefix}.share.rank', self.share.rank,
             f'must be <= min(d_model, d_ff)={min(self.d_model, self.d_ff)}')
+
+  def unused_fields(self, prefix: str) -> dict[str, str]:
+    """{field: why} of the fields that change nothing given the others (laurel.*, stream.*, share.* included)."""
+    no_sharing = f'{prefix}.share.group_size=1 shares nothing'
+    checks = {'max_len': (self.positional != 'learned', f'{prefix}.positional={self.positional!r}: only learned '
+                          'positions read it'),
+              'rope_base': (self.positional != 'rope', f'{prefix}.positional={self.positional!r}: only RoPE reads it'),
+              'scan_unroll': (not self.scan_layers, f'{prefix}.scan_layers=False'),
+              'share.rank': (self.share.group_size == 1, no_sharing),
+              'share.diagonal': (self.share.group_size == 1, no_sharing)}
+    unused = {f'{prefix}.{name}': why for name, (no_effect, why) in checks.items() if no_effect}
+    return {**unused, **self.laurel.unused_fields(f'{prefix}.laurel'), **self.stream.unused_fields(f'{prefix}.stream')}
 
   @classmethod
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'LMConfig':
@@ -386,7 +398,7 @@ def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
   mesh, (batch, length, heads, _) = jax.sharding.get_abstract_mesh(), q_BxLxHxK.shape
   block, interpret = splash_block(length), _platform() != 'tpu'
   if not block:  # LMTask.validate checks data.seq_len; this catches a direct call
-    raise ValueError(f"model.attention='splash': needs a length that is a multiple of 128, not {length}")
+    raise InputError(f"model.attention='splash': needs a length that is a multiple of 128, not {length}")
   seq_minor = splash.QKVLayout.SEQ_MINOR
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,

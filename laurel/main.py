@@ -7,12 +7,16 @@
 (c4_ablation, imagenet_resnet50, llm, residual_designs). Bad input exits with status 2 and one line on stderr,
 before anything is traced or any checkpoint touched; so does resuming a workdir with another config, unless
 --allow_config_change. SIGTERM and Ctrl-C save a checkpoint and exit; rerun the same command to resume.
+--config=WORKDIR (or WORKDIR/config.json) is the config a run saved. Any other failure keeps its traceback and exits
+with status 1; a training loss that is not finite exits with 3, a failed start on a TPU slice with 4, a process whose
+loop hung (the watchdog: config.watchdog_*) with 75.
 """
 
 import glob
 import logging as logging_std
 import os
 import sys
+import urllib.request
 
 import jax
 from absl import app, flags, logging
@@ -43,17 +47,23 @@ def main(argv):
     config_lib.fail('--config is required, e.g. --config=configs/c4_ablation.py:rw_lr,preset=tiny')
   if _TOPOLOGY.value and not _COMPILE_ONLY.value:
     config_lib.fail(f'--topology={_TOPOLOGY.value}: only with --compile_only (a run uses the devices it finds)')
+  try:
+    for warning in train.check_overrides(_CONFIG.value, config_flags.get_config_filename(flags.FLAGS['config']),
+                                         config_flags.get_override_values(flags.FLAGS['config'])):
+      print(warning, file=sys.stderr, flush=True)
+  except config_lib.InputError as e:
+    config_lib.fail(str(e))
   if _PRINT_CONFIG.value:
     try:
       train.validate_config(_CONFIG.value)
-    except ValueError as e:
+    except config_lib.InputError as e:
       config_lib.fail(str(e))
     print(_CONFIG.value.to_json_best_effort(indent=2, sort_keys=True))
     return
   if _COMPILE_ONLY.value:  # before anything starts a backend or touches a workdir
     try:
       print(aot.preflight(_CONFIG.value, _TOPOLOGY.value), flush=True)
-    except ValueError as e:
+    except config_lib.InputError as e:
       config_lib.fail(str(e))
     return
   if not _WORKDIR.value:
@@ -63,18 +73,51 @@ def main(argv):
   if _COORDINATOR.value or _NUM_PROCESSES.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   elif _on_tpu_vm():  # jax finds its peers (before any backend starts)
-    try:
-      jax.distributed.initialize()
-    except (RuntimeError, ValueError) as e:  # a single host outside a pod
-      logging.warning('jax.distributed.initialize() failed (%s); running as one process', e)
+    _initialize_tpu_processes()
+  # Only bad input is one line (exit 2); anything else from jax, flax, orbax or this code is a bug or an environment
+  # failure and keeps its traceback (exit 1).
   try:  # train.train checks the config, the data and the workdir before it compiles anything
     train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
-  except ValueError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
+  except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
     config_lib.fail(str(e))
   except train.TrainingDiverged as e:
     config_lib.fail(str(e), code=3)
   except KeyboardInterrupt:  # Ctrl-C before the first step (in the loop it saves a checkpoint)
     config_lib.fail('interrupted before training started; nothing was saved', code=130)
+
+
+def _initialize_tpu_processes():
+  """jax.distributed on a Cloud TPU VM. Where it fails, one process trains alone only if the TPU runtime lists one
+  host: on a multi-host slice every host would train alone into the same workdir, so that ends the run (exit 4)."""
+  try:
+    jax.distributed.initialize()
+  except (RuntimeError, ValueError) as e:
+    hosts = _tpu_host_count()
+    reason = f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
+    if hosts != 1:
+      config_lib.fail(f'jax.distributed.initialize() failed ({reason}) on a TPU VM of a slice with '
+                      f'{"an unknown number of" if hosts is None else hosts} hosts; not training alone, as every '
+                      'host would train into the same workdir on its own. Start every host together, or pass '
+                      '--coordinator_address, --num_processes and --process_id', code=4)
+    logging.warning('jax.distributed.initialize() failed (%s) on a single-host TPU VM; running as one process', reason)
+
+
+def _tpu_host_count() -> int | None:
+  """Hosts in this TPU VM's slice (times its slices), as the TPU runtime lists them (the environment on GKE, else the
+  VM's metadata server); None where neither says."""
+  workers = os.environ.get('TPU_PROCESS_ADDRESSES') or os.environ.get('TPU_WORKER_HOSTNAMES')
+  if workers is None:
+    host = os.environ.get('GCE_METADATA_IP', 'metadata.google.internal')
+    request = urllib.request.Request(f'http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints',
+                                     headers={'Metadata-Flavor': 'Google'})
+    try:
+      with urllib.request.urlopen(request, timeout=5) as response:
+        workers = response.read().decode()
+    except OSError:
+      return None
+  slices = os.environ.get('MEGASCALE_NUM_SLICES', '1')
+  hosts = [w for w in workers.split(',') if w.strip()]
+  return len(hosts) * int(slices) if hosts and slices.isdigit() else None
 
 
 def _on_tpu_vm() -> bool:

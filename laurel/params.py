@@ -53,7 +53,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   try:
     out = report(_CONFIG.value)
-  except ValueError as e:
+  except config_lib.InputError as e:
     config_lib.fail(str(e))
   print(json.dumps(out))
 

@@ -67,6 +67,22 @@ class LaurelSpec:
     require(not self.pa or (is_int(self.k) and 1 <= self.k <= num_sites), f'{prefix}.k', self.k,
             f'must be an integer in [1, number of LAuReL sites={num_sites}]')
 
+  def unused_fields(self, prefix: str) -> dict[str, str]:
+    """{field: why} of the fields that change nothing for this variant, so a sweep over one can be refused."""
+    variant = f'{prefix}.variant={self.variant!r}'
+    if not self.components:
+      return {f'{prefix}.{f.name}': f'{variant} has no LAuReL site' for f in dataclasses.fields(self)
+              if f.name != 'variant'}
+    low_rank = self.lr or (self.pa and self.pa_h == 'low_rank')
+    checks = {'k': (not self.pa, f'{variant} has no pa'),
+              'pa_h': (not self.pa or self.lr, f"{variant}: h is used by pa without lr (with lr, eq. 6's pairs)"),
+              'rank': (not low_rank, f"{variant} has no low-rank part (lr, or pa with pa_h='low_rank')"),
+              'a_init': (not low_rank, f'{variant} has no low-rank part'),
+              **{name: (not self.rw, f'{variant} has no rw') for name in ('rw_norm', 'rw_scale', 'rw_per_dim')}}
+    if low_rank and self.form == 'gemma3n':
+      checks['a_init'] = (True, f"{prefix}.form='gemma3n' draws A from N(0, 0.02²)")
+    return {f'{prefix}.{name}': why for name, (no_effect, why) in checks.items() if no_effect}
+
   @classmethod
   def from_config(cls, cfg: Any, d_model: int, num_sites: int, field: str = 'model.laurel') -> 'LaurelSpec':
     spec = build(cls, cfg, field)

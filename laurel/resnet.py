@@ -59,6 +59,9 @@ class ResNetConfig:
     # The rank must fit the narrowest block (stage 0, D = 4·base_width); k may span the whole network.
     self.laurel.check_sizes(min(self.block_channels), sum(self.stage_sizes), lfield)
 
+  def unused_fields(self, prefix: str) -> dict[str, str]:
+    return self.laurel.unused_fields(f'{prefix}.laurel')
+
   @classmethod
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'ResNetConfig':
     return build(cls, model_cfg, field)

@@ -7,6 +7,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from laurel.config_lib import InputError
+
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
 
@@ -16,11 +18,11 @@ def mesh_shape(mesh_cfg, num_devices: int, field: str = 'mesh') -> tuple[int, ..
   fixed = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % fixed:
-      raise ValueError(f'{field}={dict(zip(MESH_AXES, sizes))}: the fixed axes ({fixed}) do not divide '
+      raise InputError(f'{field}={dict(zip(MESH_AXES, sizes))}: the fixed axes ({fixed}) do not divide '
                        f'the {num_devices} devices')
     sizes[sizes.index(-1)] = num_devices // fixed
   elif fixed != num_devices:
-    raise ValueError(f'{field}={dict(zip(MESH_AXES, sizes))}: needs {fixed} devices, found {num_devices}')
+    raise InputError(f'{field}={dict(zip(MESH_AXES, sizes))}: needs {fixed} devices, found {num_devices}')
   return tuple(sizes)
 
 

@@ -64,6 +64,13 @@ class StreamSpec:
       require(getattr(self, name) <= num_layers, f'{prefix}.{name}', getattr(self, name),
               f'must be <= num_layers={num_layers}')
 
+  def unused_fields(self, prefix: str) -> dict[str, str]:
+    """{field: why} of the fields of designs other than the selected one."""
+    designs = {'expansion': ('hc', 'mhc'), 'hc_dynamic': ('hc',), 'sinkhorn_iters': ('mhc',),
+               'layerscale_init': ('layerscale',), 'dwa_dilation': ('denseformer',), 'dwa_period': ('denseformer',)}
+    return {f'{prefix}.{name}': f"only design {' or '.join(map(repr, used))} reads it, not "
+            f'{prefix}.design={self.design!r}' for name, used in designs.items() if self.design not in used}
+
   @classmethod
   def from_config(cls, cfg: Any, num_layers: int, field: str = 'model.stream') -> 'StreamSpec':
     spec = build(cls, cfg, field)

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 from laurel import cross_entropy, data, image_data, lm, resnet
-from laurel.config_lib import DTYPES
+from laurel.config_lib import DTYPES, InputError
 
 
 class Task(Protocol):
@@ -18,8 +18,10 @@ class Task(Protocol):
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
   model_cfg: Any  # the validated `config.model` (LMConfig, ResNetConfig)
 
-  def validate(self) -> None: ...  # checks config.data; one-line ValueError
-  def check_data(self) -> None: ...  # the data (and vocabulary) exist and can be read; one-line ValueError
+  def validate(self) -> None: ...  # checks config.data; one-line InputError
+  def check_data(self) -> None: ...  # the data (and vocabulary) exist and can be read; one-line InputError
+  def unused_fields(self) -> dict[str, str]: ...  # {dotted field: why it changes nothing here}
+  def sharded_sizes(self) -> dict[str, tuple[str, int]]: ...  # logical axis -> (its config field, size)
   def units_per_example(self) -> int: ...
   def laurel_site_widths(self) -> list[int]: ...  # D of every LAuReL site, for parameter accounting
   def example_batch(self, batch_size: int) -> dict: ...  # zeros of the batch's shapes and dtypes
@@ -43,15 +45,23 @@ class LMTask:
     data.validate(self.config.data, cfg.vocab_size)
     seq_len = self.config.data.seq_len
     if cfg.attention == 'splash' and not lm.splash_block(seq_len):
-      raise ValueError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
+      raise InputError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
     if cfg.max_segments > seq_len:
-      raise ValueError(f'model.max_segments={cfg.max_segments}: a row of data.seq_len={seq_len} tokens holds at most '
+      raise InputError(f'model.max_segments={cfg.max_segments}: a row of data.seq_len={seq_len} tokens holds at most '
                        f'{seq_len} documents')
     if cfg.attention == 'cudnn' and (reason := lm.cudnn_unsupported(cfg)):
-      raise ValueError(reason)
+      raise InputError(reason)
 
   def check_data(self):
-    data.check_available(self.config.data)
+    data.check_available(self.config.data, self.model_cfg.vocab_size)
+
+  def unused_fields(self) -> dict[str, str]:
+    return {**self.model_cfg.unused_fields('model'), **data.unused_fields(self.config.data)}
+
+  def sharded_sizes(self) -> dict[str, tuple[str, int]]:
+    m = self.model_cfg
+    return {'heads': ('model.num_heads', m.num_heads), 'mlp': ('model.d_ff', m.d_ff),
+            'vocab': ('model.vocab_size', m.vocab_size), 'embed': ('model.d_model', m.d_model)}
 
   def units_per_example(self) -> int:
     return self.config.data.seq_len
@@ -114,6 +124,12 @@ class ClassificationTask:
   def check_data(self):
     image_data.check_available(self.config.data)
 
+  def unused_fields(self) -> dict[str, str]:
+    return self.model_cfg.unused_fields('model')
+
+  def sharded_sizes(self) -> dict[str, tuple[str, int]]:
+    return {'conv_out': ('model.base_width', self.model_cfg.base_width)}  # every width is a multiple of it
+
   def units_per_example(self) -> int:
     return 1
 
@@ -159,5 +175,5 @@ TASKS = {'lm': LMTask, 'classification': ClassificationTask}
 
 def get_task(config) -> Task:
   if config.task not in TASKS:
-    raise ValueError(f'task={config.task!r}: must be one of {", ".join(TASKS)}')
+    raise InputError(f'task={config.task!r}: must be one of {", ".join(TASKS)}')
   return TASKS[config.task](config)

@@ -6,6 +6,7 @@
   outputs = WORKDIR/metrics.jsonl, WORKDIR/tensorboard/, WORKDIR/final.json (and WORKDIR/profile/)
 """
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -15,9 +16,13 @@ import json
 import math
 import os
 import signal
+import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 import flax
@@ -34,8 +39,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from laurel import config_lib, sharding, tasks
-from laurel.config_lib import (BOOL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, field, in_range, is_int,
-                               one_of, require)
+from laurel.config_lib import (BOOL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, InputError, field,
+                               in_range, is_int, one_of, require)
 
 # Dense bf16 peak FLOP/s per chip, for MFU; devices not listed report no MFU (e.g. CPU).
 PEAK_FLOPS = {'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12, 'TPU v5': 459e12,
@@ -57,8 +62,9 @@ NO_DECAY = ('scale', 'bias', 'rw_w', 'pa_gamma', 'rezero_alpha', 'layerscale', '
 # new `steps`), what it logs and when, and how it is laid out and fed. Anything else would train new settings on
 # the old state.
 RESUMABLE = ('steps', 'log_every', 'eval_every', 'eval_steps', 'checkpoint_every', 'keep_checkpoints', 'tensorboard',
-             'profile_steps', 'mesh', 'logical_axis_rules', 'optimizer.grad_accum_steps', 'model.remat',
-             'model.loss_chunk', 'data.num_workers', 'data.prefetch')
+             'profile_steps', 'watchdog_factor', 'watchdog_min_s', 'watchdog_s', 'mesh', 'logical_axis_rules',
+             'optimizer.grad_accum_steps', 'model.remat', 'model.loss_chunk', 'data.num_workers',
+             'data.prefetch')
 UNIT_INTERVAL = in_range(0, 1, closed=(True, False))
 MESH_AXIS = (lambda v: is_int(v) and (v >= 1 or v == -1), 'must be a positive integer or -1')
 PROFILE_STEPS = (lambda v: v == () or (isinstance(v, tuple) and len(v) == 2 and all(map(is_int, v))
@@ -111,6 +117,11 @@ class TrainConfig:
   # Independent input streams, split over the processes in order; 0 = gcd(batch_size, 64). The global batch
   # sequence depends on this number only, never on the host count, so a run resumes on any slice.
   data_shards: int = field(0, NON_NEGATIVE_INT)
+  # A process whose loop makes no progress (a step, an eval batch, a checkpoint save) for watchdog_factor × the
+  # median step time (at least watchdog_min_s), or for watchdog_s in any case, exits with WATCHDOG_EXIT; 0 = off.
+  watchdog_factor: float = field(20.0, NON_NEGATIVE)
+  watchdog_min_s: float = field(300.0, NON_NEGATIVE)
+  watchdog_s: float = field(3600.0, NON_NEGATIVE)
   optimizer: OptimizerConfig = OptimizerConfig()
   mesh: MeshConfig = MeshConfig()
   logical_axis_rules: tuple = LOGICAL_AXIS_RULES
@@ -146,7 +157,16 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   task.validate()
   num_devices = jax.device_count() if num_devices is None else num_devices
   process_count = jax.process_count() if process_count is None else process_count
-  data, fsdp, _ = sharding.mesh_shape(train_cfg.mesh, num_devices)
+  mesh_sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(train_cfg.mesh, num_devices)))
+  data, fsdp = mesh_sizes['data'], mesh_sizes['fsdp']
+  rules = {}
+  for logical, mesh_axes in train_cfg.logical_axis_rules:  # flax takes the first rule of a name
+    rules.setdefault(logical, (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ()))
+  for logical, (field_name, size) in task.sharded_sizes().items():  # jax shards only whole blocks
+    axes = rules.get(logical, ())
+    parts = math.prod(mesh_sizes[a] for a in axes)
+    require(size % parts == 0, field_name, size, f"is sharded over mesh axes {'×'.join(axes)} ({parts} devices, "
+            f"logical axis {logical!r}): it must divide by {parts}")
   batch, accum = train_cfg.batch_size, train_cfg.optimizer.grad_accum_steps
   require(batch % accum == 0, 'batch_size', batch, f'must be divisible by optimizer.grad_accum_steps={accum}')
   require((batch // accum) % (data * fsdp) == 0, 'batch_size', batch,
@@ -156,6 +176,26 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   require(shards % process_count == 0, 'data_shards', config.data_shards,
           f'{shards} input shards do not divide over {process_count} processes; set a multiple')
   return task
+
+
+def check_overrides(config, spec: str, overridden) -> list[str]:
+  """Refuses a --config.<field> override that changes nothing here (e.g. model.laurel.k on a variant without pa,
+  which a sweep would train as one model many times): an InputError where it sets a value other than the config
+  file's own (`spec`, loaded without overrides); the warnings to print where it only repeats that value."""
+  unused = tasks.get_task(config).unused_fields()
+  overridden = [name for name in overridden if name in unused]
+  base = config_lib.load(spec) if overridden else None
+  warnings = []
+  for name in overridden:
+    value, file_value = _get_field(config, name), _get_field(base, name)
+    if value != file_value:
+      raise InputError(f'{name}={value!r}: changes nothing: {unused[name]}')
+    warnings.append(f'warning: {name}={value!r} changes nothing ({unused[name]})')
+  return warnings
+
+
+def _get_field(config, dotted: str):
+  return functools.reduce(lambda node, part: node[part], dotted.split('.'), config)
 
 
 class ShardedBatches(grain.IterDataset):
@@ -236,14 +276,21 @@ def make_train_fns(task, config):
 
 class MetricsLog:
   """WORKDIR/metrics.jsonl (one object per logged step, for scripts) beside clu's writers: the console and
-  TensorBoard. Process 0 writes files; the others only log."""
+  TensorBoard. Process 0 writes files; the others only log. A local log grows by appends; one behind '://' (gcsfs
+  through etils.epath overwrites on 'a') is rewritten whole, which GCS does atomically."""
 
-  def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict):
+  def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False):
     self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
     self.path = workdir / 'metrics.jsonl'
-    if self.active and self.path.exists():  # drop lines a killed run logged past the checkpoint we resume from
-      kept = [l for l in self.path.read_text().splitlines() if l and json.loads(l)['step'] <= resume_step]
-      self.path.write_text(''.join(l + '\n' for l in kept))
+    self.appends = '://' not in os.fspath(self.path)
+    self.lines = []
+    if self.active and self.path.exists():
+      text = self.path.read_text()
+      self.lines = read_log_lines(text, self.path)
+      if not keep_later_steps:  # drop lines a killed run logged past the checkpoint we resume from
+        self.lines = [l for l in self.lines if json.loads(l)['step'] <= resume_step]
+      if ''.join(self.lines) != text:
+        self.path.write_text(''.join(self.lines))
     from clu import metric_writers  # imports TensorFlow (seconds): only where a run starts
     tensorboard = workdir / 'tensorboard' if config.tensorboard and self.active else None
     self.writer = metric_writers.create_default_writer(tensorboard, just_logging=not self.active,
@@ -256,9 +303,30 @@ class MetricsLog:
     values = {k: float(v) if isinstance(v, (float, np.floating, jax.Array)) else v for k, v in values.items()}
     self.writer.write_scalars(step, {k: v for k, v in values.items() if v is not None})
     if self.active:
-      with self.path.open('a') as f:
-        f.write(json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n')
+      line = json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n'
+      self.lines.append(line)
+      if self.appends:
+        with self.path.open('a') as f:
+          f.write(line)
+      else:
+        self.path.write_text(''.join(self.lines))
       self.info = {}
+
+
+def read_log_lines(text: str, path) -> list[str]:
+  """The JSON lines of a metrics log, newline-terminated; a line a kill cut mid-write is dropped with a warning."""
+  lines = []
+  for number, line in enumerate(text.splitlines(), 1):
+    try:
+      if line and isinstance(json.loads(line).get('step'), int):
+        lines.append(line + '\n')
+        continue
+    except (ValueError, AttributeError):
+      pass
+    if line:
+      print(f'warning: {path}: dropped line {number}, not a JSON object with a step (cut by a kill?): '
+            f'{line[:80]!r}', file=sys.stderr, flush=True)
+  return lines
 
 
 def _model_signature(config) -> dict:
@@ -269,55 +337,102 @@ def _model_signature(config) -> dict:
   return signature
 
 
-# What a damaged checkpoint raises (tensorstore reports missing or corrupt data as ValueError). A checkpoint
-# is moved aside only for these, never for an error that may pass (e.g. a storage service being unavailable).
-UNREADABLE = (ValueError, KeyError, FileNotFoundError, EOFError)
-TRANSIENT_STATUS = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED', 'ABORTED', 'CANCELLED')
+# Tensorstore's codes for a checkpoint's own data being missing or corrupt (a truncated file: OUT_OF_RANGE; bytes
+# that do not decompress: FAILED_PRECONDITION). Only such a checkpoint is moved aside; any other failure (a storage
+# service, permissions, a bug) is raised, and every checkpoint stays where it is.
+DAMAGE_STATUS = ('DATA_LOSS', 'NOT_FOUND', 'OUT_OF_RANGE', 'FAILED_PRECONDITION')
+
+
+def _damage(error: BaseException) -> str | None:
+  """Why `error` (or what caused it) says the checkpoint's own files are missing or corrupt, as one line; else None."""
+  while error is not None:
+    line = f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:200]}'
+    if isinstance(error, (FileNotFoundError, EOFError, json.JSONDecodeError)):
+      return line
+    if isinstance(error, KeyError) and 'not found in the checkpoint' in str(error):  # an item's directory is gone
+      return line
+    if any(f'{status}: ' in str(error) for status in DAMAGE_STATUS):
+      return line
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _tree_difference(saved_tree, abstract_state) -> str | None:
+  """The first array path where a checkpoint's tree (orbax metadata) and the model's differ, as a phrase."""
+  flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator='.'): x.shape
+                       for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  saved, model = flat(saved_tree), flat(abstract_state)
+  for path, shape in model.items():
+    if path not in saved:
+      return f'{path} is in the model, not in the checkpoint'
+    if tuple(saved[path]) != tuple(shape):
+      return f'{path} has shape {tuple(saved[path])} in the checkpoint, {tuple(shape)} in the model'
+  extra = next((path for path in saved if path not in model), None)
+  return None if extra is None else f'{extra} is in the checkpoint, not in the model'
+
+
+def _restore_step(mngr, step, workdir, config, abstract_state, train_iter):
+  """('ok', restored), ('damaged', why), or raises: InputError for a checkpoint of another model or parameter
+  tree, any error that is not damage as it is."""
+  try:
+    saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+    if _model_signature(saved) != _model_signature(config):
+      raise InputError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use '
+                       'a new workdir or the original config')
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(mngr.directory) / str(step) / 'state').tree
+    if (difference := _tree_difference(tree, abstract_state)) is not None:
+      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} does not match the model: {difference} (a '
+                       'code change?); nothing was moved: resume with the code that wrote it, or use a new workdir')
+    return 'ok', mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
+  except Exception as e:  # pylint: disable=broad-except
+    if isinstance(e, InputError) or (why := _damage(e)) is None:
+      raise
+    return 'damaged', why
 
 
 def _restore_latest(mngr, workdir, config, abstract_state, train_iter):
-  """The latest checkpoint every host can read, or (None, 0). Unreadable ones are moved aside with a
-  warning, never deleted; a checkpoint of another model is an error, and nothing in the workdir changes."""
+  """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). A
+  checkpoint whose own data is missing or corrupt is moved aside with a warning, never deleted; a checkpoint of
+  another model or parameter tree is an InputError, and any other failure is raised: nothing in the workdir
+  changes then."""
+  moved = []
   for step in sorted(mngr.all_steps(), reverse=True):
-    restored, error = None, None
+    failure = None
     try:
-      saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-    except UNREADABLE as e:
-      saved, error = None, e
-    if saved is not None and _model_signature(saved) != _model_signature(config):
-      raise ValueError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use '
-                       'a new workdir or the original config')
-    if saved is not None:
-      try:
-        restored = mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
-      except UNREADABLE as e:
-        error = e
-    if error is not None and any(s in str(error) for s in TRANSIENT_STATUS):
-      raise error
-    ok = restored is not None  # all hosts must restore the same checkpoint
-    if jax.process_count() > 1:
-      ok = bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
-    if ok:
-      return restored['state'], step
-    aside = workdir / 'unreadable_checkpoints' / f'{step}.{int(time.time())}'
-    why = f'{type(error).__name__}: {str(error).splitlines()[0][:200]}' if error else 'unreadable on another host'
+      outcome, result = _restore_step(mngr, step, workdir, config, abstract_state, train_iter)
+    except Exception as e:  # pylint: disable=broad-except  # raised below, once every host knows
+      outcome, failure = 'failed', e
+    if jax.process_count() > 1:  # all hosts restore the same checkpoint, or all stop
+      codes = multihost_utils.process_allgather(np.asarray(['ok', 'damaged', 'failed'].index(outcome)))
+      if failure is None and np.any(codes == 2):
+        failure = RuntimeError(f'restoring checkpoint {step} failed on another host; see its log')
+      elif failure is None and outcome == 'ok' and np.any(codes == 1):
+        outcome, result = 'damaged', 'unreadable on another host'
+    if failure is not None:
+      raise failure
+    if outcome == 'ok':
+      return result['state'], step, moved
+    aside, why = workdir / 'unreadable_checkpoints' / f'{step}.{int(time.time())}', result
     logging.warning('checkpoint %d is unreadable (%s); moving it to %s', step, why, aside)
     if jax.process_index() == 0:
-      print(f'warning: checkpoint {step} is unreadable; moved to {aside}', file=sys.stderr, flush=True)
+      print(f'warning: checkpoint {step} is unreadable ({why}); moved to {aside}', file=sys.stderr, flush=True)
       aside.parent.mkdir(parents=True, exist_ok=True)
       (epath.Path(mngr.directory) / str(step)).rename(aside)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'moved checkpoint {step}')
     mngr.reload()
-  return None, 0
+    moved.append(step)
+  return None, 0, moved
 
 
 def read_config(workdir) -> ml_collections.ConfigDict:
-  """The config a run saved in WORKDIR/config.json, with the tuples JSON turned into lists restored."""
-  path = epath.Path(workdir) / 'config.json'
+  """The config a run saved in WORKDIR/config.json (or the JSON file itself), with the tuples JSON turned into lists
+  restored."""
+  path = epath.Path(workdir)
+  path = path if path.name.endswith('.json') else path / 'config.json'
   if not path.exists():
-    raise ValueError(f'--workdir={str(workdir)!r}: no config.json; is it a laurel run?')
+    raise InputError(f'--workdir={str(workdir)!r}: no config.json; is it a laurel run?')
   saved = json.loads(path.read_text())
   saved['logical_axis_rules'] = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                                       for name, axes in saved['logical_axis_rules'])
@@ -330,47 +445,47 @@ def run_dir(workdir) -> epath.Path:
   return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
 
 
-def restore_params(workdir, config):
-  """(params, step) of the latest checkpoint of a run, e.g. to sample or evaluate it."""
+def restore_params(workdir, config, shardings=None):
+  """(params, step) of the latest checkpoint of a run, e.g. to sample or evaluate it: the parameters only (the
+  optimizer state is never read), each read straight into its sharding in `shardings` (a tree like the params;
+  default: device 0)."""
   task = tasks.get_task(config)
-  _, init_state, _ = make_train_fns(task, config)
-  abstract = jax.eval_shape(init_state, jax.random.key(0))
+  abstract = jax.eval_shape(lambda rng: nn.unbox(task.init(rng, task.example_batch(1)))['params'],
+                            jax.eval_shape(jax.random.key, 0))
+  if shardings is None:
+    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+  item = {'params': jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)}
   mngr = ocp.CheckpointManager(run_dir(workdir) / 'checkpoints')
-  step = mngr.latest_step()
-  if step is None:
-    raise ValueError(f'--workdir={str(workdir)!r}: holds no checkpoint')
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-  restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-  mngr.close()
-  return restored['state'].params, step
-
-
-def load_lm_run(workdir):
-  """(task, params, step) of the latest checkpoint of an LM run, to sample or score it; one-line ValueErrors."""
-  config = read_config(workdir)
-  if config.task != 'lm':
-    raise ValueError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
-  task = validate_config(config, num_devices=len(jax.devices()))
-  params, step = restore_params(workdir, config)
-  return task, params, step
+  try:
+    step = mngr.latest_step()
+    if step is None:
+      raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+  finally:
+    mngr.close()
+  return restored['state']['params'], step
 
 
 @contextlib.contextmanager
 def lm_run_on_mesh(workdir):
-  """load_lm_run's (task, params, step) with the params sharded as in training, and the run's mesh, inside that
-  mesh and the logical axis rules: where generate and evaluate compile and run."""
-  task, params, step = load_lm_run(workdir)
-  config = task.config
+  """(task, params, step, mesh) of the latest checkpoint of an LM run, its params read into their shardings of
+  training on the run's mesh, inside that mesh and the logical axis rules: where generate and evaluate compile and
+  run. One-line InputErrors."""
+  config = read_config(workdir)
+  if config.task != 'lm':
+    raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
+  task = validate_config(config, num_devices=len(jax.devices()))
   mesh = sharding.make_mesh(config.mesh)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-    shapes = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
-    yield task, jax.device_put(params, sharding.logical_shardings(shapes, mesh, config.logical_axis_rules)), step, mesh
+    boxed = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
+    params, step = restore_params(workdir, config, sharding.logical_shardings(boxed, mesh, config.logical_axis_rules))
+    yield task, params, step, mesh
 
 
 def check_inputs(task, config, workdir: epath.Path) -> None:
   """What would otherwise fail after compiling, checked first: every gs:// path's filesystem, the data and the
-  vocabulary (task.check_data), a writable workdir. One-line ValueErrors naming the path."""
+  vocabulary (task.check_data), a writable workdir. One-line InputErrors naming the path."""
   paths = [('--workdir', os.fspath(workdir))] + [(f'data.{k}', config.data.get(k) or '') for k in
                                                   ('path', 'tfds_data_dir', 'vocab_path')]
   for name, path in paths:
@@ -378,7 +493,7 @@ def check_inputs(task, config, workdir: epath.Path) -> None:
       try:
         epath.Path(path).exists()
       except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
-        raise ValueError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
+        raise InputError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
   task.check_data()
   probe = workdir / f'.write_test.{jax.process_index()}'
   try:
@@ -386,7 +501,7 @@ def check_inputs(task, config, workdir: epath.Path) -> None:
     probe.write_text('')
     probe.unlink()
   except Exception as e:  # pylint: disable=broad-except
-    raise ValueError(f'--workdir={os.fspath(workdir)!r}: not writable: {config_lib.io_error_reason(e)}') from None
+    raise InputError(f'--workdir={os.fspath(workdir)!r}: not writable: {config_lib.io_error_reason(e)}') from None
 
 
 def _flat(config_json: str) -> dict:
@@ -408,10 +523,13 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False) -> Non
              if saved.get(k) != now.get(k)} if saved is not None else {}
   unsafe = [k for k in changes if not any(k == f or k.startswith(f + '.') for f in RESUMABLE)]
   step = max(_checkpoint_steps(workdir), default=0)
+  listed = lambda keys: ', '.join(f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys)
   if unsafe and step and not allow_change:
-    listed = ', '.join(f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in unsafe)
-    raise ValueError(f'--workdir={os.fspath(workdir)!r}: its checkpoints (step {step}) were trained with {listed}; '
-                     'resume with the saved config.json, or pass --allow_config_change to go on with the new values')
+    raise InputError(f'--workdir={os.fspath(workdir)!r}: its checkpoints (step {step}) were trained with '
+                     f'{listed(unsafe)}; resume with the saved config (--config={os.fspath(workdir)}), or pass '
+                     '--allow_config_change to go on with the new values')
+  if step and changes and jax.process_index() == 0:  # e.g. a longer run: said on the console, not only recorded
+    print(f'resuming checkpoint {step} with a changed config: {listed(changes)}', flush=True)
   if jax.process_index() == 0 and (saved is None or changes):
     entry = {'time': _now(), 'step': step, 'changes': {k: list(v) for k, v in changes.items()},
              'allowed_by_flag': bool(unsafe and step), 'config': json.loads(new)}
@@ -458,6 +576,76 @@ def _preemption_handler(preempted: list, nproc: int):
     if nproc > 1:  # JAX's preemption service takes SIGTERM, and stops every host at the same step
       signal.raise_signal(signal.SIGTERM)
   return handle
+
+
+WATCHDOG_EXIT = 75  # a hung process: restart it from its last checkpoint (EX_TEMPFAIL)
+
+
+class Watchdog:
+  """A thread that ends this process when its train loop stops making progress, e.g. every host of a slice waiting
+  in a collective one host never entered, which would otherwise hang forever: it logs the host and the step, prints
+  every thread's stack, flushes what it can and exits with WATCHDOG_EXIT, so that a supervisor restarts the run from
+  its last checkpoint. `beat(step)` after each step (`beat()` after other progress). The limit is `limit_s`, and
+  once WARMUP steps have run (their times include compiling and caching), also max(factor × the median step time,
+  min_s)."""
+  WARMUP = 3
+
+  def __init__(self, factor: float, min_s: float, limit_s: float, flush=lambda: None):
+    self.factor, self.min_s, self.limit_s, self.flush = factor, min_s, limit_s, flush
+    self.step, self.last, self.steps_seen = None, time.monotonic(), 0
+    self.step_times = collections.deque(maxlen=200)
+    self._stop = threading.Event()
+    self._poll_s = min([1.0] + [x / 10 for x in (limit_s, min_s) if x]) if factor or limit_s else None
+    self._thread = threading.Thread(target=self._watch, name='laurel-watchdog', daemon=True)
+
+  def start(self) -> 'Watchdog':
+    self.last = time.monotonic()
+    if self._poll_s:
+      self._thread.start()
+    return self
+
+  def stop(self):
+    self._stop.set()
+
+  def beat(self, step: int | None = None):
+    now = time.monotonic()
+    if step is not None:
+      self.steps_seen += 1
+      if self.steps_seen > self.WARMUP:
+        self.step_times.append(now - self.last)
+      self.step = step
+    self.last = now
+
+  def limit(self) -> float | None:
+    limits = [self.limit_s] if self.limit_s else []
+    if self.factor and len(self.step_times) >= self.WARMUP:
+      limits.append(max(self.factor * statistics.median(self.step_times), self.min_s))
+    return min(limits) if limits else None
+
+  def _watch(self):
+    while not self._stop.wait(self._poll_s):
+      stalled, limit = time.monotonic() - self.last, self.limit()
+      if limit is not None and stalled > limit:
+        self._fire(stalled, limit)
+        return
+
+  def _fire(self, stalled: float, limit: float):
+    where = f'process {jax.process_index()} of {jax.process_count()} on host {socket.gethostname()}'
+    after = 'before the first step' if self.step is None else f'after step {self.step}'
+    message = (f'watchdog: no progress for {stalled:.1f}s {after} (limit {limit:.1f}s) on {where}; exiting with '
+               f'status {WATCHDOG_EXIT} so that a supervisor restarts the run from its last checkpoint')
+    logging.error(message)
+    print(f'error: {message}', file=sys.stderr, flush=True)
+    for thread_id, frame in sys._current_frames().items():  # pylint: disable=protected-access  # where it hangs
+      print(f'thread {thread_id}:\n{"".join(traceback.format_stack(frame))}', file=sys.stderr)
+    try:
+      self.flush()
+    except Exception as e:  # pylint: disable=broad-except  # exit regardless
+      print(f'watchdog: flushing failed: {e!r}', file=sys.stderr)
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(WATCHDOG_EXIT)  # pylint: disable=protected-access  # the main thread is stuck: no clean exit
 
 
 def peak_memory_bytes(compiled) -> int:
@@ -537,7 +725,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     train_iter = iter(local_dataset(task, config, train=True))
     mngr = ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
         max_to_keep=config.keep_checkpoints, create=True))
-    state, start = _restore_latest(mngr, workdir, config, abstract_state, train_iter)
+    state, start, moved_aside = _restore_latest(mngr, workdir, config, abstract_state, train_iter)
     if state is None:
       state = init_state(jax.random.key(config.seed))
     elif start >= config.steps and (workdir / 'final.json').exists():
@@ -552,7 +740,10 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     # Utilisation only where the chip's peak is known: model FLOPs (MFU) and the compiler's, remat included (HFU).
     peak_flops = PEAK_FLOPS.get(jax.devices()[0].device_kind)
     flops = {'mfu': task.model_flops(config.batch_size), 'hfu': step_flops(config)} if peak_flops else {}
-    log = MetricsLog(workdir, config, start, info)
+    if moved_aside:  # the log keeps the steps logged after `start`, and says why they come again
+      info = {**info, 'moved_aside': moved_aside}
+    log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside))
+    watchdog = Watchdog(config.watchdog_factor, config.watchdog_min_s, config.watchdog_s, flush=log.writer.flush)
     from clu import periodic_actions  # pylint: disable=import-outside-toplevel
     actions = [periodic_actions.ReportProgress(num_train_steps=config.steps, every_steps=config.log_every,
                                                every_secs=None, writer=log.writer)]
@@ -571,6 +762,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
         for name, (s, w) in jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh))).items():
           ts, tw = totals.get(name, (0.0, 0.0))
           totals[name] = (ts + float(s), tw + float(w))
+        watchdog.beat()
       return {f'eval_{k}': s / max(w, 1.0) for k, (s, w) in totals.items()}
 
     def check_finite(step, metrics):
@@ -588,6 +780,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     previous = {s: signal.signal(s, handler) for s in signals}
     eval_metrics, pending, step_times = {}, None, []
     t0, interval_start = time.time(), start
+    watchdog.start()
     try:
       for step in range(start, config.steps):
         batch = sharding.global_batch(next(train_iter), mesh)
@@ -621,6 +814,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
               config=ocp.args.JsonSave(_model_signature(config))))
         if done % config.log_every == 0 or done % config.eval_every == 0 or done % config.checkpoint_every == 0:
           t0, interval_start = time.time(), done
+        watchdog.beat(done)
         if stop:
           mngr.wait_until_finished()
           print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
@@ -629,6 +823,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
         eval_metrics = evaluate()
       mngr.wait_until_finished()
     finally:
+      watchdog.stop()
       for signum, old in previous.items():
         signal.signal(signum, old)
       log.writer.close()

@@ -30,6 +30,7 @@ from absl import app, flags
 from etils import epath
 
 from laurel import aot, config_lib, paper, sharding, train
+from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
 
@@ -279,7 +280,7 @@ def main():
   start, known = time.time(), common.table_rows(_TABLE.value)
   names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value or known) if r != BASELINE]
   if unknown := [r for r in names if r not in known]:
-    raise ValueError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(known)})')
+    raise InputError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(known)})')
   if _TOPOLOGY.value:  # before anything starts a backend: the slice's compiler runs beside the CPU one
     write(measure_slice(names), start, print_slice_table)
     return KeptRows(_TOPOLOGY.value).discard()

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from laurel import config_lib, generate, lm
+from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
 _TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to measure.')
@@ -86,7 +87,7 @@ def main():
   known = common.table_rows(_TABLE.value)
   names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value or known) if r != BASELINE]
   if unknown := [r for r in names if r not in known]:
-    raise ValueError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(known)})')
+    raise InputError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(known)})')
   rows = {n: Row(n) for n in names}
   facts = {n: r.facts() for n, r in rows.items()}
   keys = ('prefill_s', 'decode_b1_s', f'decode_b{_BATCH.value}_s')

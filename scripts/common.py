@@ -28,14 +28,15 @@ from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-
 
 
 def main(body):
-  """absl's main for `body()`: no stray arguments; a ValueError ends the script as one line `error: ...`."""
+  """absl's main for `body()`: no stray arguments; an InputError (bad input) ends the script as one line `error: ...`;
+  anything else keeps its traceback."""
   def run(argv):
     if len(argv) > 1:
       fail(f'unexpected arguments: {" ".join(argv[1:])}')
     logging.set_verbosity(logging.WARNING)
     try:
       body()
-    except ValueError as e:
+    except config_lib.InputError as e:
       fail(str(e))
   return run
 
@@ -66,12 +67,28 @@ def command() -> str:
 
 def require(**flag_holders):
   if missing := [name for name, holder in flag_holders.items() if not holder.value]:
-    raise ValueError(f'--{missing[0]} is required')
+    raise config_lib.InputError(f'--{missing[0]} is required')
 
 
 def config_flags(sets) -> list[str]:
   """--set values, <field>=<value> (or --config.<field>=<value>), as laurel.main's --config.<field>=<value>."""
   return [f'--config.{s.removeprefix("--").removeprefix("config.")}' for s in sets]
+
+
+def override_field(override: str) -> str:
+  """The dotted field of <field>=<value> or --config.<field>=<value>."""
+  return override.split('=', 1)[0].removeprefix('--').removeprefix('config.')
+
+
+def sets_that_apply(spec: str, sets) -> list[str]:
+  """The --set overrides that change something in `spec`'s run: a table-wide --set (e.g. model.laurel.rank) means
+  nothing to the rows without that part, which train without it (said on stderr)."""
+  from laurel import tasks  # pylint: disable=import-outside-toplevel  # jax: only where needed
+  unused = tasks.get_task(config_lib.load(spec, config_flags(sets))).unused_fields()
+  for s in sets:
+    if override_field(s) in unused:
+      print(f'{spec}: --set={s} left out: {unused[override_field(s)]}', file=sys.stderr, flush=True)
+  return [s for s in sets if override_field(s) not in unused]
 
 
 def write_results(directory, stem: str, result: dict, rows: list[dict], markdown: str, figure):
@@ -178,10 +195,13 @@ class Launcher:
                          if holders[k].value]
 
   def load(self, spec: str, overrides):
-    """A run's config, checked for the devices it will train on (one-line ValueError)."""
+    """A run's config, checked for the devices it will train on, its overrides all changing something (one-line
+    InputError, as laurel.main)."""
     from laurel import train  # pylint: disable=import-outside-toplevel  # jax, optax, orbax: only where needed
     config = config_lib.load(spec, overrides)
     train.validate_config(config, *self.slice)
+    for warning in train.check_overrides(config, spec, map(override_field, overrides)):
+      print(warning, file=sys.stderr, flush=True)
     return config
 
   def command(self, point: dict) -> list[str]:
@@ -220,17 +240,17 @@ TARBALL = 'laurel-src.tar.gz'
 
 
 def parse_accelerator(name: str, topology: str | None = None) -> dict:
-  """'v6e-16' -> generation, chips, hosts, topology and the create flags; one-line ValueError otherwise."""
+  """'v6e-16' -> generation, chips, hosts, topology and the create flags; one-line InputError otherwise."""
   if not (match := re.fullmatch(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)', name or '')):
     known = ', '.join(f'{p}-N' for p, *_ in GENERATIONS.values())
-    raise ValueError(f'--accelerator={name!r}: unknown TPU accelerator type (known: {known}, e.g. v6e-16)')
+    raise config_lib.InputError(f'--accelerator={name!r}: unknown TPU accelerator type (known: {known}, e.g. v6e-16)')
   prefix, size = match.group(1).replace('v5e', 'v5litepod'), int(match.group(2))
   gen = next(g for g, (p, *_) in GENERATIONS.items() if p == prefix)
   _, cores_per_chip, version, largest = GENERATIONS[gen]
   chips, table = size // cores_per_chip, (TOPOLOGY_3D if cores_per_chip == 2 else TOPOLOGY_2D)
   if size % cores_per_chip or chips not in table or size > largest:
     sizes = ', '.join(str(c * cores_per_chip) for c in table if c * cores_per_chip <= largest)
-    raise ValueError(f'--accelerator={name!r}: no such {gen} slice (sizes: {sizes})')
+    raise config_lib.InputError(f'--accelerator={name!r}: no such {gen} slice (sizes: {sizes})')
   # 4 chips per host, except the single-host v5e/v6e slices of up to 8 chips.
   hosts = 1 if cores_per_chip == 1 and chips <= 8 else max(1, chips // 4)
   accel = {'name': f'{prefix}-{size}', 'generation': gen, 'chips': chips, 'hosts': hosts,
@@ -238,10 +258,11 @@ def parse_accelerator(name: str, topology: str | None = None) -> dict:
   if topology and topology != accel['topology']:
     dims = topology.split('x')
     if gen != 'v4':
-      raise ValueError(f'--topology={topology!r}: only v4 takes a custom topology; {accel["name"]} is '
+      raise config_lib.InputError(f'--topology={topology!r}: only v4 takes a custom topology; {accel["name"]} is '
                        f'{accel["topology"]}')
     if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims) or math.prod(map(int, dims)) != chips:
-      raise ValueError(f'--topology={topology!r}: must be AxBxC with A*B*C = {chips} chips ({accel["name"]})')
+      raise config_lib.InputError(f'--topology={topology!r}: must be AxBxC with A*B*C = {chips} chips '
+                                  f'({accel["name"]})')
     accel.update(topology=topology, create_flags=['--type=v4', f'--topology={topology}'])
   return accel
 
@@ -274,13 +295,13 @@ def repo_spec(spec: str) -> str:
   if not os.path.isabs(path):
     return resolved
   if not pathlib.Path(path).is_relative_to(ROOT):
-    raise ValueError(f'--config={spec!r}: outside the repository, so the TPU hosts do not have it')
+    raise config_lib.InputError(f'--config={spec!r}: outside the repository, so the TPU hosts do not have it')
   return f'{pathlib.Path(path).relative_to(ROOT)}{sep}{arg}'
 
 
 def setup_command(jax_requirement: str, repo_url: str | None, ref: str, install: bool) -> str:
   if not re.fullmatch(r'[\w.\[\],=<>!~-]+', jax_requirement):
-    raise ValueError(f'--jax={jax_requirement!r}: not a pip requirement such as jax[tpu]==0.10.2')
+    raise config_lib.InputError(f'--jax={jax_requirement!r}: not a pip requirement such as jax[tpu]==0.10.2')
   if repo_url:
     url, ref = shlex.quote(repo_url), shlex.quote(ref)
     steps = [f'if [ -d {REMOTE_DIR}/.git ]; then git -C {REMOTE_DIR} fetch -q origin {ref} && '

@@ -138,6 +138,8 @@ def plan() -> list[tuple[str, list[str] | str]]:
     spec = common.repo_spec(_CONFIG.value)
     config = config_lib.load(spec, _OVERRIDES)
     train.validate_config(config, accel['chips'], accel['hosts'])
+    for warning in train.check_overrides(config, spec, map(common.override_field, _OVERRIDES)):  # as laurel.main
+      print(warning, file=sys.stderr, flush=True)
     if _PREFLIGHT.value:  # before any gcloud command: a step that does not fit fails here, not on the slice
       from laurel import aot  # pylint: disable=import-outside-toplevel
       print(aot.preflight(config, f'{accel["generation"]}:{accel["topology"]}'), file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ from array_record.python import array_record_module
 from etils import epath
 
 from laurel import data
+from laurel.config_lib import InputError
 
 _INPUT = flags.DEFINE_string('input', None, "Directory of C4's c4-<split>.NNNNN-of-MMMMM.json.gz files.")
 _OUTPUT = flags.DEFINE_string('output', None, 'Directory for the ArrayRecord shards (local or gs://).')
@@ -75,14 +76,14 @@ def _convert_job(job):
 def prepare():
   common.require(input=_INPUT, output=_OUTPUT)
   if _WORKERS.value < 1:
-    raise ValueError(f'--workers={_WORKERS.value}: must be at least 1')
+    raise InputError(f'--workers={_WORKERS.value}: must be at least 1')
   source, out = epath.Path(_INPUT.value), epath.Path(_OUTPUT.value)
   if not source.is_dir():
-    raise ValueError(f'--input={_INPUT.value!r}: no such directory')
+    raise InputError(f'--input={_INPUT.value!r}: no such directory')
   inputs = sorted((p, shard_name(p.name)) for p in source.iterdir() if shard_name(p.name))
   inputs = [(p, name) for p, name in inputs if INPUT_NAME.fullmatch(p.name)['split'] in _SPLITS.value]
   if not inputs:
-    raise ValueError(f'--input={_INPUT.value!r}: no c4-<split>.NNNNN-of-MMMMM.json.gz files of the splits '
+    raise InputError(f'--input={_INPUT.value!r}: no c4-<split>.NNNNN-of-MMMMM.json.gz files of the splits '
                      f'{",".join(_SPLITS.value)}')
   out.mkdir(parents=True, exist_ok=True)
   done = {p.name for p in out.iterdir()}

@@ -28,6 +28,7 @@ from absl import app, flags
 from etils import epath
 
 from laurel import config_lib, evaluate, paper
+from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
 KEYS = ('params_m', 'test_loss', 'peak_memory_gb', 'step_time_s')  # measured beside the paper's, with ratios
@@ -39,7 +40,8 @@ _SEEDS = flags.DEFINE_integer('seeds', 2, 'Seeds per row.')
 _ROWS = flags.DEFINE_list('rows', None, "Rows to run; default: all of the table's.")
 _OUT = flags.DEFINE_string('out', 'results', 'Where the tables and chart go.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directories; default runs/<table>_<preset>.')
-_SET = flags.DEFINE_multi_string('set', [], 'Extra config override <field>=<value> for every run (repeatable).')
+_SET = flags.DEFINE_multi_string('set', [], 'Extra config override <field>=<value> for every run it changes '
+                                 'something in (repeatable).')
 _COLLECT_ONLY = flags.DEFINE_bool('collect_only', False, 'Only rebuild the tables from finished runs.')
 _EVALUATE = flags.DEFINE_multi_string('evaluate', [], "A laurel.evaluate task for every finished run (repeatable).")
 _TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for --evaluate's TFDS tasks.")
@@ -159,11 +161,12 @@ def reproduce():
   table, all_rows = _TABLE.value, common.table_rows(_TABLE.value)
   chosen, with_paper = _ROWS.value or all_rows, table == 'c4_ablation'
   if unknown := sorted(set(chosen) - set(all_rows)):
-    raise ValueError(f'--rows={unknown[0]!r}: unknown (known: {", ".join(all_rows)})')
+    raise InputError(f'--rows={unknown[0]!r}: unknown (known: {", ".join(all_rows)})')
   launcher = common.Launcher(_LAUNCH)
   specs = {row: config_lib.resolve_spec(f'{table}:{row},preset={_PRESET.value}') for row in chosen}
-  for spec in specs.values():  # a bad --set, or a batch the devices cannot take, fails here, before anything runs
-    launcher.load(spec, _SET.value)
+  sets = {row: common.sets_that_apply(spec, _SET.value) for row, spec in specs.items()}
+  for row, spec in specs.items():  # a bad --set, or a batch the devices cannot take, fails here, before anything runs
+    launcher.load(spec, sets[row])
   for task in _EVALUATE.value:
     evaluate.check_task(task)
   workdir = epath.Path(_WORKDIR.value or f'runs/{table}_{_PRESET.value}')  # local or gs://
@@ -177,7 +180,7 @@ def reproduce():
 
   seeds = [] if _COLLECT_ONLY.value else range(_SEEDS.value)  # seed-major, so every row has a first seed early
   points = [{'name': f'{row}/seed{seed}', 'dir': workdir / row / f'seed{seed}', 'config': specs[row],
-             'overrides': common.config_flags([f'seed={seed}', *_SET.value])} for seed in seeds for row in chosen]
+             'overrides': common.config_flags([f'seed={seed}', *sets[row]])} for seed in seeds for row in chosen]
   failed = launcher.run(points, 'train.log', write_tables)
   if _LAUNCH['launch'].value == 'print' and not _COLLECT_ONLY.value:
     return

@@ -30,6 +30,7 @@ from absl import app, flags
 from etils import epath
 
 from laurel import config_lib
+from laurel.config_lib import InputError
 
 _CONFIG = flags.DEFINE_string('config', None, 'configs/<file>.py:<arg>, as for laurel.main.')
 _FIELD = flags.DEFINE_multi_string('field', [], 'Dotted config field to sweep, e.g. model.laurel.rank (repeatable).')
@@ -44,16 +45,16 @@ _LAUNCH = common.define_launch_flags()
 
 
 def parse_grid(fields, values) -> dict[str, list[str]]:
-  """{field: its values}, in the order given; one-line ValueError for a mismatch."""
+  """{field: its values}, in the order given; one-line InputError for a mismatch."""
   if not fields or len(fields) != len(values):
-    raise ValueError(f'--field and --values: give one --values list per --field (got {len(fields)} fields and '
+    raise InputError(f'--field and --values: give one --values list per --field (got {len(fields)} fields and '
                      f'{len(values)} lists)')
   grid = {f: [v.strip() for v in vs.split(',') if v.strip()] for f, vs in zip(fields, values)}
   for f, vs in grid.items():
     if not vs or len(set(vs)) != len(vs):
-      raise ValueError(f'--values={",".join(vs)!r} (--field={f}): give distinct values')
+      raise InputError(f'--values={",".join(vs)!r} (--field={f}): give distinct values')
   if len(grid) != len(fields):
-    raise ValueError(f'--field={fields!r}: a field is given twice')
+    raise InputError(f'--field={fields!r}: a field is given twice')
   return grid
 
 
@@ -87,7 +88,7 @@ def check_not_another_run(point: dict):
   saved = json.loads(path.read_text()) if path.exists() else {}
   for dotted, value in point['expected'].items():
     if (found := _get(saved, dotted)) not in (None, value):
-      raise ValueError(f'{point["dir"]} holds a run with {dotted}={found!r}, not {value!r}; use another --workdir')
+      raise InputError(f'{point["dir"]} holds a run with {dotted}={found!r}, not {value!r}; use another --workdir')
 
 
 def best_evaluation(point_dir: epath.Path, metric: str, final_value):
@@ -112,7 +113,7 @@ def collect(points, fields: list[str], metric: str) -> dict:
   done = [r for r in rows if r['status'] == 'done']
   if done and all(r.get(metric) is None for r in done):
     keys = sorted({k for r in done for k, v in r.items() if k.startswith('eval_') and v is not None})
-    raise ValueError(f'--metric={metric!r}: not in final.json of any finished point (it has: {", ".join(keys)})')
+    raise InputError(f'--metric={metric!r}: not in final.json of any finished point (it has: {", ".join(keys)})')
   summary = []
   for values in dict.fromkeys(tuple(p['values'].items()) for p in points):
     group = [r for r in done if all(r[f] == v for f, v in values) and r.get(metric) is not None]

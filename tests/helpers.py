@@ -20,7 +20,7 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
 # A model and batch small enough that a step takes milliseconds on one CPU core.
 TINY_LM = {
     'model.d_model': 32, 'model.num_heads': 4, 'model.d_ff': 64, 'model.num_layers': 3,
-    'model.laurel.rank': 4, 'model.laurel.k': 2, 'data.name': 'synthetic', 'data.seq_len': 32,
+    'data.name': 'synthetic', 'data.seq_len': 32,
     'batch_size': 8, 'steps': 6, 'log_every': 1, 'eval_every': 1000, 'eval_steps': 2,
     'checkpoint_every': 1000, 'tensorboard': False, 'optimizer.warmup_steps': 2, 'data.prefetch': 0,
 }

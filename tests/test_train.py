@@ -191,8 +191,8 @@ def test_resuming_with_another_config_is_refused_unless_allowed_and_then_recorde
   assert result.returncode == 2 and 'Traceback' not in result.stderr
   assert result.stderr.splitlines()[-1] == (
       f"error: --workdir='{finished_run}': its checkpoints (step 6) were trained with optimizer.learning_rate=0.003 "
-      '(now 0.01), seed=0 (now 5); resume with the saved config.json, or pass --allow_config_change to go on with '
-      'the new values')
+      f'(now 0.01), seed=0 (now 5); resume with the saved config (--config={finished_run}), or pass '
+      '--allow_config_change to go on with the new values')
   assert _tree_snapshot(finished_run) == before
 
   workdir = tmp_path / 'copy'
@@ -298,7 +298,8 @@ def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tm
 
 
 def test_step_flops_count_every_scanned_layer():
-  flops = [train.step_flops(load_config(SPEC, {**TINY_LM, 'model.num_layers': n})) for n in (2, 3, 4)]
+  flops = [train.step_flops(load_config(SPEC, {**TINY_LM, 'model.num_layers': n, 'model.laurel.k': 2}))
+           for n in (2, 3, 4)]
   per_layer = [flops[1] - flops[0], flops[2] - flops[1]]
   assert per_layer[0] > 0 and per_layer[1] == pytest.approx(per_layer[0], rel=1e-3)
 
