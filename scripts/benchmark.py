@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from laurel import aot, config_lib, paper, sharding, train
+from laurel import aot, config_lib, paper, sharding, tpu_slices, train
 
 BASELINE = 'baseline_24'
 
@@ -47,7 +47,7 @@ _FULL_SEQ_LEN = flags.DEFINE_integer('full_shape_seq_len', 1024, 'Full-shape tok
 _SET = flags.DEFINE_multi_string('set', [], 'Config override <field>=<value> for all rows, e.g. model.remat=full.')
 _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (TPU pods).')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'Compile every row for this TPU slice (v4, v5e, v5p, v6e; e.g. '
-                                'v6e:4x4) on this machine, run nothing: per-chip memory, compiler FLOPs and bytes, '
+                                'v6e:4x4 or v6e-16) on this machine, run nothing: per-chip memory, compiler FLOPs and bytes, '
                                 "roofline step time, at the preset's batch and length. Needs libtpu.")
 
 
@@ -185,7 +185,7 @@ SLICE_COLUMNS = {'name': 'row', 'params': 'params', 'peak_gb': 'peak GB', 'peak_
 
 def measure_slice(names) -> dict:
   """Every row compiled by the TPU compiler for --topology on this machine (laurel.aot); nothing runs."""
-  topology = _TOPOLOGY.value
+  topology = tpu_slices.as_topology(_TOPOLOGY.value)  # v6e-16 -> v6e:4x4
   configs = {r: row_config(r, _BATCH.value, _SEQ_LEN.value) for r in names}
   for c in configs.values():  # every row is checked for the slice before anything compiles
     train.validate_config(c, *aot.slice_size(topology))

@@ -38,7 +38,8 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory, e.g. gs://BUCKET
 _TPU = flags.DEFINE_string('tpu', None, 'TPU VM name (also the queued resource name with --queued).')
 _ZONE = flags.DEFINE_string('zone', None, 'Zone, e.g. us-east5-b.')
 _PROJECT = flags.DEFINE_string('project', None, "Google Cloud project; default: gcloud's.")
-_ACCELERATOR = flags.DEFINE_string('accelerator', None, 'v4-N, v5e-N (or v5litepod-N), v5p-N or v6e-N, e.g. v6e-16.')
+_ACCELERATOR = flags.DEFINE_string('accelerator', None, 'v4-N, v5e-N (or v5litepod-N), v5p-N or v6e-N, e.g. v6e-16, '
+                                   'or the same slice as a topology, e.g. v6e:4x4.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'v4 only: a custom chip topology AxBxC for --create.')
 _VERSION = flags.DEFINE_string('version', None, 'TPU software version; default: the one for the generation.')
 _CREATE = flags.DEFINE_bool('create', False, 'Create the TPU VM first.')
@@ -135,14 +136,15 @@ def plan() -> list[tuple[str, list[str] | str]]:
   steps = create_steps(accel) if _CREATE.value else []
   steps += setup_steps() if _SETUP.value else []
   if _TRAIN.value:
+    if accel['hosts'] > 1 and '://' not in _WORKDIR.value:  # each host would write its own checkpoints
+      raise ValueError(f'--workdir={_WORKDIR.value!r}: a local directory, but the {accel["hosts"]} hosts of '
+                       f'{accel["name"]} must share the workdir: use gs://BUCKET/...')
     spec = common.repo_spec(_CONFIG.value)
     config = config_lib.load(spec, _OVERRIDES)
     train.validate_config(config, accel['chips'], accel['hosts'])
     if _PREFLIGHT.value:  # before any gcloud command: a step that does not fit fails here, not on the slice
       from laurel import aot  # pylint: disable=import-outside-toplevel
       print(aot.preflight(config, f'{accel["generation"]}:{accel["topology"]}'), file=sys.stderr, flush=True)
-    if accel['hosts'] > 1 and '://' not in _WORKDIR.value:
-      print(f'warning: --workdir={_WORKDIR.value!r} is not on GCS, which every host must see', file=sys.stderr)
     run = common.train_command(spec, _WORKDIR.value, _OVERRIDES, _DETACH.value and not _WATCH.value)
     steps.append(('train', common.ssh(tpu, zone, project, run)))
   return steps
