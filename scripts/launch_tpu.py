@@ -16,7 +16,8 @@ from its last checkpoint. The config and overrides are first checked for the sli
 on this machine (laurel.aot.preflight, needs libtpu; --nopreflight skips it): bad input, or a step that does not
 fit the chips' HBM, fails before any gcloud command. --action=logs follows worker 0's log; status shows the VM's state and whether each host trains;
 stop sends SIGTERM to the training, which saves a checkpoint and exits. --dry-run prints the commands and runs none.
-Needs gcloud logged in. The workdir should be on GCS.
+Needs gcloud logged in. The workdir should be on GCS: a slice of several hosts with a local one is refused.
+--accelerator also takes the slice as a topology (v6e:4x4 for v6e-16), as pre-flight and the benchmark do.
 """
 
 import importlib.metadata
