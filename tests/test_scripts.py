@@ -209,7 +209,7 @@ def test_launch_tpu_refuses_a_local_workdir_for_several_hosts():
 ])
 def test_sweep_print_gives_the_slice_setup_and_one_launch_per_point(spec, fields, extra, points):
   r = script('sweep.py', f'--config={spec}', *fields, '--launch=print', '--workdir=gs://b/sweep', '--tpu=my-tpu',
-             '--zone=z', '--accelerator=v6e-16', '--set=steps=100', *extra)
+             '--zone=z', '--accelerator=v6e-16', '--set=steps=20000', *extra)  # more than any warmup
   assert r.returncode == 0, r.stderr
   launch = 'python scripts/launch_tpu.py --tpu=my-tpu --zone=z --accelerator=v6e-16'
   lines = r.stdout.splitlines()
@@ -219,7 +219,7 @@ def test_sweep_print_gives_the_slice_setup_and_one_launch_per_point(spec, fields
                                                       re.findall(r'(?:rank|k)=(\d+)', point))]
     seed = re.findall(r'seed=(\d+)', point)
     assert line == ' '.join([f'{launch} --nosetup --nodetach --config={spec} --workdir=gs://b/sweep/{point} '
-                             '--config.steps=100', *overrides, *[f'--config.seed={s}' for s in seed]])
+                             '--config.steps=20000', *overrides, *[f'--config.seed={s}' for s in seed]])
 
 
 def test_sweep_print_without_a_slice_is_a_local_dry_run(tmp_path):
@@ -235,8 +235,10 @@ def test_sweep_print_without_a_slice_is_a_local_dry_run(tmp_path):
 
 
 def _contrast(a, b) -> float:
-  """WCAG 2 contrast ratio of two colours."""
-  hi, lo = sorted((common.luminance(a), common.luminance(b)), reverse=True)
+  """WCAG 2 contrast ratio of two sRGB colours: 1 (none) to 21 (black on white)."""
+  luminance = lambda rgba: np.dot([0.2126, 0.7152, 0.0722], [
+      c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]])
+  hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
   return (hi + 0.05) / (lo + 0.05)
 
 

@@ -52,7 +52,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
 
   again = run_cli(SPEC, workdir, overrides)
   assert again.returncode == 0, again.stderr[-2000:]
-  assert 'resumed from checkpoint' in again.stdout
+  assert 'restoring the latest checkpoint...' in again.stdout and 'resumed from checkpoint' in again.stdout
   assert losses(workdir) == losses(tmp_path / 'ref')  # every step, bit for bit
   assert json.loads((workdir / 'final.json').read_text())['eval_loss'] == pytest.approx(
       json.loads((tmp_path / 'ref' / 'final.json').read_text())['eval_loss'], rel=1e-6)
@@ -354,10 +354,10 @@ def test_cli_help_print_config_and_configs_from_any_directory(tmp_path):
   assert result.returncode == 0
   for flag in ('--config', '--workdir', '--print_config', '--allow_config_change', 'laurel-train --config='):
     assert flag in result.stdout, flag
-  result = cli('--config=c4_ablation:rw,preset=tiny', '--config.steps=7', '--print_config')
+  result = cli('--config=c4_ablation:rw,preset=tiny', '--config.steps=70', '--print_config')
   assert result.returncode == 0, result.stderr[-2000:]
   assert {k: json.loads(result.stdout)[k] for k in ('row', 'preset', 'steps')} == {'row': 'rw', 'preset': 'tiny',
-                                                                                   'steps': 7}
+                                                                                   'steps': 70}
   shutil.copy(ROOT / 'configs' / 'c4_ablation.py', tmp_path / 'mine.py')  # relative to the working directory
   result = cli('--config=mine.py:pa,preset=tiny', '--print_config')
   assert result.returncode == 0 and json.loads(result.stdout)['row'] == 'pa', result.stderr[-2000:]
