@@ -6,29 +6,40 @@ CONFIG ?= configs/c4_ablation.py:rw_lr,preset=tiny
 WORKDIR ?= runs/demo
 ARGS ?=
 
-.PHONY: setup train test params bench clean
+.PHONY: setup train test params bench clean distclean
 
+# What training needs. The tests' extra adds pytest and, on Linux x86-64, libtpu (the TPU compiler, for the tests
+# that compile for a TPU slice); training installs neither.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.installed
+# Everything: training and the tests.
+setup: $(VENV)/.installed-test
 
 # Trains the tiny Table 5 RW+LR model on the Python standard library (bytes), on CPU, in a few minutes.
-train: setup
+train: $(VENV)/.installed
 	$(PY) -m laurel.main --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
-test: setup
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 tests
 
-params: setup
-	@for row in baseline_24 baseline_28 rw lr pa rw_lr rw_lr_pa; do \
-	  $(PY) -m laurel.params --config=configs/c4_ablation.py:$$row; done
+# Parameter counts of every Table 5 row, as the README's table (ARGS=--json: one JSON object per row).
+params: $(VENV)/.installed
+	@$(PY) -m laurel.params --table=c4_ablation $(ARGS)
 
-bench: setup
+bench: $(VENV)/.installed
 	$(PY) scripts/benchmark.py --out results/benchmark_cpu.json
 
+# The virtual environment; runs/ (checkpoints of trained models) stays: `make distclean` removes it too.
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV)
+
+distclean: clean
+	rm -rf runs

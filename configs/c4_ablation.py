@@ -1,6 +1,6 @@
 """Table 5 of the paper: LAuReL variants on a small decoder-only LM pre-trained on C4.
 
-  --config=configs/c4_ablation.py:<row>[,preset=tiny]
+  --config=configs/c4_ablation.py:<row>[,preset=tiny|small]
 
 Rows: baseline_24, baseline_28, rw, lr (r=32), pa (k=3), rw_lr, rw_lr_pa. LAuReL rows sit on Baseline-24.
 
@@ -14,6 +14,11 @@ is what Table 5's +0.02M fits; RW+LR+PA is eq. 6 with one rank-32 pair per previ
 preset=tiny: the same rows shrunk to train on 2 CPU cores: 6/7 layers, D=128, F=384 (the paper's F/D),
 4 heads, r=8 (r/D = 6%, the paper's is 4%), byte-level tokens from the embedded local text corpus
 (the Python standard library), 500 steps of 16 × 128 tokens (1.0M tokens).
+
+preset=small: the same rows at a size for your own corpus on one GPU (or, slowly, a CPU): 12/14 layers, D=384,
+F=1024, 6 heads, r=16 (r/D = 4%, the paper's), SentencePiece tokens from scripts/prepare_text.py's shards
+(data.name=corpus; data.path, data.vocab_path and model.vocab_size are the corpus's: the script's closing lines
+print them), 5,000 steps of 32 × 512 tokens (82M tokens).
 """
 
 from laurel import config_lib, data, lm, paper, train
@@ -32,15 +37,16 @@ assert set(ROWS) == set(paper.TABLE5)
 
 
 def get_config(arg=None):
-  row, opts = config_lib.parse_arg(arg, ROWS, 'rw_lr', {'preset': ('paper', ('paper', 'tiny'))})
+  row, opts = config_lib.parse_arg(arg, ROWS, 'rw_lr', {'preset': ('paper', ('paper', 'tiny', 'small'))})
   layers, laurel = ROWS[row]
   return table5_config(row, opts['preset'], layers, laurel=laurel)
 
 
 def table5_config(row: str, preset: str, layers: int, **model):
-  """Table 5's run at `preset` with `layers` at the paper preset (a quarter of them at tiny) and the model
-  fields `model` (nested sections are dicts: laurel=dict(variant='rw'); the LAuReL rank and k are the preset's)."""
-  laurel = dict(rank=32 if preset == 'paper' else 8, k=3, **model.pop('laurel', {}))
+  """Table 5's run at `preset` with `layers` at the paper preset (half of them at small, a quarter at tiny) and
+  the model fields `model` (nested sections are dicts: laurel=dict(variant='rw'); the LAuReL rank and k are the
+  preset's)."""
+  laurel = dict(rank={'paper': 32, 'small': 16, 'tiny': 8}[preset], k=3, **model.pop('laurel', {}))
   if preset == 'paper':
     return train.base_config(
         task='lm', row=row, preset='paper', baseline_row='baseline_24', batch_size=512, steps=19_073,
@@ -50,6 +56,15 @@ def table5_config(row: str, preset: str, layers: int, **model):
                                      num_layers=layers, dtype='bfloat16', remat='save_qkv', laurel=laurel,
                                      **model),
         data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=1024, vocab_path=data.C4_VOCAB_PATH),
+    ).lock()
+  if preset == 'small':  # data.path, data.vocab_path and model.vocab_size: scripts/prepare_text.py prints them
+    return train.base_config(
+        task='lm', row=row, preset='small', baseline_row='baseline_24', batch_size=32, steps=5000, log_every=50,
+        eval_every=1000, eval_steps=20, checkpoint_every=1000,
+        optimizer=dict(learning_rate=2e-3, warmup_steps=250),
+        model=config_lib.config_dict(lm.LMConfig, vocab_size=32768, d_model=384, num_heads=6, d_ff=1024,
+                                     num_layers=layers // 2, laurel=laurel, **model),
+        data=config_lib.config_dict(data.LMDataConfig, name='corpus', seq_len=512),
     ).lock()
   # Byte vocabulary (258) padded to 264 so the vocab axis divides over tensor-parallel sizes up to 8. One input
   # stream (data_shards=1), as one CPU process reads it.

@@ -1,6 +1,6 @@
 """The train step compiled for a TPU slice on a machine without one: libtpu's compiler on abstract devices.
 
-  topology 'v6e:4x4' -> the slice's compile-only devices (jax.experimental.topologies), a mesh over them
+  topology 'v6e:4x4' (or the accelerator type 'v6e-16') -> the slice's compile-only devices (jax.experimental.topologies), a mesh over them
   compile_for_slice(config, topology) -> the TPU compiler's per-chip memory, FLOPs and bytes accessed; nothing is run
   preflight(config, topology) -> the same, or a one-line InputError when the step does not fit the chip's HBM
 
@@ -13,13 +13,14 @@ import importlib.util
 import math
 import os
 import re
+import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 
-from laurel import cross_entropy, lm, sharding, train
+from laurel import console, cross_entropy, lm, sharding, tpu_slices, train
 from laurel.config_lib import DTYPES, InputError
 
 
@@ -45,12 +46,12 @@ CHIPS = {'v4': Chip('TPU v4', 32 * 2**30, 1200e9, 3, 'megacore', 'v4'),
 
 
 def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
-  """'v6e:4x4' -> ('v6e', (4, 4)); a one-line InputError naming the field otherwise."""
-  gen, _, shape = (topology or '').partition(':')
+  """'v6e:4x4' (or 'v6e-16') -> ('v6e', (4, 4)); a one-line InputError naming the field otherwise."""
+  gen, _, shape = tpu_slices.as_topology(topology or '').partition(':')
   dims = shape.split('x')
   if gen not in CHIPS or not all(d.isdigit() and int(d) > 0 for d in dims):
-    raise InputError(f'topology={topology!r}: must be <generation>:<chips per axis>, e.g. v6e:4x4 or v5p:2x2x4 '
-                     f'(generations: {", ".join(CHIPS)})')
+    raise InputError(f'topology={topology!r}: must be <generation>:<chips per axis>, e.g. v6e:4x4 or v5p:2x2x4, '
+                     f'or an accelerator type, e.g. v6e-16 (generations: {", ".join(CHIPS)})')
   if len(dims) != CHIPS[gen].dims:
     raise InputError(f'topology={topology!r}: a {gen} slice is {CHIPS[gen].dims}-D, e.g. '
                      f'{gen}:{"x".join(["2"] * CHIPS[gen].dims)}')
@@ -73,6 +74,7 @@ def slice_size(topology: str) -> tuple[int, int]:
 def slice_devices(topology: str) -> list:
   """The compile-only devices of `topology`, one per chip, in processes as on the slice's hosts."""
   gen, _ = parse_topology(topology)
+  topology = tpu_slices.as_topology(topology)  # libtpu's spelling
   if importlib.util.find_spec('libtpu') is None:
     raise InputError(f"topology={topology!r}: compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
   if not os.environ.get('JAX_PLATFORMS'):  # on a TPU VM too: the real chips may be busy training
@@ -189,11 +191,15 @@ def preflight(config, topology: str | None) -> str:
   if not topology:
     raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
   gen, _ = parse_topology(topology)
-  chip, facts = CHIPS[gen], compile_for_slice(config, topology, costs=False)
+  with console.phase(f'compiling the train step for {topology} with the TPU compiler', file=sys.stderr):
+    chip, facts = CHIPS[gen], compile_for_slice(config, topology, costs=False)
   gb = lambda key: f'{facts[key] / 1e9:.3g} GB'
   need = f'the step needs {gb("peak_memory_bytes")} of HBM per chip'
   if facts['peak_memory_bytes'] > chip.hbm_bytes:
     raise InputError(f'topology={topology!r}: does not fit: {need}, a {chip.device_kind} chip has '
                      f'{chip.hbm_bytes / 1e9:.1f} GB')
-  return (f'preflight {topology}: fits: {need} of {chip.hbm_bytes / 1e9:.1f} GB ({gb("argument_bytes")} arguments, '
-          f'{gb("temp_bytes")} temporaries)')
+  # The peak is the compiler's heap at its fullest: the state and batch, plus the temporaries alive at that point.
+  # All temporaries together come to more, since they are never alive at once.
+  return (f'preflight {topology}: fits: {need} of {chip.hbm_bytes / 1e9:.1f} GB (the compiler\'s peak heap: '
+          f'{gb("argument_bytes")} of state and batch plus the temporaries alive at that point; '
+          f'{gb("temp_bytes")} of temporaries in all, never alive at once)')

@@ -1,7 +1,8 @@
 """LM input: documents -> tokens + EOS -> chunks of <= seq_len -> first-fit packing -> batches.
 
 Sources (`config.data.name`): 'c4' (SentencePiece tokens; ArrayRecord shards written by scripts/prepare_c4.py in
-`path`, or a prepared TFDS C4 in `tfds_data_dir`), 'text' (files matching a glob, '' = this interpreter's standard
+`path`, or a prepared TFDS C4 in `tfds_data_dir`), 'corpus' (your own documents: SentencePiece tokens, ArrayRecord
+shards written by scripts/prepare_text.py in `path`), 'text' (files matching a glob, '' = this interpreter's standard
 library; a stable hash of each relative path holds out `validation_fraction` of them; byte tokens), 'synthetic' (a tiny
 Markov language whose loss falls clearly; byte tokens). Nothing is downloaded: `check_available` names what is
 missing. Batches are int32 (batch_size, seq_len) arrays: 'tokens', 'segment_ids' (0 = padding, then one id per packed
@@ -32,6 +33,9 @@ from laurel.config_lib import (NON_NEGATIVE_INT, POSITIVE_INT, STRING, InputErro
 BYTE_VOCAB_SIZE = 258  # ByteTokenizer's: 256 bytes, padding and end of document
 C4_VOCAB_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'  # T5's 32k SentencePiece model
 C4_SHARD_SUFFIX = '.array_record'  # scripts/prepare_c4.py writes c4-<split>.NNNNN-of-MMMMM.array_record
+# Sources tokenized with a SentencePiece model (data.vocab_path), read from <name>-<split>.*.array_record shards;
+# scripts/prepare_text.py writes the corpus ones.
+SENTENCEPIECE_SOURCES = ('c4', 'corpus')
 # Threads that read and tokenize documents ahead of packing (per process, per grain worker).
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)
 MIN_PACKING_BINS = 16  # more open bins pack tighter (less padding) at the cost of a little memory
@@ -40,17 +44,17 @@ MIN_PACKING_BINS = 16  # more open bins pack tighter (less padding) at the cost 
 @dataclasses.dataclass(frozen=True)
 class LMDataConfig:
   """`config.data` of an LM run."""
-  name: str = field('synthetic', one_of('c4', 'text', 'synthetic'))
+  name: str = field('synthetic', one_of('c4', 'corpus', 'text', 'synthetic'))
   seq_len: int = field(128, POSITIVE_INT)
   # text: a glob of files, '' = the running interpreter's standard library (*.py); c4: the directory of
-  # scripts/prepare_c4.py's shards, '' = a TFDS C4 in tfds_data_dir.
+  # scripts/prepare_c4.py's shards, '' = a TFDS C4 in tfds_data_dir; corpus: scripts/prepare_text.py's output.
   path: str = field('', STRING)
   validation_fraction: float = field(0.05, in_range(0, 1, closed=(False, False)))  # text: files held out
   tfds_name: str = field('c4/en', STRING)  # the version found in tfds_data_dir; 'c4/en:3.0.1' pins one
   tfds_data_dir: str = field('', STRING)  # '' = TFDS's default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
   train_split: str = field('train', STRING)
   eval_split: str = field('validation', STRING)
-  vocab_path: str = field('', STRING)  # c4: a SentencePiece model, e.g. C4_VOCAB_PATH
+  vocab_path: str = field('', STRING)  # c4, corpus: a SentencePiece model, e.g. C4_VOCAB_PATH
   num_workers: int = field(0, NON_NEGATIVE_INT)  # grain worker processes; 0 reads in the main process
   prefetch: int = field(2, NON_NEGATIVE_INT)
 
@@ -105,7 +109,7 @@ def _read_vocab(path: str) -> bytes:
 
 
 def make_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
-  if data_cfg.name != 'c4':
+  if data_cfg.name not in SENTENCEPIECE_SOURCES:
     return ByteTokenizer()
   tokenizer = SentencePieceTokenizer(_read_vocab(data_cfg.vocab_path))
   if tokenizer.eos_id < 0:
@@ -170,10 +174,11 @@ class SyntheticSource:
 
 
 def _source(data_cfg, train: bool) -> grain.MapDataset:
-  if data_cfg.name == 'c4':
+  if data_cfg.name in SENTENCEPIECE_SOURCES:
     split = data_cfg.train_split if train else data_cfg.eval_split
     if data_cfg.path:  # records are the documents' UTF-8 bytes
-      return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(c4_shards(data_cfg.path, split)))
+      return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
+          c4_shards(data_cfg.path, split, data_cfg.name)))
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     # From the directory itself: any version, no builder code and never a download.
     builder = tfds.builder_from_directory(tfds_version_dir(data_cfg.tfds_data_dir, data_cfg.tfds_name),
@@ -248,9 +253,11 @@ def validate(data_cfg, vocab_size: int, field: str = 'data') -> LMDataConfig:
       fail('path', 'matches no files' if not num_files else 'matches 1 file; need at least 2 to split train and '
            'validation')
   tokenizer_vocab = BYTE_VOCAB_SIZE
-  if cfg.name == 'c4':
+  if cfg.name == 'corpus' and not cfg.path:
+    fail('path', "corpus reads the directory that scripts/prepare_text.py wrote (its closing line names every flag)")
+  if cfg.name in SENTENCEPIECE_SOURCES:
     if not cfg.vocab_path:
-      fail('vocab_path', 'c4 needs a SentencePiece model')
+      fail('vocab_path', f'{cfg.name} needs a SentencePiece model')
     if cfg.vocab_path.startswith('gs://'):
       return cfg  # not checked here: GCS may only be reachable from the training hosts
     if not os.path.isfile(cfg.vocab_path):
@@ -279,9 +286,10 @@ def unused_fields(data_cfg, prefix: str = 'data') -> dict[str, str]:
   return {f'{prefix}.{field}': why for field, (no_effect, why) in checks.items() if no_effect}
 
 
-def c4_shards(path: str, split: str) -> list[str]:
-  """scripts/prepare_c4.py's shards of `split` in directory `path` (local or gs://), in order."""
-  return sorted(os.fspath(p) for p in epath.Path(path).glob(f'c4-{split}.*{C4_SHARD_SUFFIX}'))
+def c4_shards(path: str, split: str, name: str = 'c4') -> list[str]:
+  """The shards <name>-<split>.*.array_record of `split` in directory `path` (local or gs://), in order: those of
+  scripts/prepare_c4.py (c4) or scripts/prepare_text.py (corpus)."""
+  return sorted(os.fspath(p) for p in epath.Path(path).glob(f'{name}-{split}.*{C4_SHARD_SUFFIX}'))
 
 
 def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
@@ -308,14 +316,15 @@ def check_available(data_cfg, vocab_size: int | None = None) -> None:
   the vocabulary fits `vocab_size`; a one-line InputError naming the path and how to prepare what is missing.
   Never downloads."""
   cfg = build(LMDataConfig, data_cfg, 'data')
-  if cfg.name != 'c4':
+  if cfg.name not in SENTENCEPIECE_SOURCES:
     return
   splits = (cfg.train_split, cfg.eval_split)
-  prepare = "python scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output={}"
+  prepare = ("python scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output={}" if cfg.name == 'c4' else
+             "python scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
   if cfg.path:
     for split in splits:
-      require(bool(c4_shards(cfg.path, split)), 'data.path', cfg.path,
-              f'no c4-{split}.*{C4_SHARD_SUFFIX} shards; write them with {prepare.format(cfg.path)}')
+      require(bool(c4_shards(cfg.path, split, cfg.name)), 'data.path', cfg.path,
+              f'no {cfg.name}-{split}.*{C4_SHARD_SUFFIX} shards; write them with {prepare.format(cfg.path)}')
   else:
     found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
     where = cfg.tfds_data_dir or '$TFDS_DATA_DIR or ~/tensorflow_datasets'

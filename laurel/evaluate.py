@@ -30,7 +30,7 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from laurel import config_lib, data, sharding, train
+from laurel import config_lib, console, data, sharding, train
 from laurel.config_lib import InputError
 
 FLAGS = flags.FLAGS
@@ -226,7 +226,8 @@ def _score(scorer, tokenizer, workdir, tasks, step, max_items, tfds_data_dir):
     else:
       result = choice_task(scorer, tokenizer, jsonl_items(spec, max_items))
     result = {'task': task_name(spec), 'spec': spec, 'checkpoint': step, **result}
-    (epath.Path(workdir) / f'eval_{result["task"]}.json').write_text(json.dumps(result, indent=2) + '\n')
+    with console.deferred():  # Ctrl-C never leaves half a file
+      (epath.Path(workdir) / f'eval_{result["task"]}.json').write_text(json.dumps(result, indent=2) + '\n')
     yield result
 
 
@@ -252,6 +253,7 @@ def run():
   flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for the TFDS tasks ('' = its default).")
   flags.DEFINE_integer('batch_size', 16, 'Sequences per forward pass.', lower_bound=1)
   flags.DEFINE_integer('max_items', 0, 'Score at most this many files or items (0 = all).', lower_bound=0)
+  console.exit_on_interrupt('interrupted: exited (the eval_<task>.json files written so far are complete)')
   app.run(main)
 
 

@@ -4,7 +4,8 @@
       [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] [--nocache]
 
 Restores the latest checkpoint of the LM run in DIR (its config is read from DIR/config.json), tokenises with
-the run's own tokenizer and prints each prompt's continuation. Temperature 0 is greedy. With the cache (the
+the run's own tokenizer and prints each prompt with its continuation, below a line `=== i/n | prompt '...' | N new
+tokens` (samples span several lines). Temperature 0 is greedy. With the cache (the
 default) one prefill writes every prompt's keys and values, then each new token is one decode step; --nocache
 recomputes the whole forward pass for every new token. Prompts of different lengths form one batch: row b's
 token t sits at position t, so each row decodes at its own position.
@@ -21,7 +22,7 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 
-from laurel import config_lib, data, lm, train
+from laurel import config_lib, console, data, lm, train
 from laurel.config_lib import InputError
 
 
@@ -126,11 +127,20 @@ def main(argv):
   except InputError as e:
     config_lib.fail(str(e))
   print(f'checkpoint {step} of {FLAGS.workdir}', file=sys.stderr)
-  for prompt, row in zip(FLAGS.prompt, new_BxN):
+  for i, (prompt, row) in enumerate(zip(FLAGS.prompt, new_BxN)):
     ids = list(row)
-    if tokenizer.eos_id in ids:  # the continuation ends at the end of its document
+    ended = tokenizer.eos_id in ids
+    if ended:  # the continuation ends at the end of its document
       ids = ids[:ids.index(tokenizer.eos_id)]
+    print(sample_header(i, len(FLAGS.prompt), prompt, len(ids), ended))
     print(prompt + tokenizer.decode(ids))
+
+
+def sample_header(index: int, count: int, prompt: str, num_tokens: int, ended: bool) -> str:
+  """The line above each sample (the prompt, then its continuation), so that samples whose text spans several
+  lines can be told apart: `=== 1/2 | prompt 'def ' | 64 new tokens`."""
+  return (f'=== {index + 1}/{count} | prompt {prompt!r} | {num_tokens} new tokens'
+          + (' (then the end of the document)' if ended else ''))
 
 
 def run():
@@ -143,6 +153,7 @@ def run():
   flags.DEFINE_float('top_p', 1.0, 'Sample from the smallest set of tokens with this much probability.')
   flags.DEFINE_integer('seed', 0, 'Sampling seed.')
   flags.DEFINE_bool('cache', True, 'Decode with a KV cache (--nocache recomputes every step).')
+  console.exit_on_interrupt('interrupted')
   app.run(main)
 
 

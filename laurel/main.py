@@ -6,15 +6,21 @@
 --config is a config file (relative to the working directory) with its argument, or a shipped config by name
 (c4_ablation, imagenet_resnet50, llm, residual_designs). Bad input exits with status 2 and one line on stderr,
 before anything is traced or any checkpoint touched; so does resuming a workdir with another config, unless
---allow_config_change. SIGTERM and Ctrl-C save a checkpoint and exit; rerun the same command to resume.
+--allow_config_change. In the train loop SIGTERM and Ctrl-C save a checkpoint and exit 0; elsewhere (start-up,
+compiling) Ctrl-C exits at once with status 130. Rerun the same command to resume.
 --config=WORKDIR (or WORKDIR/config.json) is the config a run saved. Any other failure keeps its traceback and exits
 with status 1; a training loss that is not finite exits with 3, a failed start on a TPU slice with 4, a process whose
 loop hung (the watchdog: config.watchdog_*) with 75.
 """
 
-import glob
+from laurel import console  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
+
+INTERRUPTED = 'interrupted: exited; nothing was lost (rerun the same command to start or resume)'
+if __name__ == '__main__':
+  console.exit_on_interrupt(INTERRUPTED)
+
+import glob  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging as logging_std
-import os
 import sys
 import urllib.request
 
@@ -37,7 +43,8 @@ _PRINT_CONFIG = flags.DEFINE_bool('print_config', False, 'Print the resolved con
                                   'JSON and exit.')
 _COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, "Compile the step for --topology's TPU slice on this "
                                   'machine, check that it fits the HBM, run nothing (needs libtpu).')
-_TOPOLOGY = flags.DEFINE_string('topology', None, 'With --compile_only: the TPU slice, e.g. v6e:4x4 or v5p:2x2x4.')
+_TOPOLOGY = flags.DEFINE_string('topology', None, 'With --compile_only: the TPU slice, e.g. v6e:4x4 or v6e-16 '
+                                '(v5p:2x2x4 or v5p-32).')
 
 
 def main(argv):
@@ -127,11 +134,12 @@ def _on_tpu_vm() -> bool:
 
 
 def _console_filter(record: logging_std.LogRecord) -> bool:
-  """Warnings from everything, and clu's console metrics and progress (INFO), nothing else."""
-  return record.levelno >= logging_std.WARNING or f'{os.sep}clu{os.sep}' in record.pathname
+  """Warnings and errors only: the train loop prints its own progress, one line per logged step."""
+  return record.levelno >= logging_std.WARNING
 
 
 def run():
+  console.exit_on_interrupt(INTERRUPTED)
   if sys.modules['__main__'] is not sys.modules[__name__]:  # the laurel-train console script: --help shows ours
     sys.modules['__main__'].__doc__ = __doc__
     for flag in flags.FLAGS.get_key_flags_for_module(__name__):

@@ -1,9 +1,14 @@
-"""`python -m laurel.params --config=configs/c4_ablation.py:rw_lr`: parameter accounting from shapes alone.
+"""Parameter accounting from shapes alone, beside the paper's figures.
 
-Prints one JSON object: total and LAuReL parameter counts beside the closed form of §2 / Table 4, and the count of
-the config's baseline row with the share LAuReL adds, beside the paper's figure.
+  python -m laurel.params --config=configs/c4_ablation.py:rw_lr [--json]
+  python -m laurel.params --table=c4_ablation [--preset=paper] [--json]     # every row (make params)
+
+Prints a Markdown table, the README's: per row the total count (and how far it is from the paper's), what it adds
+to the config's baseline row (beside the paper's figure), and its LAuReL parameters beside the closed form of §2 /
+Table 4. --json prints one JSON object per row instead.
 """
 
+import importlib.util
 import json
 
 import jax
@@ -13,7 +18,12 @@ from ml_collections import config_flags
 
 from laurel import config_lib, paper, residual, tasks
 
+TABLES = ('c4_ablation', 'imagenet_resnet50', 'residual_designs')  # configs/<table>.py with ROWS
+
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
+_TABLE = flags.DEFINE_enum('table', None, TABLES, 'Every row of configs/<table>.py (instead of --config).')
+_PRESET = flags.DEFINE_enum('preset', 'paper', ['paper', 'tiny'], "With --table: the rows' preset.")
+_JSON = flags.DEFINE_bool('json', False, 'One JSON object per row instead of the table.')
 
 
 def count(config) -> dict:
@@ -34,12 +44,12 @@ def count(config) -> dict:
           'closed_form_laurel_params': sum(residual.closed_form_params(spec, d) for d in widths)}
 
 
-def report(config) -> dict:
-  """`count` of the config, and of its baseline row with the share LAuReL adds, beside the paper's figures."""
+def report(config, config_file: str) -> dict:
+  """`count` of the config, and of its baseline row (in `config_file`) with the share LAuReL adds, beside the
+  paper's figures."""
   out = {'row': config.row, 'preset': config.preset, **count(config)}
   if config.baseline_row:
-    spec = config_flags.get_config_filename(flags.FLAGS['config']).split(':')[0]
-    base = count(config_lib.load(f'{spec}:{config.baseline_row},preset={config.preset}'))['total_params']
+    base = count(config_lib.load(f'{config_file}:{config.baseline_row},preset={config.preset}'))['total_params']
     out.update(baseline_row=config.baseline_row, baseline_params=base, added_params=out['total_params'] - base,
                added_pct=round(100.0 * (out['total_params'] - base) / base, 4))
   table = paper.TABLE5 if config.task == 'lm' else paper.TABLE1
@@ -48,14 +58,56 @@ def report(config) -> dict:
   return out
 
 
+def markdown(reports: list[dict]) -> str:
+  """The README's table of `report`s."""
+  base = next((r['baseline_row'] for r in reports if r.get('baseline_row')), None)
+  published = {r['row']: r.get('paper_params_m') for r in reports}
+
+  def row(r):
+    total, paper_m = r['total_params'], r.get('paper_params_m')
+    off = f' ({100 * (total / (paper_m * 1e6) - 1):+.2f}%)' if paper_m else ''
+    added = '—' if r['row'] == base or 'added_params' not in r else f'{r["added_params"]:,} ({r["added_pct"]:.3f}%)'
+    if 'paper_params_added_pct' in r:
+      paper_added = '—' if r['row'] == base else f'{r["paper_params_added_pct"]}%'
+    elif paper_m and published.get(base) and r['row'] != base:
+      paper_added = f'{paper_m - published[base]:.2f}M'
+    else:
+      paper_added = '—'
+    laurel = f'{r["laurel_params"]:,}' + ('' if r['laurel_params'] == r['closed_form_laurel_params']
+                                          else f' (closed form {r["closed_form_laurel_params"]:,})')
+    return (f'| {r["row"]} | {total:,}{off} | {f"{paper_m:.2f}M" if paper_m else "—"} | {added} | {paper_added} '
+            f'| {laurel} | {r["laurel_sites"]} |')
+
+  lines = [f'| row | params | paper | added to {base or "the baseline"} | paper added | LAuReL params (= closed '
+           'form unless shown) | LAuReL sites |', '|---' * 7 + '|']
+  return '\n'.join(lines + [row(r) for r in reports])
+
+
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
   logging.set_verbosity(logging.WARNING)
+  if (_CONFIG.value is None) == (_TABLE.value is None):
+    config_lib.fail('give --config=configs/<file>.py:<row> or --table=<name> (one of them)')
   try:
-    out = report(_CONFIG.value)
+    if _TABLE.value:
+      config_file = str(config_lib.REPO / 'configs' / f'{_TABLE.value}.py')
+      reports = [report(config_lib.load(f'{config_file}:{row},preset={_PRESET.value}'), config_file)
+                 for row in _rows(config_file)]
+    else:
+      config_file = config_flags.get_config_filename(flags.FLAGS['config']).split(':')[0]
+      reports = [report(_CONFIG.value, config_file)]
   except config_lib.InputError as e:
     config_lib.fail(str(e))
-  print(json.dumps(out))
+  print('\n'.join(map(json.dumps, reports)) if _JSON.value else markdown(reports))
+
+
+def _rows(config_file: str) -> list[str]:
+  """The rows of a config file (its ROWS), in order."""
+  spec = importlib.util.spec_from_file_location('laurel_params_table', config_file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return list(module.ROWS)
 
 
 if __name__ == '__main__':

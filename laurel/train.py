@@ -38,7 +38,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import config_lib, sharding, tasks
+from laurel import config_lib, console, sharding, tasks
 from laurel.config_lib import (BOOL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, InputError, field,
                                in_range, is_int, one_of, require)
 
@@ -167,6 +167,9 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
     parts = math.prod(mesh_sizes[a] for a in axes)
     require(size % parts == 0, field_name, size, f"is sharded over mesh axes {'×'.join(axes)} ({parts} devices, "
             f"logical axis {logical!r}): it must divide by {parts}")
+  warmup = train_cfg.optimizer.warmup_steps
+  require(warmup <= train_cfg.steps, 'optimizer.warmup_steps', warmup,
+          f'longer than the run (steps={train_cfg.steps}): the learning rate would never reach its peak')
   batch, accum = train_cfg.batch_size, train_cfg.optimizer.grad_accum_steps
   require(batch % accum == 0, 'batch_size', batch, f'must be divisible by optimizer.grad_accum_steps={accum}')
   require((batch // accum) % (data * fsdp) == 0, 'batch_size', batch,
@@ -709,25 +712,32 @@ def compile_step(task, config, mesh):
 def train(config, workdir: str, devices=None, allow_config_change: bool = False) -> dict:
   """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Everything that can fail on
   bad input is checked before anything is compiled (validate_config, check_inputs, guard_config)."""
+  started = time.perf_counter()
   devices = jax.devices() if devices is None else devices
   task = validate_config(config, num_devices=len(devices))
   workdir = run_dir(workdir)
   check_inputs(task, config, workdir)
-  guard_config(config, workdir, allow_config_change)
+  with console.deferred():
+    guard_config(config, workdir, allow_config_change)
+  print(f'config: {console.shown(workdir / "config.json")} ({config.task}, row {config.row or "-"}, preset '
+        f'{config.preset or "-"}, {config.steps} steps)', flush=True)
   info = run_info(config)
   mesh = sharding.make_mesh(config.mesh, devices)
   pid, nproc = jax.process_index(), jax.process_count()
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-    compiled, init_state, abstract_state, state_shardings = compile_step(task, config, mesh)
+    with console.phase(f'compiling the train step for {len(devices)} device{"s" * (len(devices) > 1)}'):
+      compiled, init_state, abstract_state, state_shardings = compile_step(task, config, mesh)
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
     train_iter = iter(local_dataset(task, config, train=True))
     mngr = ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
         max_to_keep=config.keep_checkpoints, create=True))
-    state, start, moved_aside = _restore_latest(mngr, workdir, config, abstract_state, train_iter)
+    with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
+      state, start, moved_aside = _restore_latest(mngr, workdir, config, abstract_state, train_iter)
     if state is None:
-      state = init_state(jax.random.key(config.seed))
+      with console.phase('initialising the model'):
+        state = init_state(jax.random.key(config.seed))
     elif start >= config.steps and (workdir / 'final.json').exists():
       print(f'already finished: checkpoint {start} in {workdir}', flush=True)
       mngr.close()
@@ -742,7 +752,8 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     flops = {'mfu': task.model_flops(config.batch_size), 'hfu': step_flops(config)} if peak_flops else {}
     if moved_aside:  # the log keeps the steps logged after `start`, and says why they come again
       info = {**info, 'moved_aside': moved_aside}
-    log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside))
+    with console.deferred():  # it rewrites metrics.jsonl
+      log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside))
     watchdog = Watchdog(config.watchdog_factor, config.watchdog_min_s, config.watchdog_s, flush=log.writer.flush)
     from clu import periodic_actions  # pylint: disable=import-outside-toplevel
     actions = [periodic_actions.ReportProgress(num_train_steps=config.steps, every_steps=config.log_every,
@@ -752,17 +763,19 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
       actions.append(periodic_actions.Profile(logdir=workdir / 'profile', first_profile=first,
                                               num_profile_steps=stop - first, profile_duration_ms=None,
                                               every_secs=None))
-    print(f'{num_params:,} params | {jax.device_count()} devices, mesh {dict(mesh.shape)} | '
-          f'peak memory of the compiled step {peak_memory / 2**20:,.1f} MiB', flush=True)
+    devices_shown = f'{jax.device_count()} device{"s" * (jax.device_count() > 1)}'
+    print(f'{num_params:,} params | {devices_shown}, mesh {dict(mesh.shape)} | peak memory of the compiled step '
+          f'{peak_memory / 2**20:,.1f} MiB', flush=True)
 
     def evaluate():
       it = iter(local_dataset(task, config, train=False))
       totals = {}
-      for _ in range(config.eval_steps):
-        for name, (s, w) in jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh))).items():
-          ts, tw = totals.get(name, (0.0, 0.0))
-          totals[name] = (ts + float(s), tw + float(w))
-        watchdog.beat()
+      with console.phase(f'evaluating on {config.eval_steps} batches'):
+        for _ in range(config.eval_steps):
+          for name, (s, w) in jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh))).items():
+            ts, tw = totals.get(name, (0.0, 0.0))
+            totals[name] = (ts + float(s), tw + float(w))
+          watchdog.beat()
       return {f'eval_{k}': s / max(w, 1.0) for k, (s, w) in totals.items()}
 
     def check_finite(step, metrics):
@@ -804,9 +817,11 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
           if stats and 'peak_bytes_in_use' in stats:
             row['device_peak_bytes'] = stats['peak_bytes_in_use']
           log.write(done, row)
+          print(console.step_line(done, config.steps, row, task.unit), flush=True)
         if done % config.eval_every == 0 or last:
           eval_metrics = evaluate()
           log.write(done, eval_metrics)
+          print(console.eval_line(done, config.steps, eval_metrics), flush=True)
         if done % config.checkpoint_every == 0 or last or stop:
           check_finite(*pending)
           mngr.save(done, force=True, args=ocp.args.Composite(
@@ -833,5 +848,30 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
            'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
            'finished_at': _now()}
   if pid == 0:
-    (workdir / 'final.json').write_text(json.dumps(final, indent=2) + '\n')
+    with console.deferred():
+      (workdir / 'final.json').write_text(json.dumps(final, indent=2) + '\n')
+    print(summary(config, workdir, final, time.perf_counter() - started), flush=True)
   return final
+
+
+def summary(config, workdir: epath.Path, final: dict, seconds: float) -> str:
+  """The closing lines of a run: its final losses, where its outputs are, and what to run next."""
+  path = workdir / 'metrics.jsonl'
+  logged = [r for r in map(json.loads, path.read_text().splitlines() if path.exists() else []) if 'loss' in r]
+  evals = ', '.join(f'{k} {final[k]:.4f}' for k in sorted((k for k in final if k.startswith('eval_')),
+                                                              key=lambda k: (k != 'eval_loss', k)))
+  train_loss = f'; last train loss {logged[-1]["loss"]:.4f} at step {logged[-1]["step"]}' if logged else ''
+  shown = console.shown(workdir)
+  lines = [f'finished {config.row or config.task} at step {final["step"]} in {console.duration(seconds)}: '
+           f'{evals}{train_loss}',
+           f'  final.json    {console.shown(workdir / "final.json")}',
+           f'  checkpoints   {console.shown(workdir / "checkpoints")} (the last: step {final["step"]})',
+           f'  metrics       {console.shown(workdir / "metrics.jsonl")}']
+  if config.tensorboard:
+    lines.append(f'  TensorBoard   tensorboard --logdir {console.shown(workdir / "tensorboard")}')
+  if config.task == 'lm':
+    prompt = 'def ' if config.data.name == 'text' and not config.data.path else 'The '
+    lines += ['next:', f"  python -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens=64",
+              f"  python -m laurel.evaluate --workdir={shown} --task='text:HELD_OUT/*.txt'   # or a .jsonl or "
+              'TFDS task: README, Evaluating a checkpoint']
+  return '\n'.join(lines)

@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from laurel import aot, config_lib, paper, sharding, train
+from laurel import aot, config_lib, paper, sharding, tpu_slices, train
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
@@ -52,7 +52,7 @@ _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.ini
 _POLICIES = flags.DEFINE_list('remat_policies', None, 'With --topology: compile Baseline-24 once per remat policy '
                               '(model.remat) instead of the rows; ratios are to the first policy.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'Compile every row for this TPU slice (v4, v5e, v5p, v6e; e.g. '
-                                'v6e:4x4) on this machine, run nothing: per-chip memory, compiler FLOPs and bytes, '
+                                'v6e:4x4 or v6e-16) on this machine, run nothing: per-chip memory, compiler FLOPs and bytes, '
                                 "roofline step time, at the preset's batch and length. Needs libtpu.")
 
 
@@ -192,7 +192,7 @@ SLICE_COLUMNS = {'name': 'row', 'params': 'params', 'peak_gb': 'peak GB', 'peak_
 def measure_slice(names) -> dict:
   """Every row (or, with --remat_policies, Baseline-24 under every policy) compiled by the TPU compiler for
   --topology on this machine (laurel.aot); nothing runs."""
-  topology = _TOPOLOGY.value
+  topology = tpu_slices.as_topology(_TOPOLOGY.value)  # v6e-16 -> v6e:4x4
   if _POLICIES.value:
     configs = {f'{BASELINE} remat={p}': row_config(BASELINE, _BATCH.value, _SEQ_LEN.value, f'model.remat={p}')
                for p in _POLICIES.value}

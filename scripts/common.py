@@ -1,10 +1,11 @@
 """Helpers shared by the scripts in this folder: error handling, result files, and Cloud TPU VM commands."""
 
+import contextlib
 import csv
 import importlib
 import io
 import json
-import math
+import multiprocessing
 import os
 import pathlib
 import re
@@ -12,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 
 import matplotlib
 from absl import flags, logging
@@ -24,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
 from laurel import config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.tpu_slices import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 
@@ -89,6 +92,42 @@ def sets_that_apply(spec: str, sets) -> list[str]:
     if override_field(s) in unused:
       print(f'{spec}: --set={s} left out: {unused[override_field(s)]}', file=sys.stderr, flush=True)
   return [s for s in sets if override_field(s) not in unused]
+@contextlib.contextmanager
+def array_record_shard(dest):
+  """An ArrayRecord writer (one record per `write`) for the shard `dest`, local or gs://, which appears under its
+  name only once complete: a local one is written beside it and renamed, a gs:// one written here and uploaded
+  whole (ArrayRecord's writer writes local files). An interrupted conversion thus never leaves a partial shard."""
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  dest = epath.Path(dest)
+  local = '://' not in os.fspath(dest)
+  with tempfile.TemporaryDirectory() as tmp:
+    partial = dest.with_name(dest.name + '.incomplete') if local else epath.Path(tmp) / dest.name
+    writer = array_record_module.ArrayRecordWriter(os.fspath(partial), 'group_size:1')
+    try:
+      yield writer
+    finally:
+      writer.close()
+    if local:
+      partial.rename(dest)
+    else:
+      partial.copy(dest)
+
+
+def parallel_map(fn, jobs: list, workers: int):
+  """fn(job) for each job, as they finish: in this process with one worker, else in `workers` spawned processes
+  (they start clean, never a fork of a process whose filesystem clients hold threads)."""
+  with multiprocessing.get_context('spawn').Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
+    yield from (pool.imap_unordered if pool else map)(fn, jobs)
+
+
+# The luminance at which black and white text contrast equally (WCAG 2 contrast ratios, both about 4.6).
+EQUAL_CONTRAST_LUMINANCE = (1.05 * 0.05) ** 0.5 - 0.05
+
+
+def luminance(rgba) -> float:
+  """Relative luminance of an sRGB colour (WCAG 2): 0 black, 1 white."""
+  linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]]
+  return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
 
 
 def write_results(directory, stem: str, result: dict, rows: list[dict], markdown: str, figure):
@@ -168,8 +207,9 @@ def define_launch_flags() -> dict:
   return {
       'launch': flags.DEFINE_enum(
           'launch', 'local', ['local', 'print', 'tpu'], 'local: train the runs here, one after another; print: '
-          "print the scripts/launch_tpu.py commands (the slice's setup, then one per run); tpu: run them in turn, "
-          'each run training on the slice in the foreground.'),
+          "print the commands instead, a dry run: with --tpu the scripts/launch_tpu.py commands (the slice's setup, "
+          'then one per run), without it the local laurel.main ones; tpu: run them in turn, each run training on the '
+          'slice in the foreground.'),
       'tpu': flags.DEFINE_string('tpu', None, '--launch=print|tpu: the TPU VM (scripts/launch_tpu.py --tpu).'),
       'zone': flags.DEFINE_string('zone', None, '--launch=print|tpu: its zone.'),
       'project': flags.DEFINE_string('project', None, "--launch=print|tpu: Google Cloud project; default: gcloud's."),
@@ -187,7 +227,9 @@ class Launcher:
   def __init__(self, holders: dict):
     self.launch, self.setup, self.slice_args, self.slice = holders['launch'].value, holders['setup'].value, [], ()
     self.preflight = holders['preflight'].value
-    if self.launch != 'local':
+    # --launch=print without --tpu is a dry run of the local commands.
+    self.on_slice = self.launch == 'tpu' or (self.launch == 'print' and bool(holders['tpu'].value))
+    if self.on_slice:
       require(**{k: holders[k] for k in ('tpu', 'zone', 'accelerator')})
       accel = parse_accelerator(holders['accelerator'].value)
       self.slice = (accel['chips'], accel['hosts'])
@@ -205,7 +247,7 @@ class Launcher:
     return config
 
   def command(self, point: dict) -> list[str]:
-    if self.launch == 'local':
+    if not self.on_slice:
       return [sys.executable, '-m', 'laurel.main', f'--config={point["config"]}', f'--workdir={point["dir"]}',
               *point['overrides']]
     return [sys.executable, LAUNCH_TPU, *self.slice_args, '--nosetup', '--nodetach',
@@ -225,46 +267,11 @@ class Launcher:
     return run_points(points, log_name, self.command, after)
 
 
-# Cloud TPU VMs: slices (Launcher, scripts/launch_tpu.py), gcloud commands and what each host runs (launch_tpu.py).
-# generation: accelerator-type prefix, TensorCores per chip in its name, software version, largest size.
-GENERATIONS = {'v4': ('v4', 2, 'tpu-ubuntu2204-base', 4096), 'v5p': ('v5p', 2, 'v2-alpha-tpuv5', 4096),
-               'v5e': ('v5litepod', 1, 'v2-alpha-tpuv5-lite', 256), 'v6e': ('v6e', 1, 'v2-alpha-tpuv6e', 256)}
-# Chips -> the slice's topology: 2-D for v5e/v6e, 3-D for v4/v5p (4 chips per host on all of them).
-TOPOLOGY_2D = {1: '1x1', 4: '2x2', 8: '2x4', 16: '4x4', 32: '4x8', 64: '8x8', 128: '8x16', 256: '16x16'}
-TOPOLOGY_3D = {4: '2x2x1', 8: '2x2x2', 16: '2x2x4', 32: '2x4x4', 64: '4x4x4', 128: '4x4x8', 256: '4x8x8',
-               512: '8x8x8', 1024: '8x8x16', 2048: '8x16x16'}
+# Cloud TPU VMs: slices (laurel.tpu_slices.parse_accelerator), gcloud commands and what each host runs (launch_tpu.py).
 REMOTE_DIR = 'laurel'  # in each host's home directory
 REMOTE_PYTHON = '.venv/bin/python'  # relative to REMOTE_DIR
 REMOTE_LOG, REMOTE_PID = 'train.log', 'train.pid'  # of a detached run, in REMOTE_DIR
 TARBALL = 'laurel-src.tar.gz'
-
-
-def parse_accelerator(name: str, topology: str | None = None) -> dict:
-  """'v6e-16' -> generation, chips, hosts, topology and the create flags; one-line InputError otherwise."""
-  if not (match := re.fullmatch(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)', name or '')):
-    known = ', '.join(f'{p}-N' for p, *_ in GENERATIONS.values())
-    raise config_lib.InputError(f'--accelerator={name!r}: unknown TPU accelerator type (known: {known}, e.g. v6e-16)')
-  prefix, size = match.group(1).replace('v5e', 'v5litepod'), int(match.group(2))
-  gen = next(g for g, (p, *_) in GENERATIONS.items() if p == prefix)
-  _, cores_per_chip, version, largest = GENERATIONS[gen]
-  chips, table = size // cores_per_chip, (TOPOLOGY_3D if cores_per_chip == 2 else TOPOLOGY_2D)
-  if size % cores_per_chip or chips not in table or size > largest:
-    sizes = ', '.join(str(c * cores_per_chip) for c in table if c * cores_per_chip <= largest)
-    raise config_lib.InputError(f'--accelerator={name!r}: no such {gen} slice (sizes: {sizes})')
-  # 4 chips per host, except the single-host v5e/v6e slices of up to 8 chips.
-  hosts = 1 if cores_per_chip == 1 and chips <= 8 else max(1, chips // 4)
-  accel = {'name': f'{prefix}-{size}', 'generation': gen, 'chips': chips, 'hosts': hosts,
-           'topology': table[chips], 'version': version, 'create_flags': [f'--accelerator-type={prefix}-{size}']}
-  if topology and topology != accel['topology']:
-    dims = topology.split('x')
-    if gen != 'v4':
-      raise config_lib.InputError(f'--topology={topology!r}: only v4 takes a custom topology; {accel["name"]} is '
-                       f'{accel["topology"]}')
-    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims) or math.prod(map(int, dims)) != chips:
-      raise config_lib.InputError(f'--topology={topology!r}: must be AxBxC with A*B*C = {chips} chips '
-                                  f'({accel["name"]})')
-    accel.update(topology=topology, create_flags=['--type=v4', f'--topology={topology}'])
-  return accel
 
 
 def gcloud(verb: str, positional: list[str], zone: str, project: str | None, *extra: str,

@@ -16,7 +16,8 @@ from its last checkpoint. The config and overrides are first checked for the sli
 on this machine (laurel.aot.preflight, needs libtpu; --nopreflight skips it): bad input, or a step that does not
 fit the chips' HBM, fails before any gcloud command. --action=logs follows worker 0's log; status shows the VM's state and whether each host trains;
 stop sends SIGTERM to the training, which saves a checkpoint and exits. --dry-run prints the commands and runs none.
-Needs gcloud logged in. The workdir should be on GCS.
+Needs gcloud logged in. The workdir should be on GCS: a slice of several hosts with a local one is refused.
+--accelerator also takes the slice as a topology (v6e:4x4 for v6e-16), as pre-flight and the benchmark do.
 """
 
 import importlib.metadata
@@ -38,7 +39,8 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory, e.g. gs://BUCKET
 _TPU = flags.DEFINE_string('tpu', None, 'TPU VM name (also the queued resource name with --queued).')
 _ZONE = flags.DEFINE_string('zone', None, 'Zone, e.g. us-east5-b.')
 _PROJECT = flags.DEFINE_string('project', None, "Google Cloud project; default: gcloud's.")
-_ACCELERATOR = flags.DEFINE_string('accelerator', None, 'v4-N, v5e-N (or v5litepod-N), v5p-N or v6e-N, e.g. v6e-16.')
+_ACCELERATOR = flags.DEFINE_string('accelerator', None, 'v4-N, v5e-N (or v5litepod-N), v5p-N or v6e-N, e.g. v6e-16, '
+                                   'or the same slice as a topology, e.g. v6e:4x4.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'v4 only: a custom chip topology AxBxC for --create.')
 _VERSION = flags.DEFINE_string('version', None, 'TPU software version; default: the one for the generation.')
 _CREATE = flags.DEFINE_bool('create', False, 'Create the TPU VM first.')
@@ -135,6 +137,9 @@ def plan() -> list[tuple[str, list[str] | str]]:
   steps = create_steps(accel) if _CREATE.value else []
   steps += setup_steps() if _SETUP.value else []
   if _TRAIN.value:
+    if accel['hosts'] > 1 and '://' not in _WORKDIR.value:  # each host would write its own checkpoints
+      raise config_lib.InputError(f'--workdir={_WORKDIR.value!r}: a local directory, but the {accel["hosts"]} hosts '
+                                  f'of {accel["name"]} must share the workdir: use gs://BUCKET/...')
     spec = common.repo_spec(_CONFIG.value)
     config = config_lib.load(spec, _OVERRIDES)
     train.validate_config(config, accel['chips'], accel['hosts'])
@@ -143,8 +148,6 @@ def plan() -> list[tuple[str, list[str] | str]]:
     if _PREFLIGHT.value:  # before any gcloud command: a step that does not fit fails here, not on the slice
       from laurel import aot  # pylint: disable=import-outside-toplevel
       print(aot.preflight(config, f'{accel["generation"]}:{accel["topology"]}'), file=sys.stderr, flush=True)
-    if accel['hosts'] > 1 and '://' not in _WORKDIR.value:
-      print(f'warning: --workdir={_WORKDIR.value!r} is not on GCS, which every host must see', file=sys.stderr)
     run = common.train_command(spec, _WORKDIR.value, _OVERRIDES, _DETACH.value and not _WATCH.value)
     steps.append(('train', common.ssh(tpu, zone, project, run)))
   return steps

@@ -11,19 +11,15 @@ Files convert in parallel, one per worker process. A shard appears under its fin
 the same command and existing shards are skipped.
 """
 
-import contextlib
 import gzip
 import io
 import json
-import multiprocessing
 import os
 import re
-import tempfile
 import time
 
 import common  # puts the repo root on sys.path
 from absl import app, flags
-from array_record.python import array_record_module
 from etils import epath
 
 from laurel import data
@@ -45,25 +41,13 @@ def shard_name(input_name: str) -> str | None:
 
 def convert(source: str, dest: str) -> int:
   """One JSON-lines file -> one ArrayRecord shard; returns the number of documents."""
-  source, dest = epath.Path(source), epath.Path(dest)
-  local = '://' not in os.fspath(dest)
-  with tempfile.TemporaryDirectory() as tmp:
-    # A local shard is written beside its final name; a remote one locally, then uploaded (ArrayRecord's writer
-    # writes local files).
-    partial = dest.with_name(dest.name + '.incomplete') if local else epath.Path(tmp) / dest.name
-    writer = array_record_module.ArrayRecordWriter(os.fspath(partial), 'group_size:1')
-    count = 0
-    with source.open('rb') as raw, io.TextIOWrapper(gzip.open(raw) if source.name.endswith('.gz') else raw,
-                                                    encoding='utf-8') as lines:
-      for line in lines:
-        if line.strip():
-          writer.write(json.loads(line)['text'].encode('utf-8'))
-          count += 1
-    writer.close()
-    if local:
-      partial.rename(dest)
-    else:
-      partial.copy(dest)
+  source, count = epath.Path(source), 0
+  with common.array_record_shard(dest) as writer, source.open('rb') as raw, io.TextIOWrapper(
+      gzip.open(raw) if source.name.endswith('.gz') else raw, encoding='utf-8') as lines:
+    for line in lines:
+      if line.strip():
+        writer.write(json.loads(line)['text'].encode('utf-8'))
+        count += 1
   return count
 
 
@@ -91,12 +75,12 @@ def prepare():
   workers = min(_WORKERS.value, max(len(jobs), 1))
   print(f'{len(inputs) - len(jobs)} of {len(inputs)} shards already in {out}; converting {len(jobs)} with {workers} '
         f'worker{"s" * (workers > 1)}', flush=True)
-  # One worker converts in this process. Several are spawned: they start clean, never a fork of a process whose
-  # filesystem clients hold threads.
-  with multiprocessing.get_context('spawn').Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
-    for i, (path, count, seconds) in enumerate((pool.imap_unordered if pool else map)(_convert_job, jobs)):
-      print(f'[{i + 1}/{len(jobs)}] {os.path.basename(path)}: {count:,} documents in {seconds:.0f} s', flush=True)
-  print(f'done: {len(inputs)} shards in {out}; train with --config.data.name=c4 --config.data.path={out}', flush=True)
+  for i, (path, count, seconds) in enumerate(common.parallel_map(_convert_job, jobs, workers)):
+    print(f'[{i + 1}/{len(jobs)}] {os.path.basename(path)}: {count:,} documents in {seconds:.0f} s', flush=True)
+  print(f'done: {len(inputs)} shards in {out}; train with T5\'s vocabulary (the paper preset\'s data.vocab_path '
+        f'and model.vocab_size):\n  python -m laurel.main --config=c4_ablation:rw_lr --workdir=runs/c4_rw_lr '
+        f'--config.data.name=c4 --config.data.path={out} --config.data.vocab_path={data.C4_VOCAB_PATH} '
+        '--config.model.vocab_size=32768', flush=True)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """Trains a table of rows on Table 5's setup: results/<table>_<preset>.{md,csv,json,png}.
 
-  python scripts/reproduce_c4_ablation.py --preset=tiny --seeds=3 --out=results [--table=residual_designs]
+  python scripts/reproduce_c4_ablation.py --preset=tiny --seeds=3 [--out=results] [--table=residual_designs]
       [--rows=...] [--set=<field>=<value>] [--workdir=gs://BUCKET/c4_ablation]
       [--launch=local|print|tpu --tpu=NAME --zone=ZONE --accelerator=v6e-16 [--nosetup]]
       [--evaluate=text:held_out/*.txt --evaluate=tasks/mc.jsonl --evaluate=hellaswag [--tfds_data_dir=DIR]]
@@ -8,7 +8,8 @@
 --table=c4_ablation (default) is Table 5, the LAuReL variants, beside the paper's figures; residual_designs the
 other residual-stream designs (configs/residual_designs.py), one field apart from Baseline-24.
 
-Every row trains with the same data order, steps and seeds in --workdir/<row>/seed<s> (local or gs://; log:
+The tables go to --out, by default the --workdir (runs/<table>_<preset>): the committed results/ only with
+--out=results. Every row trains with the same data order, steps and seeds in --workdir/<row>/seed<s> (local or gs://; log:
 train.log), here or, with --launch=tpu, on a TPU slice through scripts/launch_tpu.py (--launch=print prints those
 commands). A run that fails is marked failed (failed.json) and the others go on; rerunning skips finished runs and
 resumes the others, and the tables are rewritten after every run. Peak memory is each run's compiled step; step time
@@ -38,7 +39,8 @@ _TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<tabl
 _PRESET = flags.DEFINE_enum('preset', 'tiny', ['tiny', 'paper'], "Preset of the table's config.")
 _SEEDS = flags.DEFINE_integer('seeds', 2, 'Seeds per row.')
 _ROWS = flags.DEFINE_list('rows', None, "Rows to run; default: all of the table's.")
-_OUT = flags.DEFINE_string('out', 'results', 'Where the tables and chart go.')
+_OUT = flags.DEFINE_string('out', None, 'Where the tables and chart go; default: the --workdir. The committed '
+                           'results/ only when asked: --out=results.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directories; default runs/<table>_<preset>.')
 _SET = flags.DEFINE_multi_string('set', [], 'Extra config override <field>=<value> for every run it changes '
                                  'something in (repeatable).')
@@ -170,7 +172,7 @@ def reproduce():
   for task in _EVALUATE.value:
     evaluate.check_task(task)
   workdir = epath.Path(_WORKDIR.value or f'runs/{table}_{_PRESET.value}')  # local or gs://
-  out, stem, command = epath.Path(_OUT.value), f'{table}_{_PRESET.value}', common.command()
+  out, stem, command = epath.Path(_OUT.value or workdir), f'{table}_{_PRESET.value}', common.command()
 
   def write_tables():
     if rows := collect(workdir, all_rows, with_paper):

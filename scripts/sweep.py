@@ -11,7 +11,7 @@ Point WORKDIR/<field's last part>=<value>[,...][,seed=<s>] (WORKDIR local or gs:
 config.seed and the --set overrides; every point's config is loaded and checked (for the slice with --launch=tpu)
 before the first one runs. --launch=local trains the points here in turn (log: <point>/sweep.log); --launch=tpu
 trains each on a TPU slice through scripts/launch_tpu.py (after setting the slice up, unless --nosetup), and
---launch=print prints those commands. A failed point is marked failed and the rest go on; rerunning skips finished
+--launch=print prints those commands (without --tpu the local ones: a dry run of the points). A failed point is marked failed and the rest go on; rerunning skips finished
 points and resumes the others. Collecting writes WORKDIR/sweep.{csv,json,md,png}: each point's final.json and best
 evaluation, and per combination the mean ± std over seeds, plotted against the value as in Figure 3 (one field) or
 as a heatmap of the first two fields (averaged over any others).
@@ -174,8 +174,10 @@ def plot(result: dict):
         if found := [s[key] for s in summary if s[y_field] == y and s[x_field] == x]:
           cells[i, j] = statistics.fmean(found)
     image = ax.imshow(cells, cmap='viridis_r' if 'loss' in key else 'viridis', aspect='auto')
-    for (i, j), value in np.ndenumerate(cells):
-      ax.text(j, i, '–' if np.isnan(value) else f'{value:.4f}', ha='center', va='center', fontsize=7, color='w')
+    for (i, j), value in np.ndenumerate(cells):  # black or white text, whichever contrasts more with the cell
+      light = np.isnan(value) or common.luminance(image.cmap(image.norm(value))) > common.EQUAL_CONTRAST_LUMINANCE
+      ax.text(j, i, '–' if np.isnan(value) else f'{value:.4f}', ha='center', va='center', fontsize=8,
+              color='black' if light else 'white')
     ax.set(xticks=range(len(xs)), xticklabels=xs, xlabel=x_field, yticks=range(len(ys)), yticklabels=ys,
            ylabel=y_field)
     fig.colorbar(image, ax=ax, label=label + (' (mean over the other fields)' if len(fields) > 2 else ''))

@@ -1,5 +1,6 @@
 """laurel.aot: the train step compiled by the TPU compiler for a slice this machine does not have (libtpu)."""
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -20,8 +21,10 @@ def small(row='rw_lr_pa', **overrides):
 
 
 @pytest.mark.parametrize('topology, size', [('v6e:4x4', (16, 4)), ('v6e:2x4', (8, 1)), ('v5e:16x16', (256, 64)),
-                                            ('v4:2x2x1', (4, 1)), ('v5p:2x2x4', (16, 4))])
+                                            ('v4:2x2x1', (4, 1)), ('v5p:2x2x4', (16, 4)), ('v6e-16', (16, 4)),
+                                            ('v5litepod-8', (8, 1)), ('v5p-32', (16, 4)), ('v4-8', (4, 1))])
 def test_slice_sizes_match_the_launcher(topology, size):
+  """Either spelling of a slice: the TPU compiler's topology or Cloud TPU's accelerator type (v5p counts cores)."""
   assert aot.slice_size(topology) == size
 
 
@@ -30,6 +33,7 @@ def test_slice_sizes_match_the_launcher(topology, size):
     ('v6e:4', "topology='v6e:4': a v6e slice is 2-D, e.g. v6e:2x2"),
     ('v4:2x2', "topology='v4:2x2': a v4 slice is 3-D, e.g. v4:2x2x2"),
     ('v6e:0x4', "topology='v6e:0x4': must be"),
+    ('v6e-12', "topology='v6e-12': no such v6e slice (sizes: 1, 4, 8, 16,"),
 ])
 def test_bad_topology_is_one_line(topology, message):
   with pytest.raises(ValueError, match='^' + message.replace('(', r'\(').replace(')', r'\)')):
@@ -92,10 +96,16 @@ def compile_only(*args, overrides=SMALL):
 
 @needs_libtpu
 def test_compile_only_reports_what_fits():
-  r = compile_only('--topology=v5e:2x2')
+  r = compile_only('--topology=v5e-4')  # the launcher's spelling of v5e:2x2
   assert r.returncode == 0, r.stderr[-2000:]
-  assert r.stdout.startswith('preflight v5e:2x2: fits: the step needs ') and ' of 16.0 GB (' in r.stdout
-  assert r.stderr == ''  # libtpu's start-up is told the slice, so it logs nothing
+  line = r.stdout.strip()
+  assert re.fullmatch(r"preflight v5e-4: fits: the step needs ([\d.]+) GB of HBM per chip of 16\.0 GB \(the "
+                      r"compiler's peak heap: ([\d.]+) GB of state and batch plus the temporaries alive at that "
+                      r'point; ([\d.]+) GB of temporaries in all, never alive at once\)', line), line
+  # Only progress on stderr: libtpu's start-up is told the slice, so it logs nothing.
+  progress = r.stderr.splitlines()
+  assert progress[0] == 'compiling the train step for v5e-4 with the TPU compiler...', r.stderr
+  assert re.fullmatch(r'compiling the train step for v5e-4 with the TPU compiler: done in .+', progress[-1])
 
 
 # A vocabulary of 2^22 × 1024 in float32 is 17 GB of parameters, more than a v5e chip's 16 GB before Adam's moments.
@@ -106,8 +116,8 @@ TOO_BIG = {**SMALL, 'model.vocab_size': 2**22, 'model.d_model': 1024, 'model.num
 def test_compile_only_refuses_a_step_that_does_not_fit():
   r = compile_only('--topology=v5e:1x1', overrides=TOO_BIG)
   assert r.returncode == 2 and r.stdout == ''
-  assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # nothing from libtpu's start-up either
-  line = r.stderr.strip()
+  progress, line = r.stderr.strip().splitlines()  # nothing from libtpu's start-up either
+  assert progress == 'compiling the train step for v5e:1x1 with the TPU compiler...', r.stderr
   assert line.startswith("error: topology='v5e:1x1': does not fit: the step needs ") and 'per chip' in line, r.stderr
   assert 'TPU v5 lite chip has' in line
 

@@ -12,7 +12,7 @@ import grain
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, fake_gcs_env, run_cli
+from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli
 from laurel import config_lib, data
 from test_data import lm_data, segments
 
@@ -185,7 +185,61 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
       (dict(tfds_data_dir=str(root / 'old'), vocab_path=str(tmp_path / 'empty' / 'sp.model')),
        f"data.vocab_path='{tmp_path / 'empty' / 'sp.model'}': cannot read a SentencePiece model"),
   ]
+  cases.append((dict(name='corpus', path=str(tmp_path / 'empty')),
+                f"data.path='{tmp_path / 'empty'}': no corpus-train.*.array_record shards; write them with python "
+                f"scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={tmp_path / 'empty'}"))
   for fields, message in cases:
     with pytest.raises(ValueError, match=re.escape(message)) as e:
-      data.check_available(lm_data('c4', 32, **{'vocab_path': sp_model, **fields}))
+      data.check_available(lm_data(fields.pop('name', 'c4'), 32, **{'vocab_path': sp_model, **fields}))
     assert '\n' not in str(e.value) and re.match(r"data\.\w+='", str(e.value)), str(e.value)
+
+
+def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path):
+  """scripts/prepare_text.py: every document of JSON lines (gzipped), a JSON array and text files lands once in the
+  shards, a vocabulary with the loader's ids is trained, and the closing command trains on them as printed."""
+  rng, docs = np.random.default_rng(1), {}
+  corpus = tmp_path / 'corpus'
+  (corpus / 'notes').mkdir(parents=True)
+  docs['lines'] = _documents(rng, 150)
+  with gzip.open(corpus / 'a.jsonl.gz', 'wt', encoding='utf-8') as f:
+    f.writelines(json.dumps({'text': t, 'id': i}) + '\n' for i, t in enumerate(docs['lines']))
+  docs['array'] = _documents(rng, 60)
+  (corpus / 'b.json').write_text(json.dumps([{'text': t} for t in docs['array'][:-1]] + [docs['array'][-1]]))
+  docs['text'] = [t + '\n    indented\n' for t in _documents(rng, 5)]
+  for i, text in enumerate(docs['text']):
+    (corpus / 'notes' / f'{i}.txt').write_text(text)
+  out = tmp_path / 'prepared'
+  args = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={corpus}/*.json*',
+          f'--input={corpus}/notes/*.txt', f'--output={out}', '--vocab_size=320', '--validation_fraction=0.1',
+          '--workers=2']
+  r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  shards = {split: sorted(out.glob(f'corpus-{split}.*.array_record')) for split in ('train', 'validation')}
+  assert [len(s) for s in shards.values()] == [7, 7]  # one per input file
+  written = {split: [t for p in paths for t in read_shard(p)] for split, paths in shards.items()}
+  assert sorted(written['train'] + written['validation']) == sorted(t for ts in docs.values() for t in ts)
+  assert 0 < len(written['validation']) < len(written['train'])
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  vocab = sentencepiece.SentencePieceProcessor(model_file=str(out / 'vocab.model'))
+  assert (vocab.pad_id(), vocab.eos_id(), vocab.unk_id(), vocab.bos_id()) == (0, 1, 2, -1)
+  assert vocab.decode(vocab.encode(docs['text'][0])) == docs['text'][0]  # byte fallback, whitespace as written
+
+  command = r.stdout.strip().splitlines()[-1].split()
+  assert command[:4] == ['python', '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=small'], r.stdout
+  flags = dict(a.split('=', 1) for a in command[4:])
+  vocab_size = int(flags.pop('--config.model.vocab_size'))
+  assert flags == {'--workdir': 'runs/prepared', '--config.data.name': 'corpus', '--config.data.path': str(out),
+                   '--config.data.vocab_path': str(out / 'vocab.model')}
+  assert vocab_size % 128 == 0 and vocab_size >= vocab.get_piece_size()
+  tiny = {k: v for k, v in TINY_LM.items() if k != 'data.name'}
+  trained = subprocess.run([sys.executable, *command[1:], *[f'--config.{k}={v}' for k, v in tiny.items()]],
+                           cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  assert 0 < json.loads((tmp_path / 'runs' / 'prepared' / 'final.json').read_text())['eval_loss'] < 10
+
+  again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # resumes: all there
+  assert again.returncode == 0 and '7 already there; writing 0' in again.stdout, again.stderr[-3000:]
+  other = subprocess.run(args[:-2] + ['--validation_fraction=0.2'], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+  assert other.returncode == 2 and other.stderr == (
+      f"error: --output='{out}': was prepared with validation_fraction=0.1 (now 0.2); use another --output\n")

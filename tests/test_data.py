@@ -180,7 +180,7 @@ def test_default_corpus_is_the_standard_library():
 
 
 @pytest.mark.parametrize('name,field,value,message', [
-    ('text', 'name', 'foo', "data.name='foo': must be one of c4, text, synthetic"),
+    ('text', 'name', 'foo', "data.name='foo': must be one of c4, corpus, text, synthetic"),
     ('text', 'seq_len', 0, 'data.seq_len=0: must be a positive integer'),
     ('text', 'seq_len', 1.5, 'data.seq_len=1.5'),
     ('text', 'path', '/nope/*.txt', "data.path='/nope/*.txt': matches no files"),
@@ -190,6 +190,7 @@ def test_default_corpus_is_the_standard_library():
     ('text', 'prefetch', -2, 'data.prefetch=-2'),
     ('c4', 'vocab_path', '/nope/sp.model', "data.vocab_path='/nope/sp.model'"),
     ('c4', 'vocab_path', '', "data.vocab_path=''"),
+    ('corpus', 'path', '', "data.path='': corpus reads the directory that scripts/prepare_text.py wrote"),
 ])
 def test_validate_names_the_bad_field(name, field, value, message):
   cfg = lm_data(name, 64)

@@ -1,6 +1,7 @@
 """laurel.generate: KV-cache decoding equals recomputing the whole forward pass, for every residual design."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -86,8 +87,11 @@ def test_generate_cli_samples_a_trained_run(tmp_path):
           for extra in ([], ['--nocache'])]
   for out in outs:
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    assert len(lines) == 2 and lines[0].startswith('def ') and lines[1].startswith('import')
+    # Each sample below a line naming its prompt: continuations may span lines (and print blank ones).
+    samples = re.split(r'^(=== \d/2 \| prompt .* \| \d new tokens.*)$', out.stdout, flags=re.M)
+    assert samples[0] == '' and len(samples) == 5, out.stdout
+    assert samples[1].startswith("=== 1/2 | prompt 'def ' | ") and samples[3].startswith("=== 2/2 | prompt 'import' | ")
+    assert samples[2].startswith('\ndef ') and samples[4].startswith('\nimport')
   assert outs[0].stdout == outs[1].stdout  # greedy: the cache changes nothing
   bad = subprocess.run(command[:4] + ['--prompt=x', '--top_p=0'], env=cli_env(), cwd=ROOT, capture_output=True,
                        text=True, timeout=300)

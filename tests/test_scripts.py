@@ -8,9 +8,11 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, fake_gcs_env, needs_libtpu
+from laurel import aot
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 import common  # noqa: E402  (scripts/common.py)
@@ -147,13 +149,15 @@ def test_launch_tpu_preflight_compiles_for_the_slice_before_any_gcloud_command()
           '--config=configs/c4_ablation.py:rw_lr,preset=tiny', '--workdir=gs://b/r', *PREFLIGHT]
   r = script('launch_tpu.py', *args)
   assert r.returncode == 0, r.stderr
-  assert r.stderr.startswith('preflight v5e:2x2: fits: the step needs ') and ' of 16.0 GB (' in r.stderr
+  assert r.stderr.splitlines()[-1].startswith('preflight v5e:2x2: fits: the step needs ') and ' of 16.0 GB (' in r.stderr
   assert r.stdout.splitlines()[0].startswith('# pack the working tree')
   # 2^22 × 1024 float32 embeddings (17 GB) do not fit a v5e chip's 16 GB: refused, nothing printed to run.
   r = script('launch_tpu.py', *args, '--config.model.vocab_size=4194304', '--config.model.d_model=1024',
              '--config.model.num_heads=8')
   assert r.returncode == 2 and r.stdout == ''
-  assert r.stderr.startswith("error: topology='v5e:2x2': does not fit: the step needs ") and r.stderr.count('\n') == 1
+  progress, error = r.stderr.strip().splitlines()
+  assert progress.startswith('compiling the train step for v5e:2x2')
+  assert error.startswith("error: topology='v5e:2x2': does not fit: the step needs ")
 
 
 def test_accelerator_names():
@@ -164,9 +168,34 @@ def test_accelerator_names():
   assert {k: common.parse_accelerator('v4-32')[k] for k in ('chips', 'hosts', 'topology')} == {
       'chips': 16, 'hosts': 4, 'topology': '2x2x4'}
   assert common.parse_accelerator('v4-16', '1x2x4')['create_flags'] == ['--type=v4', '--topology=1x2x4']
-  for bad in (('v4-12',), ('v6e-16', '2x8'), ('v4-16', '2x2x4'), ('tpu-v6e-16',)):
+  for bad in (('v4-12',), ('v6e-16', '2x8'), ('v4-16', '2x2x4'), ('tpu-v6e-16',), ('v6e:2x8',), ('v6e:3x3',)):
     with pytest.raises(ValueError):
       common.parse_accelerator(*bad)
+
+
+@pytest.mark.parametrize('topology, accelerator', [('v6e:4x4', ('v6e-16',)), ('v5e:2x4', ('v5litepod-8',)),
+                                                   ('v4:2x2x4', ('v4-32',)), ('v4:1x2x4', ('v4-16', '1x2x4')),
+                                                   ('v5p:2x2x2', ('v5p-16',))])
+def test_one_spelling_of_a_slice_everywhere(topology, accelerator):
+  """The launcher takes the TPU compiler's spelling too (and pre-flight and the benchmark Cloud TPU's: aot)."""
+  assert common.parse_accelerator(topology) == common.parse_accelerator(*accelerator)
+  if len(accelerator) == 1:
+    assert aot.parse_topology(accelerator[0]) == aot.parse_topology(topology)
+    assert aot.slice_size(accelerator[0]) == aot.slice_size(topology)
+  with pytest.raises(ValueError, match=r"^--accelerator='v6e:2x8': Cloud TPU has no such v6e slice; 16 chips are "
+                                       r'v6e:4x4$'):
+    common.parse_accelerator('v6e:2x8')
+
+
+def test_launch_tpu_refuses_a_local_workdir_for_several_hosts():
+  args = ['--dry-run', '--nopreflight', '--tpu=t', '--zone=z', '--config=configs/c4_ablation.py:rw_lr']
+  r = script('launch_tpu.py', *args, '--accelerator=v6e:4x4', '--workdir=runs/rw_lr')
+  assert r.returncode == 2 and r.stdout == ''
+  assert r.stderr == ("error: --workdir='runs/rw_lr': a local directory, but the 4 hosts of v6e-16 must share the "
+                      'workdir: use gs://BUCKET/...\n')
+  r = script('launch_tpu.py', *args, '--accelerator=v6e-8', '--workdir=runs/rw_lr', '--config.batch_size=64')
+  assert r.returncode == 0, r.stderr  # one host: its own disk will do
+  assert 'gcloud compute tpus tpu-vm ssh t ' in r.stdout
 
 
 @pytest.mark.parametrize('spec, fields, extra, points', [
@@ -180,7 +209,7 @@ def test_accelerator_names():
 ])
 def test_sweep_print_gives_the_slice_setup_and_one_launch_per_point(spec, fields, extra, points):
   r = script('sweep.py', f'--config={spec}', *fields, '--launch=print', '--workdir=gs://b/sweep', '--tpu=my-tpu',
-             '--zone=z', '--accelerator=v6e-16', '--set=steps=100', *extra)
+             '--zone=z', '--accelerator=v6e-16', '--set=steps=20000', *extra)  # more than any warmup
   assert r.returncode == 0, r.stderr
   launch = 'python scripts/launch_tpu.py --tpu=my-tpu --zone=z --accelerator=v6e-16'
   lines = r.stdout.splitlines()
@@ -190,7 +219,49 @@ def test_sweep_print_gives_the_slice_setup_and_one_launch_per_point(spec, fields
                                                       re.findall(r'(?:rank|k)=(\d+)', point))]
     seed = re.findall(r'seed=(\d+)', point)
     assert line == ' '.join([f'{launch} --nosetup --nodetach --config={spec} --workdir=gs://b/sweep/{point} '
-                             '--config.steps=100', *overrides, *[f'--config.seed={s}' for s in seed]])
+                             '--config.steps=20000', *overrides, *[f'--config.seed={s}' for s in seed]])
+
+
+def test_sweep_print_without_a_slice_is_a_local_dry_run(tmp_path):
+  r = script('sweep.py', '--config=configs/c4_ablation.py:rw_lr_pa,preset=tiny', '--field=model.laurel.rank',
+             '--values=4,8', '--field=model.laurel.k', '--values=2,3', '--launch=print', f'--workdir={tmp_path}',
+             '--set=steps=100')
+  assert r.returncode == 0, r.stderr
+  expected = [f'python -m laurel.main --config=configs/c4_ablation.py:rw_lr_pa,preset=tiny --workdir={tmp_path}/'
+              f'rank={rank},k={k} --config.steps=100 --config.model.laurel.rank={rank} --config.model.laurel.k={k}'
+              for rank in (4, 8) for k in (2, 3)]
+  assert r.stdout.splitlines() == expected
+  assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def _contrast(a, b) -> float:
+  """WCAG 2 contrast ratio of two sRGB colours: 1 (none) to 21 (black on white)."""
+  luminance = lambda rgba: np.dot([0.2126, 0.7152, 0.0722], [
+      c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]])
+  hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+  return (hi + 0.05) / (lo + 0.05)
+
+
+def test_sweep_heatmap_numbers_are_legible_on_every_cell():
+  import matplotlib.colors  # pylint: disable=import-outside-toplevel
+  import sweep  # pylint: disable=import-outside-toplevel  # scripts/sweep.py
+  ranks, ks = ['4', '8', '16', '32'], ['1', '2', '3']
+  summary = [{'model.laurel.rank': r, 'model.laurel.k': k, 'eval_loss': 3.0 + 0.1 * i + 0.03 * j}
+             for i, r in enumerate(ranks) for j, k in enumerate(ks) if (r, k) != ('32', '3')]  # one cell empty
+  result = {'fields': ['model.laurel.rank', 'model.laurel.k'], 'grid': {'model.laurel.rank': ranks,
+                                                                       'model.laurel.k': ks},
+            'metric': 'eval_loss', 'reduce': 'final', 'config': 'configs/c4_ablation.py:rw_lr', 'summary': summary}
+  figure = sweep.plot(result)
+  ax = figure.axes[0]
+  image = ax.images[0]
+  cells = image.get_array()
+  texts = ax.texts
+  assert len(texts) == len(ranks) * len(ks)
+  for text in texts:
+    j, i = (int(round(v)) for v in text.get_position())
+    value = cells[i, j]
+    background = (1, 1, 1, 1) if np.ma.is_masked(value) or np.isnan(value) else image.cmap(image.norm(value))
+    assert _contrast(matplotlib.colors.to_rgba(text.get_color()), background) >= 4.5, (text.get_text(), i, j)
 
 
 def test_sweep_grid_on_a_tpu_slice_with_a_gs_workdir_goes_on_past_a_failed_point(cloud):
@@ -315,11 +386,25 @@ def test_reproduce_c4_ablation_end_to_end_and_resumable(tmp_path):
       rows['rw']['test_loss'])
 
 
+def test_reproduce_writes_its_tables_beside_the_runs_unless_asked(tmp_path):
+  """Not into the committed results/ (relative to where it runs) unless --out says so."""
+  run = tmp_path / 'runs' / 'baseline_24' / 'seed0'
+  run.mkdir(parents=True)
+  (run / 'final.json').write_text(json.dumps({'eval_loss': 3.0, 'params': 1_000_000, 'peak_memory_bytes': 10**8,
+                                              'median_step_time_s': 0.5}))
+  r = subprocess.run([sys.executable, str(ROOT / 'scripts' / 'reproduce_c4_ablation.py'), '--rows=baseline_24',
+                      '--collect_only', f'--workdir={tmp_path / "runs"}'], cwd=tmp_path, capture_output=True,
+                     text=True, env=fast_env(), timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert not (tmp_path / 'results').exists()
+  assert json.loads((tmp_path / 'runs' / 'c4_ablation_tiny.json').read_text())['rows'][0]['test_loss'] == 3.0
+
+
 @needs_libtpu
 def test_benchmark_topology_compiles_every_row_for_the_slice(tmp_path):
   out = tmp_path / 'tpu.json'
   tiny = {k: v for k, v in TINY_SETS.items() if k.startswith('model.')}
-  r = script('benchmark.py', '--topology=v6e:2x2', '--preset=tiny', '--rows=rw_lr', '--batch_size=8',
+  r = script('benchmark.py', '--topology=v6e-4', '--preset=tiny', '--rows=rw_lr', '--batch_size=8',
              '--seq_len=64', f'--out={out}', *sets(tiny))
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   result = json.loads(out.read_text())

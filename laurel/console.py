@@ -1,0 +1,160 @@
+"""What the command-line programs print, and how Ctrl-C stops them.
+
+  quiet_start()            before JAX starts a backend: no libtpu error lines on a machine without an accelerator
+  exit_on_interrupt(line)  Ctrl-C prints `line` and exits 130 at once, also while XLA compiles
+  deferred()               a section (a file being written) that Ctrl-C lets finish first
+  phase(what)              `what...`, a line every 30 s while it lasts, then how long it took
+  step_line, eval_line     one line per logged step and per evaluation
+
+Standard library only: laurel.main imports it before JAX and TensorFlow, so that Ctrl-C is handled while they load.
+"""
+
+import contextlib
+import glob
+import importlib.util
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+# Device files of a TPU (/dev/accel* up to v4, /dev/vfio/<n> from v5e) or a GPU (NVIDIA, AMD).
+ACCELERATOR_FILES = ('/dev/accel*', '/dev/vfio/[0-9]*', '/dev/nvidia[0-9]*', '/dev/kfd')
+HEARTBEAT_S = 30.0
+
+
+def has_accelerator() -> bool:
+  return any(glob.glob(pattern) for pattern in ACCELERATOR_FILES)
+
+
+def quiet_start() -> None:
+  """On a machine with no accelerator, JAX would start libtpu (the TPU compiler, installed by the tpu and test
+  extras) as a TPU runtime, which prints INVALID_ARGUMENT error lines before it finds no TPU: use the CPU, unless
+  JAX_PLATFORMS says otherwise. TensorFlow (clu's TensorBoard writer) logs INFO lines at import: warnings only, and
+  no oneDNN notice (its oneDNN kernels are off; TensorFlow computes nothing here)."""
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+  os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+  if os.environ.get('JAX_PLATFORMS') or importlib.util.find_spec('libtpu') is None or has_accelerator():
+    return
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  jax = sys.modules.get('jax')
+  if jax is not None and hasattr(jax, 'config') and not jax.config.jax_platforms:  # it read the environment already
+    jax.config.update('jax_platforms', 'cpu')
+
+
+_interrupt = {'line': 'interrupted', 'deferred': 0, 'pending': False}
+_interrupt_lock = threading.RLock()  # re-entered when the handler runs in the main thread inside deferred()
+
+
+def _exit_interrupted(*_):
+  with _interrupt_lock:
+    if _interrupt['deferred']:
+      _interrupt['pending'] = True
+      return
+    os.write(2, f'{_interrupt["line"]}\n'.encode())  # no buffered stream: the main thread may be inside print()
+    os._exit(130)  # pylint: disable=protected-access  # no unwinding through XLA's and TensorFlow's threads
+
+
+def _watch_wakeups(reader: socket.socket, writer: socket.socket):
+  del writer  # kept alive with this thread: Python writes each caught signal's number to it
+  while received := reader.recv(64):
+    if signal.SIGINT in received and signal.getsignal(signal.SIGINT) is _exit_interrupted:
+      _exit_interrupted()
+
+
+def exit_on_interrupt(line: str) -> None:
+  """From now on Ctrl-C prints `line` on stderr and exits with status 130 at once, until a handler of its own
+  replaces this one (the train loop's, which saves a checkpoint first). Python runs a signal handler only between
+  bytecodes, so during a long XLA compile it would wait for the compile; a thread woken through
+  signal.set_wakeup_fd exits instead. Unwinding a KeyboardInterrupt through JAX and TensorFlow crashed at exit
+  (status 139). Call it from the main thread."""
+  _interrupt['line'] = line
+  if signal.getsignal(signal.SIGINT) is _exit_interrupted:
+    return
+  signal.signal(signal.SIGINT, _exit_interrupted)
+  reader, writer = socket.socketpair()
+  writer.setblocking(False)
+  signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+  threading.Thread(target=_watch_wakeups, args=(reader, writer), daemon=True, name='laurel-ctrl-c').start()
+
+
+@contextlib.contextmanager
+def deferred():
+  """A Ctrl-C (exit_on_interrupt) during this section exits when it ends, so that a file is never half written."""
+  with _interrupt_lock:
+    _interrupt['deferred'] += 1
+  try:
+    yield
+  finally:
+    with _interrupt_lock:
+      _interrupt['deferred'] -= 1
+      if _interrupt['pending'] and not _interrupt['deferred']:
+        _exit_interrupted()
+
+
+def duration(seconds: float) -> str:
+  """12.3 s, 4m05s, 2h03m."""
+  if seconds < 60:
+    return f'{seconds:.1f} s'
+  minutes = int(seconds // 60)
+  return f'{minutes}m{int(seconds % 60):02d}s' if minutes < 60 else f'{minutes // 60}h{minutes % 60:02d}m'
+
+
+@contextlib.contextmanager
+def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
+  """Prints `what...`, then `  still <what> (<time>)` every `every_s` seconds while the section lasts (a compile
+  for a large model takes minutes and prints nothing itself), then `<what>: done in <time>` (not if it raises).
+  `file`: stdout by default."""
+  say = lambda line: print(line, file=file or sys.stdout, flush=True)
+  say(f'{what}...')
+  start, done = time.perf_counter(), threading.Event()
+
+  def heartbeat():
+    while not done.wait(every_s):
+      say(f'  still {what} ({duration(time.perf_counter() - start)})')
+
+  thread = threading.Thread(target=heartbeat, daemon=True, name='laurel-heartbeat')
+  thread.start()
+  try:
+    yield
+  finally:
+    done.set()
+    thread.join()
+  say(f'{what}: done in {duration(time.perf_counter() - start)}')
+
+
+# Bookkeeping of a logged row, shown in their own places on the console line (or only in metrics.jsonl).
+_NOT_METRICS = ('learning_rate', 'step_time_s', 'peak_memory_bytes', 'params', 'device_peak_bytes', 'mfu', 'hfu')
+
+
+def _metrics(row: dict) -> str:
+  names = ['loss'] * ('loss' in row) + [k for k in row if k != 'loss' and k not in _NOT_METRICS
+                                        and not k.endswith('_per_s')]
+  return ' | '.join(f'{k} {row[k]:.4f}' for k in names)
+
+
+def step_line(step: int, steps: int, row: dict, unit: str) -> str:
+  """`step 25/500 (5%) | loss 3.1416 | accuracy 0.3124 | grad_norm 1.2300 | lr 1.50e-03 | 0.44 s/step, 4,301
+  tokens/s | ETA 3m32s`, with mfu and hfu where the chip's peak is known."""
+  parts = [f'step {step}/{steps} ({100 * step // steps}%)', _metrics(row)]
+  if 'learning_rate' in row:
+    parts.append(f'lr {row["learning_rate"]:.2e}')
+  speed = f'{row["step_time_s"]:.3g} s/step, {row[f"{unit}_per_s"]:,.0f} {unit}/s'
+  parts.append(speed + ''.join(f', {k} {100 * row[k]:.1f}%' for k in ('mfu', 'hfu') if k in row))
+  parts.append(f'ETA {duration(row["step_time_s"] * (steps - step))}')
+  return ' | '.join(parts)
+
+
+def eval_line(step: int, steps: int, row: dict) -> str:
+  """`eval at step 250/500 | loss 2.9871 | accuracy 0.3521` from the eval_* metrics."""
+  return f'eval at step {step}/{steps} | ' + _metrics({k.removeprefix('eval_'): v for k, v in row.items()})
+
+
+def shown(path) -> str:
+  """A path as one would type it here: relative to the working directory when it lies inside it."""
+  path = os.fspath(path)
+  if '://' in path or not os.path.isabs(path):
+    return path
+  relative = os.path.relpath(path)
+  return path if relative.startswith(os.pardir) else relative

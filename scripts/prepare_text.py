@@ -1,0 +1,196 @@
+"""Your own documents, ready to train on in one command: ArrayRecord shards and a SentencePiece vocabulary.
+
+  python scripts/prepare_text.py --input='~/corpus/*.jsonl.gz' [--input='notes/**/*.txt' ...] --output=data/mine
+      [--vocab_size=16000 | --vocab_path=EXISTING.model] [--text_field=text] [--text_unit=file|line]
+      [--validation_fraction=0.02] [--num_shards=N] [--workers=N]
+
+Inputs (globs, local or gs://; ** recurses), each optionally gzipped (.gz): JSON lines (.jsonl, or .json with one
+object per line, as C4's files are), a JSON array (a .json file starting with '['), or text (any other name). A JSON
+value's document is its --text_field (or the value itself, if a string); a text file is one document
+(--text_unit=file) or one per non-empty line (--text_unit=line). A document goes to the validation split when a
+stable hash of its file and position falls below --validation_fraction, else to train.
+
+Output, in --output (local or gs://): corpus-<split>.NNNNN-of-MMMMM.array_record, one record per document (its UTF-8
+text), the inputs spread over MMMMM shards converted in parallel (--workers); and vocab.model, a SentencePiece model
+trained on up to --vocab_sample_docs train documents with the ids laurel's loader needs (pad 0, eos 1, unk 2, no bos),
+byte fallback (no unknown characters) and whitespace kept as written (code keeps its indentation). --vocab_path uses
+an existing model instead (e.g. T5's, data.C4_VOCAB_PATH). A rerun with the same arguments resumes: finished shards
+and the vocabulary are kept (prepare.json records the arguments; other inputs or options need another --output).
+The closing lines print the training command with every flag it needs.
+"""
+
+import glob
+import gzip
+import io
+import json
+import os
+import time
+
+import common  # puts the repo root on sys.path
+import numpy as np
+from absl import app, flags
+from etils import epath
+
+from laurel import data
+from laurel.config_lib import InputError
+
+PREFIX = 'corpus'  # the loader's data.name for these shards
+SPLITS = ('train', 'validation')
+MAX_SHARDS = 64  # default --num_shards: one per input file, up to this many
+
+_INPUT = flags.DEFINE_multi_string('input', [], 'Glob of input files (repeatable), local or gs://.')
+_OUTPUT = flags.DEFINE_string('output', None, 'Directory for the shards and the vocabulary (local or gs://).')
+_TEXT_FIELD = flags.DEFINE_string('text_field', 'text', "JSON inputs: the field holding a document's text.")
+_TEXT_UNIT = flags.DEFINE_enum('text_unit', 'file', ['file', 'line'], 'Text inputs: a document per file or per '
+                               'non-empty line.')
+_VALIDATION_FRACTION = flags.DEFINE_float('validation_fraction', 0.02, 'Share of the documents held out.')
+_NUM_SHARDS = flags.DEFINE_integer('num_shards', 0, f'Shards per split; 0 = one per input file, at most {MAX_SHARDS}.')
+_WORKERS = flags.DEFINE_integer('workers', os.cpu_count(), 'Shards written at once (processes).')
+_VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 16000, 'Pieces of the SentencePiece vocabulary to train.')
+_VOCAB_PATH = flags.DEFINE_string('vocab_path', '', 'Use this SentencePiece model instead of training one.')
+_VOCAB_MODEL_TYPE = flags.DEFINE_enum('vocab_model_type', 'unigram', ['unigram', 'bpe'], "SentencePiece's algorithm.")
+_VOCAB_SAMPLE_DOCS = flags.DEFINE_integer('vocab_sample_docs', 100_000, 'Train documents the vocabulary learns from '
+                                          '(spread evenly over the split).')
+
+
+def input_files(patterns: list[str]) -> list[str]:
+  """Every file the globs match (local or gs://), sorted; a one-line ValueError for a glob that matches none."""
+  files = set()
+  for pattern in patterns:
+    if '://' in pattern:
+      root = data._glob_root(pattern)  # pylint: disable=protected-access
+      found = [os.fspath(p) for p in epath.Path(root).glob(pattern[len(root):].lstrip('/')) if p.is_file()]
+    else:
+      found = [f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f)]
+    if not found:
+      raise InputError(f'--input={pattern!r}: matches no files')
+    files.update(found)
+  return sorted(files)
+
+
+def documents(path: str, text_field: str, text_unit: str):
+  """The documents of one input file, in order (module docstring)."""
+  name = path.removesuffix('.gz')
+  with epath.Path(path).open('rb') as raw, io.TextIOWrapper(gzip.open(raw) if path.endswith('.gz') else raw,
+                                                             encoding='utf-8') as stream:
+    if not name.endswith(('.json', '.jsonl')):
+      text = stream.read()
+      yield from ([text] if text_unit == 'file' else [line for line in text.splitlines() if line.strip()])
+      return
+    head = stream.read(1)
+    while head.isspace():
+      head = stream.read(1)
+    if head == '[':
+      values = enumerate(json.loads(head + stream.read()), 1)
+    else:
+      values = ((i, json.loads(line)) for i, line in enumerate(
+          (head + stream.readline(), *stream), 1) if line.strip())
+    for i, value in values:
+      if isinstance(value, dict) and isinstance(value.get(text_field), str):
+        yield value[text_field]
+      elif isinstance(value, str):
+        yield value
+      else:
+        raise InputError(f'{path}: item {i} is neither a string nor an object with a string --text_field='
+                         f'{text_field!r}')
+
+
+def shard_names(num_shards: int) -> dict[str, list[str]]:
+  return {split: [f'{PREFIX}-{split}.{i:05d}-of-{num_shards:05d}{data.C4_SHARD_SUFFIX}' for i in range(num_shards)]
+          for split in SPLITS}
+
+
+def write_shard(job) -> tuple[dict[str, int], float]:
+  """Shard i of both splits from its input files; returns the documents per split and the seconds it took."""
+  files, root, dests, options = job
+  start, counts = time.time(), dict.fromkeys(SPLITS, 0)
+  with common.array_record_shard(dests['train']) as train, common.array_record_shard(dests['validation']) as val:
+    for path in files:
+      for i, text in enumerate(documents(path, options['text_field'], options['text_unit'])):
+        # Keyed by the path below the inputs' common folder: the same split wherever the corpus lies.
+        held_out = data._unit_hash(f'{path[len(root):]}:{i}') < options['validation_fraction']  # pylint: disable=protected-access
+        (val if held_out else train).write(text.encode('utf-8'))
+        counts['validation' if held_out else 'train'] += 1
+  return counts, time.time() - start
+
+
+def train_vocab(train_shards: list[str], dest: epath.Path, vocab_size: int, model_type: str, sample_docs: int):
+  """A SentencePiece model on up to `sample_docs` train documents, spread evenly, one sentence per line."""
+  import grain  # pylint: disable=import-outside-toplevel
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  source = grain.sources.ArrayRecordDataSource(train_shards)
+  picked = np.unique(np.linspace(0, len(source) - 1, min(len(source), sample_docs)).astype(int))
+  lines = (line for i in picked for line in source[int(i)].decode('utf-8').splitlines() if line.strip())
+  model = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type=model_type,
+      pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True, normalization_rule_name='nfkc',
+      remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, character_coverage=0.9995,
+      input_sentence_size=2_000_000, shuffle_input_sentence=True, hard_vocab_limit=False,
+      num_threads=os.cpu_count(), minloglevel=2)
+  dest.write_bytes(model.getvalue())
+
+
+def check_resumable(manifest: epath.Path, options: dict):
+  if manifest.exists() and (saved := json.loads(manifest.read_text())) != options:
+    changed = ', '.join(f'{k}={saved.get(k)!r} (now {v!r})' for k, v in options.items() if saved.get(k) != v)
+    raise InputError(f'--output={_OUTPUT.value!r}: was prepared with {changed}; use another --output')
+  manifest.write_text(json.dumps(options, indent=2) + '\n')
+
+
+def prepare():
+  common.require(input=_INPUT, output=_OUTPUT)
+  for flag, ok, why in (('workers', _WORKERS.value >= 1, 'at least 1'), ('num_shards', _NUM_SHARDS.value >= 0, '>= 0'),
+                        ('validation_fraction', 0 < _VALIDATION_FRACTION.value < 1, 'in (0, 1)'),
+                        ('vocab_size', _VOCAB_SIZE.value >= 300 or _VOCAB_PATH.value,
+                         'at least 300 (the special and byte pieces take 259)'),
+                        ('vocab_sample_docs', _VOCAB_SAMPLE_DOCS.value >= 1, 'at least 1')):
+    if not ok:
+      raise InputError(f'--{flag}={flags.FLAGS[flag].value!r}: must be {why}')
+  if _VOCAB_PATH.value and not epath.Path(_VOCAB_PATH.value).exists():
+    raise InputError(f'--vocab_path={_VOCAB_PATH.value!r}: no such file')
+  files, out = input_files(_INPUT.value), epath.Path(_OUTPUT.value)
+  num_shards = _NUM_SHARDS.value or min(len(files), MAX_SHARDS)
+  prefix = os.path.commonprefix(files)
+  root = prefix[:prefix.rfind('/') + 1]  # the inputs' common folder, local or gs://
+  options = {'inputs': files, 'num_shards': num_shards, 'text_field': _TEXT_FIELD.value,
+             'text_unit': _TEXT_UNIT.value, 'validation_fraction': _VALIDATION_FRACTION.value,
+             'vocab': _VOCAB_PATH.value or {'size': _VOCAB_SIZE.value, 'model_type': _VOCAB_MODEL_TYPE.value,
+                                            'sample_docs': _VOCAB_SAMPLE_DOCS.value}}
+  out.mkdir(parents=True, exist_ok=True)
+  check_resumable(out / 'prepare.json', options)
+  names, done = shard_names(num_shards), {p.name for p in out.iterdir()}
+  jobs = [(files[i::num_shards], root, {split: os.fspath(out / names[split][i]) for split in SPLITS}, options)
+          for i in range(num_shards) if not all(names[split][i] in done for split in SPLITS)]
+  workers = min(_WORKERS.value, max(len(jobs), 1))
+  print(f'{len(files)} input files -> {num_shards} shards per split in {out}: {num_shards - len(jobs)} already '
+        f'there; writing {len(jobs)} with {workers} worker{"s" * (workers > 1)}', flush=True)
+  for i, (counts, seconds) in enumerate(common.parallel_map(write_shard, jobs, workers)):
+    print(f'[{i + 1}/{len(jobs)}] {counts["train"]:,} train and {counts["validation"]:,} validation documents in '
+          f'{seconds:.0f} s', flush=True)
+  import grain  # pylint: disable=import-outside-toplevel
+  shards = {split: [os.fspath(out / name) for name in names[split]] for split in SPLITS}
+  counts = {split: len(grain.sources.ArrayRecordDataSource(paths)) for split, paths in shards.items()}
+  for split, count in counts.items():
+    if not count:
+      raise InputError(f'--input: no document went to the {split} split; '
+                       + ('raise --validation_fraction' if split == 'validation' else 'lower --validation_fraction'))
+
+  vocab = epath.Path(_VOCAB_PATH.value) if _VOCAB_PATH.value else out / 'vocab.model'
+  if not vocab.exists():
+    print(f'training a {_VOCAB_SIZE.value:,}-piece SentencePiece vocabulary on up to {_VOCAB_SAMPLE_DOCS.value:,} '
+          'train documents...', flush=True)
+    train_vocab(shards['train'], vocab, _VOCAB_SIZE.value, _VOCAB_MODEL_TYPE.value, _VOCAB_SAMPLE_DOCS.value)
+  pieces = data.SentencePieceTokenizer(vocab.read_bytes()).vocab_size
+  model_vocab = -(-pieces // 128) * 128  # the vocab axis then shards over up to 128 devices
+  run = f'runs/{out.name}'
+  print(f'done: {counts["train"]:,} train and {counts["validation"]:,} validation documents in {num_shards} shards '
+        f'per split in {out}; vocabulary {vocab} ({pieces:,} pieces)\n'
+        f'train a small model on it (any row of configs/c4_ablation.py; --config.model.* changes the shape):\n'
+        f'  python -m laurel.main --config=c4_ablation:rw_lr,preset=small --workdir={run} --config.data.name={PREFIX} '
+        f'--config.data.path={out} --config.data.vocab_path={vocab} --config.model.vocab_size={model_vocab}',
+        flush=True)
+
+
+if __name__ == '__main__':
+  app.run(common.main(prepare))

@@ -1,0 +1,153 @@
+"""What a researcher sees every day: a quiet start, progress and one line per logged step, a closing summary,
+Ctrl-C at any time, and the Makefile and packaging that set it up."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+
+from helpers import ROOT, TINY_LM, cli_args, cli_env
+from laurel import console
+
+SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
+# A line that absl, glog, libtpu or TensorFlow's C++ logging printed: 'E0000 00:00:...', 'I1124 05:02:52...'.
+LOGGING_PREFIX = re.compile(r'^[IWEF]\d{4} \d\d:\d\d:\d\d')
+
+
+def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line(tmp_path):
+  env = cli_env()
+  del env['JAX_PLATFORMS']  # as a user runs it: JAX would probe libtpu (the test extra's) for a TPU
+  workdir = tmp_path / 'run'
+  result = subprocess.run(cli_args(SPEC, workdir, {**TINY_LM, 'steps': 4, 'log_every': 2, 'tensorboard': True}),
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = (result.stdout + result.stderr).splitlines()
+  assert not [l for l in lines if LOGGING_PREFIX.match(l) or 'INVALID_ARGUMENT' in l or 'Traceback' in l], lines
+  assert result.stderr == ''
+  out = result.stdout.splitlines()
+  assert out[0] == 'config: run/config.json (lm, row rw_lr, preset tiny, 4 steps)'
+  assert json.loads((workdir / 'config.json').read_text())['steps'] == 4
+  assert 'compiling the train step for 1 device...' in out
+  assert any(re.fullmatch(r'compiling the train step for 1 device: done in [\d.]+ s', l) for l in out)
+  steps = [l for l in out if l.startswith('step ')]
+  assert len(steps) == 2, out  # one line per logged step
+  assert re.fullmatch(r'step 2/4 \(50%\) \| loss [\d.]+ \| accuracy [\d.]+ \| grad_norm [\d.]+ \| lr [\d.e+-]+ \| '
+                      r'[\d.e+-]+ s/step, [\d,]+ tokens/s \| ETA [\d.]+ s', steps[0]), steps[0]
+  assert 'evaluating on 2 batches...' in out and any(l.startswith('eval at step 4/4 | loss ') for l in out)
+  final = json.loads((workdir / 'final.json').read_text())
+  end = out[out.index(next(l for l in out if l.startswith('finished '))):]
+  assert end[0].startswith(f'finished rw_lr at step 4 in ') and f'eval_loss {final["eval_loss"]:.4f}' in end[0]
+  assert 'last train loss ' in end[0]
+  assert end[1:] == [
+      '  final.json    run/final.json', '  checkpoints   run/checkpoints (the last: step 4)',
+      '  metrics       run/metrics.jsonl', '  TensorBoard   tensorboard --logdir run/tensorboard', 'next:',
+      "  python -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=64",
+      "  python -m laurel.evaluate --workdir=run --task='text:HELD_OUT/*.txt'   # or a .jsonl or TFDS task: README, "
+      'Evaluating a checkpoint']
+  assert (workdir / 'checkpoints' / '4').is_dir() and list((workdir / 'tensorboard').iterdir())
+
+
+def _wait_for_line(proc, prefix: str, timeout=240) -> list[str]:
+  seen, deadline = [], time.time() + timeout
+  for line in proc.stdout:
+    seen.append(line)
+    if line.startswith(prefix) or time.time() > deadline:
+      break
+  return seen
+
+
+@pytest.mark.parametrize('when', ['start-up', 'compiling'])
+def test_ctrl_c_during_start_up_and_compiling_exits_130_with_one_line(tmp_path, when):
+  """Before the train loop Ctrl-C exits at once with status 130 and one line, also while XLA compiles (it used to
+  crash on exit, status 139, or print a traceback)."""
+  proc = subprocess.Popen(cli_args(SPEC, tmp_path, TINY_LM), env=cli_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  if when == 'start-up':
+    time.sleep(1.0)  # importing jax, flax and orbax
+  else:
+    assert _wait_for_line(proc, 'compiling the train step')[-1].startswith('compiling the train step')
+  proc.send_signal(signal.SIGINT)
+  start = time.time()
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and re.fullmatch(r'interrupted: [^\n]+\n', err), (proc.returncode, err[-2000:])
+  assert time.time() - start < 10, 'it waited for the compile to end'
+  assert 'Traceback' not in out
+  if when == 'compiling':  # written before: whole
+    assert json.loads((tmp_path / 'config.json').read_text())['steps'] == TINY_LM['steps']
+
+
+def test_ctrl_c_in_a_deferred_section_exits_when_it_ends(monkeypatch):
+  exits = []
+  monkeypatch.setattr(console.os, '_exit', exits.append)
+  monkeypatch.setattr(console.os, 'write', lambda fd, text: None)
+  with console.deferred():
+    console._exit_interrupted()  # pylint: disable=protected-access  # what the handler and the watcher call
+    assert not exits  # the file being written is finished first
+  assert exits == [130]
+  console._interrupt['pending'] = False  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('env, accelerator, libtpu, expected', [
+    ({}, False, True, 'cpu'),  # a CPU-only machine with the TPU compiler installed: no TPU probe
+    ({}, True, True, None),  # a TPU VM or a GPU machine
+    ({}, False, False, None),  # nothing to probe
+    ({'JAX_PLATFORMS': 'tpu'}, False, True, 'tpu'),  # the user's choice stays
+])
+def test_quiet_start_skips_the_tpu_probe_only_without_an_accelerator(monkeypatch, env, accelerator, libtpu,
+                                                                     expected):
+  monkeypatch.delenv('JAX_PLATFORMS', raising=False)
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setattr(console, 'has_accelerator', lambda: accelerator)
+  monkeypatch.setattr(console.importlib.util, 'find_spec', lambda name: object() if libtpu else None)
+  console.quiet_start()
+  assert os.environ.get('JAX_PLATFORMS') == expected
+  assert os.environ['TF_CPP_MIN_LOG_LEVEL'] and os.environ['TF_ENABLE_ONEDNN_OPTS'] == '0'
+
+
+def test_phase_prints_a_heartbeat_and_its_duration(capsys):
+  with console.phase('compiling the step', every_s=0.05):
+    time.sleep(0.18)
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == 'compiling the step...' and out[1].startswith('  still compiling the step (')
+  assert re.fullmatch(r'compiling the step: done in 0\.\d s', out[-1])
+
+
+def test_pyproject_licence_is_an_spdx_string_for_a_setuptools_that_reads_it_silently():
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())
+  assert project['project']['license'] == 'Apache-2.0'  # the table form printed a deprecation banner per build
+  requires = project['build-system']['requires']
+  assert any(re.fullmatch(r'setuptools>=(\d+)', r) and int(r.split('>=')[1]) >= 77 for r in requires), requires
+  # The package at the root is a path entry for an editable install: setuptools prints no notice for it.
+  assert project['tool']['setuptools']['package-dir'] == {'': '.'}
+
+
+@pytest.mark.skipif(shutil.which('make') is None, reason='needs make')
+def test_make_train_installs_what_training_needs_and_clean_keeps_runs(tmp_path):
+  make = lambda target: subprocess.run(['make', '-n', target, f'VENV={tmp_path / "venv"}'], cwd=ROOT,
+                                       capture_output=True, text=True, check=True).stdout
+  train, test = make('train'), make('test')
+  assert "pip install -q -e ." in train and '[test]' not in train and 'laurel.main' in train
+  assert "pip install -q -e '.[test]'" in test and 'pytest' in test
+  assert 'runs' not in make('clean') and 'rm -rf runs' in make('distclean')
+
+
+def test_make_params_prints_the_readme_table():
+  result = subprocess.run([sys.executable, '-m', 'laurel.params', '--table=c4_ablation'], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  table = result.stdout.strip().splitlines()
+  assert table[0].startswith('| row | params | paper |') and len(table) == 2 + 7
+  readme = (ROOT / 'README.md').read_text()
+  assert '\n'.join(table) in readme  # the README's table is exactly what `make params` prints
+  as_json = subprocess.run([sys.executable, '-m', 'laurel.params', '--table=c4_ablation', '--json'], cwd=ROOT,
+                           env=cli_env(), capture_output=True, text=True, timeout=300)
+  rows = [json.loads(l) for l in as_json.stdout.splitlines()]
+  assert [r['row'] for r in rows] == ['baseline_24', 'baseline_28', 'rw', 'lr', 'pa', 'rw_lr', 'rw_lr_pa']
+  assert f"| rw_lr | {rows[5]['total_params']:,} (" in result.stdout
