@@ -279,9 +279,9 @@ def unused_fields(data_cfg, prefix: str = 'data') -> dict[str, str]:
                  f'{prefix}.path is set: C4 is read from its shards there, not from TFDS')
   checks = {'path': (cfg.name == 'synthetic', f'{name} reads no files'),
             'validation_fraction': (cfg.name != 'text', f'{name}: only text holds files out'),
-            'vocab_path': (cfg.name != 'c4', f'{name} is byte-level'),
-            'train_split': (cfg.name != 'c4', f'{name} has no named splits'),
-            'eval_split': (cfg.name != 'c4', f'{name} has no named splits'),
+            'vocab_path': (cfg.name not in SENTENCEPIECE_SOURCES, f'{name} is byte-level'),
+            'train_split': (cfg.name not in SENTENCEPIECE_SOURCES, f'{name} has no named splits'),
+            'eval_split': (cfg.name not in SENTENCEPIECE_SOURCES, f'{name} has no named splits'),
             'tfds_name': tfds_unused, 'tfds_data_dir': tfds_unused}
   return {f'{prefix}.{field}': why for field, (no_effect, why) in checks.items() if no_effect}
 

@@ -21,6 +21,7 @@ if __name__ == '__main__':
 
 import glob  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging as logging_std
+import os
 import sys
 import urllib.request
 

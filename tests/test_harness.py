@@ -79,7 +79,6 @@ def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation
     tokenizer = data.make_tokenizer(task.config.data)
     eos = tokenizer.eos_id
     new_BxN, _ = generate.generate(task.model_cfg, params, [tokenizer.encode(p) or [eos] for p in PROMPTS], MAX_GEN)
-  task, params, _ = train.load_lm_run(run)  # direct computations: whole sequences on one device
   choice_logliks = [[_logp(task.model, params, (tokenizer.encode(item['context']) or [eos]) + tokenizer.encode(c))
                      [-len(c.encode()):].sum() for c in item['choices']] for item in MC]
   rolling = [_direct_rolling(task.model, params, tokenizer.encode(t), eos) for t in TEXTS]
