@@ -124,7 +124,7 @@ def table(maxtext_json: str) -> None:
   for path in sorted(glob.glob(os.path.join(os.path.dirname(maxtext_json), 'benchmark_tpu_v6e_4x4*.json'))):
     with open(path, encoding='utf-8') as f:
       ours = json.load(f)
-    setting = f'{ours["shape"].get("remat")}, {ours["shape"].get("attention", "dot_product")}'
+    setting = f'{ours["shape"].get("remat")}, {ours["shape"].get("attention", "xla")}'  # xla: LMConfig's default
     rows += [(f'laurel {r["name"]} ({setting})', r) for r in ours['rows'] if r['name'] == 'baseline_24']
   print(f'{"step (per chip, v6e 4x4, 32 x 1024 tokens)":58} {"peak GB":>8} {"args GB":>8} {"temp GB":>8} '
         f'{"TFLOPs":>8} {"TB read+written":>16}')
