@@ -231,8 +231,8 @@ class Attention(nn.Module):
       mask_Bx1xLxS = (slots_S[None, None, :] <= positions_BxL[:, :, None])[:, None]
       out_BxLxHxK = xla_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, segment_ids_BxL, mask_Bx1xLxS, scores)
     else:
-      attend = {'xla': functools.partial(xla_attention, scores_dtype=scores), 'dot_product': dot_product_attention, 'splash': splash_attention,
-                'cudnn': functools.partial(cudnn_attention, max_segments=cfg.max_segments)}
+      attend = {'xla': functools.partial(xla_attention, scores_dtype=scores), 'dot_product': dot_product_attention,
+                'splash': splash_attention, 'cudnn': functools.partial(cudnn_attention, max_segments=cfg.max_segments)}
       out_BxLxHxK = attend[attention_impl(cfg, x_BxLxD.shape[1])](q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
     out_BxLxHxK = checkpoint_name(out_BxLxHxK, 'attention_out')
     out_BxLxD = Dense(kernels['out'], cfg, name='out')(out_BxLxHxK, out_scale, shared.get('out'))
