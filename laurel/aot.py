@@ -118,7 +118,7 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
       raise _not_fitting(topology, chip, e) from None
     raise
   m = compiled.memory_analysis()
-  facts = {'params': int(sum(x.size for x in jax.tree.leaves(abstract.params))),
+  facts = {'params': sharding.num_params(abstract.params),
            'peak_memory_bytes': int(m.peak_memory_in_bytes), 'argument_bytes': int(m.argument_size_in_bytes),
            'output_bytes': int(m.output_size_in_bytes), 'alias_bytes': int(m.alias_size_in_bytes),
            'temp_bytes': int(m.temp_size_in_bytes), 'hbm_bytes': chip.hbm_bytes}

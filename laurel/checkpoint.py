@@ -24,7 +24,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import sharding, tasks
+from laurel import config_lib, sharding, step, tasks
 from laurel.config_lib import InputError
 from laurel.step import validate_config
 
@@ -42,6 +42,24 @@ def _model_signature(config) -> dict:
   signature = json.loads(ml_collections.ConfigDict({'task': config['task'], 'model': config['model']}).to_json())
   signature['model'] = {k: v for k, v in signature['model'].items() if f'model.{k}' not in RESUMABLE}
   return signature
+
+
+def _flat(config_json: str) -> dict:
+  return flax.traverse_util.flatten_dict(json.loads(config_json), sep='.')
+
+
+def _with_new_fields(saved: dict, config, keys) -> dict:
+  """A saved config (flat) with the `keys` it lacks at their defaults: a run saved before a field existed trained
+  with its default, so resuming with the default changes nothing."""
+  task = tasks.get_task(config)
+  defaults = _flat(step.base_config(model=config_lib.config_dict(type(task.model_cfg)),
+                                    data=config_lib.config_dict(type(task.data_cfg))).to_json_best_effort())
+  return {**{k: defaults[k] for k in keys if k in defaults}, **saved}
+
+
+def _same_model(saved_signature: dict, config) -> bool:
+  now = _flat(json.dumps(_model_signature(config)))
+  return _with_new_fields(_flat(json.dumps(_model_signature(saved_signature))), config, now) == now
 
 
 # Tensorstore's codes for a checkpoint's own data being missing or corrupt (a truncated file: OUT_OF_RANGE; bytes
@@ -83,7 +101,7 @@ def _restore_step(mngr, step, workdir, config, abstract_state, train_iter):
   tree, any error that is not damage as it is."""
   try:
     saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-    if _model_signature(saved) != _model_signature(config):
+    if not _same_model(saved, config):
       raise InputError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use '
                        'a new workdir or the original config')
     tree = ocp.StandardCheckpointHandler().metadata(epath.Path(mngr.directory) / str(step) / 'state').tree
@@ -190,10 +208,6 @@ def lm_run_on_mesh(workdir):
     yield task, params, step, mesh
 
 
-def _flat(config_json: str) -> dict:
-  return flax.traverse_util.flatten_dict(json.loads(config_json), sep='.')
-
-
 def _checkpoint_steps(workdir: epath.Path) -> list[int]:
   directory = workdir / 'checkpoints'
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
@@ -204,7 +218,8 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False) -> Non
   RESUMABLE fields, unless `allow_change`. Process 0 then writes the config to config.json and, when it is new or
   changed, a line to config_history.jsonl: every config the workdir has trained with, and from which step."""
   path, new = workdir / 'config.json', config.to_json_best_effort()
-  saved, now = (_flat(path.read_text()) if path.exists() else None), _flat(new)
+  now = _flat(new)
+  saved = _with_new_fields(_flat(path.read_text()), config, now) if path.exists() else None
   changes = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
              if saved.get(k) != now.get(k)} if saved is not None else {}
   unsafe = [k for k in changes if not any(k == f or k.startswith(f + '.') for f in RESUMABLE)]

@@ -11,11 +11,10 @@ Table 4. --json prints one JSON object per row instead.
 import json
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import config_lib, paper, tasks
+from laurel import config_lib, paper, sharding, tasks
 from laurel.designs.laurel import closed_form_params
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
@@ -29,7 +28,7 @@ def count(config) -> dict:
   task = tasks.get_task(config)
   variables = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))
   params = jax.tree_util.tree_leaves_with_path(variables['params'])
-  size = lambda leaves: int(sum(np.prod(x.shape) for _, x in leaves))
+  size = lambda leaves: sharding.num_params([x for _, x in leaves])
   laurel = [(p, x) for p, x in params if 'laurel' in jax.tree_util.keystr(p)]
   layers = [(p, x) for p, x in params  # ResidualTransformer's shared kernels once
             if jax.tree_util.keystr(p).startswith(("['layers", "['shared']"))]

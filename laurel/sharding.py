@@ -12,6 +12,11 @@ from laurel.config_lib import InputError
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
 
+def num_params(tree) -> int:
+  """How many numbers a tree of arrays (or of shapes) holds: the one parameter count every report uses."""
+  return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
 def mesh_shape(mesh_cfg, num_devices: int, field: str = 'mesh') -> tuple[int, ...]:
   """Resolves -1 and checks the mesh fits the devices (axis values are checked by step.MeshConfig)."""
   sizes = [getattr(mesh_cfg, a) for a in MESH_AXES]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from laurel import cross_entropy, data, image_data, lm, resnet
+from laurel import cross_entropy, data, image_data, lm, resnet, sharding
 from laurel.hardware import xla_flops
 from laurel.config_lib import DTYPES, InputError, build
 
@@ -80,7 +80,7 @@ class LMTask:
     cfg = dataclasses.replace(self.model_cfg, share=lm.ShareSpec())
     batch = self.example_batch(1)
     shapes = jax.eval_shape(lm.LM(cfg).init, jax.random.key(0), batch['tokens'], batch['positions'])['params']
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    n = sharding.num_params(shapes)
     if not cfg.tie_embeddings:
       n -= cfg.vocab_size * cfg.d_model
     if cfg.positional == 'learned':

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from laurel import config_lib, generate, lm
+from laurel import config_lib, generate, lm, sharding
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
@@ -54,7 +54,7 @@ class Row:
   def facts(self) -> dict:
     """Parameters, KV-cache bytes, and XLA's FLOPs and bytes of one decode step at batch 1 and `batch`, compiled
     with the layers unrolled (XLA counts a scanned body once)."""
-    out = {'params': int(sum(x.size for x in jax.tree.leaves(self.params)))}
+    out = {'params': sharding.num_params(self.params)}
     for b in (1, _BATCH.value):
       out[f'kv_cache_bytes_b{b}'] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.cache_shapes[b])))
       out[f'decode_flops_b{b}'], out[f'decode_bytes_accessed_b{b}'] = generate.decode_step_costs(self.cfg, b,

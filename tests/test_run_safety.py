@@ -412,3 +412,21 @@ def test_the_watchdog_limit_covers_the_first_step_and_the_median():
     watchdog.beat(step)
     threading.Event().wait(0.02)
   assert 0.02 * 4 <= watchdog.limit() < 1.0  # 4 x the median step time, the warm-up steps left out
+
+
+def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_another(tmp_path):
+  """A field added since a run was saved (absent from its config.json and its checkpoint's signature) trained at
+  its default: resuming at the default is no change; at another value it is refused, naming the default."""
+  config = load_config('configs/c4_ablation.py:baseline_24,preset=tiny', TINY_LM)
+  saved = json.loads(config.to_json_best_effort())
+  del saved['model']['attention_scores'], saved['optimizer']['min_lr_ratio']
+  (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  checkpoint.guard_config(config, tmp_path)
+  assert checkpoint._same_model(saved, config)  # pylint: disable=protected-access
+
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  config.model.attention_scores = 'bfloat16'
+  assert not checkpoint._same_model(saved, config)  # pylint: disable=protected-access
+  with pytest.raises(config_lib.InputError, match=r"model\.attention_scores='float32' \(now 'bfloat16'\)"):
+    checkpoint.guard_config(config, tmp_path)
