@@ -20,6 +20,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 import common  # puts the repo root on sys.path
@@ -29,7 +30,7 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from laurel import aot, config_lib, hardware, paper, sharding, step, tpu_slices, train
+from laurel import aot, config_lib, hardware, paper, sharding, step, tpu_slices
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
@@ -229,16 +230,25 @@ def measure_slice(names) -> dict:
           'shape': shape_of(configs), 'rows': rows}
 
 
+def code_trees(root=common.ROOT) -> str | None:
+  """The committed git trees of laurel/ and configs/, what a compiled step depends on; None without git or while
+  either has uncommitted changes. Commits elsewhere (results, scripts, docs) leave it as it is."""
+  git = lambda *args: subprocess.run(['git', '-C', str(root), *args], capture_output=True, text=True, check=False)
+  trees = git('rev-parse', 'HEAD:laurel', 'HEAD:configs')
+  dirty = git('status', '--porcelain', '--untracked-files=no', '--', 'laurel', 'configs')
+  return None if trees.returncode or dirty.returncode or dirty.stdout.strip() else ' '.join(trees.stdout.split())
+
+
 class KeptRows:
   """Rows compiled for a slice take minutes each here, so with --out each is also written to <out>.partial.jsonl
-  as it completes, and a rerun reuses a row compiled from the same config, libtpu and committed code (none while
-  the tree has uncommitted changes). The file is removed once the full JSON is written."""
+  as it completes, and a rerun reuses a row compiled from the same config, libtpu, jax and committed laurel/ and
+  configs/ (`code_trees`). The file is removed once the full JSON is written."""
 
   def __init__(self, topology: str):
     self.path = epath.Path(_OUT.value + '.partial.jsonl') if _OUT.value else None
-    commit = train.code_commit()
-    self.stamp = (None if commit is None or commit.endswith('+') else
-                  f"{topology} {commit} libtpu {importlib.metadata.version('libtpu')} jax {jax.__version__}")
+    trees = code_trees()
+    self.stamp = (None if trees is None else
+                  f"{topology} {trees} libtpu {importlib.metadata.version('libtpu')} jax {jax.__version__}")
     self.rows = {}
     if self.path and self.stamp and self.path.exists():
       self.rows = {r['key']: r['row'] for r in map(json.loads, self.path.read_text().splitlines())}

@@ -453,6 +453,30 @@ def test_benchmark_vary_compiles_baseline_per_value(tmp_path):
   assert rows[1]['flops_ratio'] == pytest.approx(1.0, abs=0.02) and rows[1]['peak_memory_ratio'] != 1.0
 
 
+def test_benchmark_keeps_slice_rows_across_commits_that_leave_laurel_and_configs_alone(tmp_path):
+  """The key of a kept TPU row: the committed trees of laurel/ and configs/, not the commit."""
+  git = lambda *args: subprocess.run(['git', '-C', str(tmp_path), *args], check=True, capture_output=True)
+  code = ('import sys; sys.path.insert(0, sys.argv[1]); import benchmark; '
+          'print(benchmark.code_trees(sys.argv[2]))')
+  trees = lambda: subprocess.run([sys.executable, '-c', code, str(ROOT / 'scripts'), str(tmp_path)], check=True,
+                                 capture_output=True, text=True, env=cli_env()).stdout.strip()
+  git('init', '-q')
+  for path in ('laurel/step.py', 'configs/c.py', 'results/README.md'):
+    (tmp_path / path).parent.mkdir(exist_ok=True)
+    (tmp_path / path).write_text('1\n')
+  git('add', '.')
+  git('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-qm', 'one')
+  first = trees()
+  assert len(first.split()) == 2
+  (tmp_path / 'results/README.md').write_text('2\n')
+  git('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-qam', 'results')
+  assert trees() == first
+  (tmp_path / 'laurel/step.py').write_text('2\n')
+  assert trees() == 'None'  # uncommitted code: nothing is kept
+  git('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-qam', 'code')
+  assert trees() not in (first, 'None')
+
+
 @pytest.mark.slow
 def test_benchmark_tiny_writes_every_key(tmp_path):
   out = tmp_path / 'bench.json'
