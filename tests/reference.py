@@ -11,6 +11,8 @@ of what each design is tested against (`REFERENCES`: cases, its chain in float64
                delta: 2605.18855; heads: 2607.27230 (one softmax per group of D/H channels, each its own RMSNorm)
   MUDDFormer   2502.12170 and the authors' pytorch/muddformer/modeling_muddformer.py: dynamic dense weights
                per stream (Q, K, V, R) from the layer's output, over every earlier layer's output
+  DCA          2502.06785, as lucidrains/deep-cross-attention's dca_gpt.py (GRN, DCABlock): per-dimension,
+               input-dependent sums of every earlier layer's increment as the attention's q, k, v inputs
 A chain is tests/design_chain.py's: LAYERS layers × T sites, site (l, t) with F = tanh(norm(x) W_{l,t}).
 """
 
@@ -317,6 +319,27 @@ def mudd_chain(spec, params, x, ws):
   return ins[-1]
 
 
+def dca_chain(spec, params, x, ws):
+  """DCA in pull form: every increment y_j kept (y_0 = x, y_{j+1} = layer j's attn + mlp); layer i's inputs
+  u^c = Σ_{j ≤ i} (b[i, j, c] + ReLU(w[i, c]ᵀ RMSNorm(y_j))) ⊙ y_j for c = Q, K, V (RMSNorm without scale); the
+  residual is the plain stream x_i; the toy attention reads q + 2(k − v)."""
+  p, x, ws = _f64(params, x, ws)
+  b, w = p['chain']['dca_bias'], p['chain']['dca_query']
+  ys = [x]
+  for l in range(LAYERS):
+    u = [sum((b[l, j, c] + np.maximum(np_rms(y) @ w[l, c], 0.0)[..., None]) * y for j, y in enumerate(ys))
+         for c in range(3)]
+    norms = p[f'layers_{l}']['site0']
+    attn_in = np_rms(u[0]) + 2 * (np_rmsnorm(u[1], norms['norm_key']['scale']) -
+                                  np_rmsnorm(u[2], norms['norm_value']['scale']))
+    attn = np.tanh(attn_in @ ws[l, 0])
+    h = x + attn
+    mlp = np.tanh(np_rms(h) @ ws[l, 1])
+    x = h + mlp
+    ys.append(attn + mlp)
+  return x
+
+
 def np_plain(x, ws, alpha=1.0, beta=1.0):
   """The pre-norm chain β·x + α·F(norm(x)), site by site, float64."""
   x, ws = np.asarray(x, np.float64), np.asarray(ws, np.float64)
@@ -385,7 +408,8 @@ STREAM_CASES = {
     'attnres_block4_delta': StreamSpec(design='attnres_block', attnres_block=4, attnres_delta=True),
     'attnres_block4_heads8_delta': StreamSpec(design='attnres_block', attnres_block=4, attnres_heads=8,
                                               attnres_delta=True),
-    'mudd': StreamSpec(design='mudd'), 'mudd_r': StreamSpec(design='mudd', mudd_streams='r')}
+    'mudd': StreamSpec(design='mudd'), 'mudd_r': StreamSpec(design='mudd', mudd_streams='r'),
+    'dca': StreamSpec(design='dca')}
 _streams = lambda *designs: {k: s for k, s in STREAM_CASES.items() if s.design in designs}
 
 REFERENCES = {
@@ -422,4 +446,6 @@ REFERENCES = {
                                scan=('attnres_block2', 'attnres_block4', 'attnres_block4_heads8_delta')),
     'mudd': Reference(_streams('mudd'), mudd_chain, lambda spec, x, ws, p: (plain(x, ws), True), tol=1e-4,
                       scan=tuple(_streams('mudd'))),  # exactly plain; at random weights its chain grows to |x| ~ 10³
+    # b = 1, w = 0: every input is Σ_j y_j = x_i, the plain stream up to the rounding of that sum
+    'dca': Reference(_streams('dca'), dca_chain, lambda spec, x, ws, p: (plain(x, ws), False), scan=('dca',)),
 }

@@ -152,12 +152,14 @@ def test_attnres_delta_starts_with_plain_inputs_scaled_by_s_plus_2_over_s_plus_1
     x = x + toy_fn(ws[s // T, s % T], x, design_chain.rms(x), None)
 
 
-def test_attnres_backward_keeps_a_constant_amount_per_layer_under_remat():
+@pytest.mark.parametrize('design', ['attnres', 'dca'])
+def test_push_form_backward_keeps_a_constant_amount_per_layer_under_remat(design):
   # Push form with the site inputs saved by name: what a layer adds must not grow with depth. Keeping the running
-  # sums U (2N + 1 D-wide) per layer, as remat did before the inputs were named, grows it ~1.55x from 4→8 to 8→16.
+  # sums U (AttnRes: 2N + 1 D-wide, DCA: 3N) per layer, as remat did before the inputs were named, grows it ~1.55x
+  # from 4→8 to 8→16 (AttnRes).
   def temp_bytes(layers):
     cfg = lm.LMConfig(vocab_size=64, d_model=64, num_heads=2, d_ff=128, num_layers=layers, scan_layers=True,
-                      remat='dots_no_batch', stream=StreamSpec(design='attnres'))
+                      remat='dots_no_batch', stream=StreamSpec(design=design))
     params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
     loss = lambda p, t: lm.LM(cfg).apply({'params': p}, t).sum()
     tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
@@ -377,6 +379,7 @@ STREAM_SPECS = {
     'denseformer_dilated': StreamSpec(design='denseformer', dwa_dilation=2, dwa_period=2),
     'mudd': StreamSpec(design='mudd'),
     'mudd_r': StreamSpec(design='mudd', mudd_streams='r'),
+    'dca': StreamSpec(design='dca'),
 }
 
 
@@ -388,9 +391,9 @@ def test_stream_design_lm_starts_as_baseline_BxLxV(name):
   init = nn.unbox(lm.LM(cfg).init(jax.random.key(0), _tokens()))['params']
   graft = lambda b, i: {k: graft(b[k], v) if k in b and isinstance(v, dict) else b.get(k, v) for k, v in i.items()}
   params = graft(base, init)  # the baseline's weights, plus the design's own at their init
-  for layer in range(LAYERS):  # MUDDFormer's key and value norms, as the baseline's attention norm
-    own = params[f'layers_{layer}'].get('mudd_attn', {})
-    own.update({n: base[f'layers_{layer}']['norm_attn'] for n in ('norm_key', 'norm_value') if n in own})
+  for layer in range(LAYERS):  # a site's own key and value norms (MUDDFormer, DCA), as the baseline's attention norm
+    for own in params[f'layers_{layer}'].values():
+      own.update({n: base[f'layers_{layer}']['norm_attn'] for n in ('norm_key', 'norm_value') if n in own})
   tokens = _tokens(10)
   # HC/mHC read out n·(baseline stream); the final RMSNorm removes n up to its epsilon.
   np.testing.assert_allclose(_logits(cfg, params, tokens), _logits(base_cfg, base, tokens), rtol=2e-5, atol=2e-5)
@@ -500,6 +503,15 @@ def test_mudd_effective_params_at_the_paper_shape_are_the_authors_layer_shapes(r
   assert flops == 6 * tokens * want
 
 
+def test_dca_params_at_the_paper_shape_are_its_equations():
+  # b^c_{i,j} for j <= i and w^c_i per stream (3), plus the key and value inputs' norms (2D a layer).
+  d, layers = 768, 24
+  base = params_lib.count(load_config('configs/residual_designs.py:baseline_24'))
+  got = params_lib.count(load_config('configs/residual_designs.py:dca'))
+  assert got['total_params'] - base['total_params'] == 3 * d * (layers * (layers + 1) // 2 + layers) + 2 * d * layers
+  assert got['padded_params'] == 3 * d * layers * (layers - 1) // 2
+
+
 # ---------------------------------------------------------------------------------------------------
 # Config checks and the comparison table.
 
@@ -533,6 +545,10 @@ def test_mudd_effective_params_at_the_paper_shape_are_the_authors_layer_shapes(r
     (dict(stream=dict(design='mudd'), norm_position='post'),
      "model.norm_position='post': stream design 'mudd' is defined on pre-norm sublayers"),
     (dict(stream=dict(design='mudd', mudd_streams='qkv')), "model.stream.mudd_streams='qkv': must be one of qkvr, r"),
+    (dict(stream=dict(design='dca'), laurel=dict(variant='rw+lr', rank=4)),
+     "model.laurel.variant='rw+lr': LAuReL replaces the residual sum, which stream design 'dca' also replaces"),
+    (dict(stream=dict(design='dca'), norm_position='post'),
+     "model.norm_position='post': stream design 'dca' is defined on pre-norm sublayers"),
     (dict(stream=dict(design='lstm')), "model.stream.design='lstm': must be one of residual, rezero"),
     (dict(laurel=dict(site='mlp')), "model.laurel.site='mlp': must be one of block, sublayer, attention"),
     (dict(value_residual=1), 'model.value_residual=1: must be a bool'),
@@ -549,7 +565,7 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
   assert set(residual_designs.ROWS) >= {
       'baseline_24', 'baseline_28', 'laurel_rw_lr', 'laurel_rw_lr_pa', 'rezero', 'layerscale', 'hc', 'hc_dynamic',
       'mhc', 'mhc_v4_readout', 'mhc_lite', 'frac', 'frac_dynamic', 'denseformer', 'attnres', 'attnres_block',
-      'attnres_delta', 'attnres_block_delta', 'attnres_heads', 'mudd', 'mudd_r', 'value_residual',
+      'attnres_delta', 'attnres_block_delta', 'attnres_heads', 'mudd', 'mudd_r', 'dca', 'value_residual',
       'laurel_rw_lr_value_residual',
       'gemma3n_laurel', 'residual_transformer', 'residual_transformer_laurel'}
   for row in residual_designs.ROWS:

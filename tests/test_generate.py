@@ -41,6 +41,7 @@ DESIGNS = {
     'mudd': dataclasses.replace(BASE, stream=StreamSpec(design='mudd')),
     'mudd_r_value_residual': dataclasses.replace(BASE, value_residual=True, stream=StreamSpec(
         design='mudd', mudd_streams='r')),
+    'dca_value_residual': dataclasses.replace(BASE, value_residual=True, stream=StreamSpec(design='dca')),
 }
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13]]
 

@@ -48,6 +48,14 @@ class Site(nn.Module):
   def make(self, name, init, shape, names):
     return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
 
+  def attention_inputs(self, norm_in, q, k, v):
+    """The (query, key, value) triple of an attention fn, each input normed: q by the block's attention norm, k and
+    v by this site's own RMSNorms (MUDDFormer's and DCA's separate input norms)."""
+    norm = lambda name, x: nn.RMSNorm(epsilon=1e-6, dtype=x.dtype, param_dtype=self.param_dtype, name=name,
+                                      scale_init=nn.with_logical_partitioning(nn.initializers.ones,
+                                                                              (self.embed_axis,)))(x)
+    return norm_in(q), norm('norm_key', k), norm('norm_value', v)
+
 
 class PlainSite(Site):
   """x + f(x) around a sublayer the design leaves alone (Gemma 3n's MLP); the rest of the carry passes on."""
@@ -106,7 +114,7 @@ def register(*designs: Design) -> None:
 
 # The families register themselves, in the order `model.stream.design` lists them.
 from laurel.designs import (  # pylint: disable=wrong-import-position  # noqa: E402,F401
-    laurel, scale, hyper, denseformer, attnres, mudd)
+    laurel, scale, hyper, denseformer, attnres, mudd, dca)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,14 +93,7 @@ class MUDDSite(Site):
     if self.t == 0:
       streams_CxBxLxD = mix(buffer_JxBxLxD, a_BxLxCxJ)
       x_BxLxD = streams_CxBxLxD[-1]
-      if len(streams_CxBxLxD) == 1:
-        xn = norm_in(x_BxLxD)
-      else:
-        norm = lambda name: nn.RMSNorm(epsilon=EPS, dtype=x_BxLxD.dtype, param_dtype=self.param_dtype, name=name,
-                                       scale_init=nn.with_logical_partitioning(nn.initializers.ones,
-                                                                               (self.embed_axis,)))
-        xn = (norm_in(streams_CxBxLxD[0]), norm('norm_key')(streams_CxBxLxD[1]),
-              norm('norm_value')(streams_CxBxLxD[2]))
+      xn = norm_in(x_BxLxD) if len(streams_CxBxLxD) == 1 else self.attention_inputs(norm_in, *streams_CxBxLxD[:3])
       return nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, xn, None), ACT), buffer_JxBxLxD, a_BxLxCxJ
     out_BxLxD = nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, norm_in(x_BxLxD), None), ACT)
     buffer_JxBxLxD = buffer_JxBxLxD + slot_J.astype(out_BxLxD.dtype)[:, None, None, None] * out_BxLxD
