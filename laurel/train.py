@@ -289,7 +289,8 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     else:
       print(f'resumed from checkpoint {start} in {workdir}', flush=True)
 
-    num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
+    # Effective: a design's scan padding (structurally 0) left out, as laurel.params counts
+    num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params)) - task.padded_params()
     peak_memory = hardware.peak_memory_bytes(compiled)
     # Utilisation only where the chip's peak is known: model FLOPs (MFU) and the compiler's, remat included (HFU).
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)

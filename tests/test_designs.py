@@ -579,12 +579,15 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
             'laurel', 'stream', 'value_residual', 'share', 'num_layers'}, row
 
 
-@pytest.mark.parametrize('row', ['mhc', 'residual_transformer_laurel'])
+@pytest.mark.parametrize('row', ['mhc', 'residual_transformer_laurel', 'mudd'])
 def test_designs_train_through_laurel_main_from_config_flags(row, tmp_path):
   tiny = {k: v for k, v in TINY_LM.items() if not k.startswith('model.laurel')}
-  result = run_cli(f'configs/residual_designs.py:{row},preset=tiny', tmp_path,
-                   {**tiny, 'model.num_layers': 6, 'steps': 4}, num_devices=2)
+  overrides = {**tiny, 'model.num_layers': 6, 'steps': 4}
+  result = run_cli(f'configs/residual_designs.py:{row},preset=tiny', tmp_path, overrides, num_devices=2)
   assert result.returncode == 0, result.stderr[-2000:]
   final = json.loads((tmp_path / 'final.json').read_text())
   assert final['step'] == 4 and math.isfinite(final['eval_loss'])
+  # the effective count (MUDDFormer's scan padding left out), as laurel.params gives it
+  assert final['params'] == params_lib.count(load_config(f'configs/residual_designs.py:{row},preset=tiny',
+                                                         overrides))['total_params']
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
