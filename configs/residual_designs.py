@@ -6,7 +6,8 @@ Every row is Baseline-24 (Table 5's model, schedule and data) with one design ch
 equal terms; `python -m laurel.params` gives each row's parameter count beside baseline_24's. The designs and
 their papers are in laurel/designs/ (LAuReL, and Gemma 3n's LAuReL on the attention sublayer only; ReZero,
 LayerScale; Hyper-Connections, mHC (and DeepSeek-V4's read-out), mHC-lite, Frac-Connections; DenseFormer;
-Attention Residuals, Full and Block) and laurel/lm.py (value residual, ResidualTransformer's shared weights).
+Attention Residuals, Full and Block; MUDDFormer; DCA) and laurel/lm.py (value residual, ResidualTransformer's shared
+weights).
 
 ResidualTransformer shares every attention and MLP matrix within groups of K = 3 consecutive layers, each layer
 adding a rank-R product and a diagonal (R = 16 at D = 768 as the paper's best trade-off, R = 4 at the tiny
@@ -44,6 +45,9 @@ ROWS = {
     'attnres_delta': (24, dict(stream=dict(design='attnres', attnres_delta=True))),
     'attnres_block_delta': (24, dict(stream=dict(design='attnres_block', attnres_delta=True))),
     'attnres_heads': (24, dict(stream=dict(design='attnres', attnres_heads=4))),
+    'mudd': (24, dict(stream=dict(design='mudd'))),  # MUDDFormer: Q, K, V, R streams, the paper's base form
+    'mudd_r': (24, dict(stream=dict(design='mudd', mudd_streams='r'))),  # the R stream alone
+    'dca': (24, dict(stream=dict(design='dca'))),  # DeepCrossAttention: GRN sums as q, k, v inputs
     'value_residual': (24, dict(value_residual=True)),
     'laurel_rw_lr_value_residual': (24, dict(laurel=dict(variant='rw+lr'), value_residual=True)),
     'gemma3n_laurel': (24, dict(laurel=dict(variant='lr', form='gemma3n', site='attention'))),

@@ -88,7 +88,7 @@ def _compile(config, devices):
   mesh = sharding.make_mesh(config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     compiled, _, abstract, _ = step.compile_step(task, config, mesh)
-  return compiled, abstract
+  return compiled, abstract, task
 
 
 def _not_fitting(topology: str, chip: TPU, error: Exception) -> InputError:
@@ -112,13 +112,13 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   gen, _ = parse_topology(topology)
   chip, devices = TPUS[gen], slice_devices(topology)
   try:
-    compiled, abstract = _compile(config, devices)
+    compiled, abstract, task = _compile(config, devices)
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' in str(e):
       raise _not_fitting(topology, chip, e) from None
     raise
   m = compiled.memory_analysis()
-  facts = {'params': sharding.num_params(abstract.params),
+  facts = {'params': task.num_params(abstract.params),
            'peak_memory_bytes': int(m.peak_memory_in_bytes), 'argument_bytes': int(m.argument_size_in_bytes),
            'output_bytes': int(m.output_size_in_bytes), 'alias_bytes': int(m.alias_size_in_bytes),
            'temp_bytes': int(m.temp_size_in_bytes), 'hbm_bytes': chip.hbm_bytes}

@@ -203,15 +203,20 @@ def rope(x_BxLxHxK, positions_BxL, base):
 class Attention(nn.Module):
   """Causal multi-head attention over packed segments; with `value_residual`, ResFormer's (arXiv 2410.17897,
   §3) values V'_n = λ_1·V_1 + λ_2·V_n for layers n > 1, V_1 being the first layer's, λ learned from ½ each
-  (the paper's U_n = ½·A_n(V_n + V_1)). Returns (output, V_1)."""
+  (the paper's U_n = ½·A_n(V_n + V_1)). Returns (output, V_1).
+
+  The input is one normed x, or a (query, key, value) triple of normed inputs, each projected by its own kernel
+  (designs whose attention reads separate streams: MUDDFormer, DCA). V_1 is layer 0's v whatever its input; the KV
+  cache holds k and v as projected, so decoding needs nothing more."""
   cfg: LMConfig
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, out_scale=None, shared=None, first_values=None,
                layer_index=0, decode=False):
     cfg, kernels, shared = self.cfg, layer_kernels(self.cfg), shared or {}
-    proj = lambda n: Dense(kernels[n], cfg, name=n)(x_BxLxD, shared=shared.get(n))
-    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = proj('query'), proj('key'), proj('value')
+    inputs = x_BxLxD if isinstance(x_BxLxD, tuple) else (x_BxLxD,) * 3
+    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (Dense(kernels[n], cfg, name=n)(x, shared=shared.get(n))
+                                       for n, x in zip(('query', 'key', 'value'), inputs))
     if cfg.value_residual:
       lam = self.param('value_mix', nn.with_logical_partitioning(nn.initializers.constant(0.5), (None,)), (2,),
                        DTYPES[cfg.param_dtype]).astype(v_BxLxHxK.dtype)
@@ -233,7 +238,8 @@ class Attention(nn.Module):
     else:
       attend = {'xla': functools.partial(xla_attention, scores_dtype=scores), 'dot_product': dot_product_attention,
                 'splash': splash_attention, 'cudnn': functools.partial(cudnn_attention, max_segments=cfg.max_segments)}
-      out_BxLxHxK = attend[attention_impl(cfg, x_BxLxD.shape[1])](q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
+      impl = attention_impl(cfg, positions_BxL.shape[1])  # x may be a (q, k, v) triple
+      out_BxLxHxK = attend[impl](q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
     out_BxLxHxK = checkpoint_name(out_BxLxHxK, 'attention_out')
     out_BxLxD = Dense(kernels['out'], cfg, name='out')(out_BxLxHxK, out_scale, shared.get('out'))
     return checkpoint_name(out_BxLxD, 'out_proj'), first_values

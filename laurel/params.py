@@ -24,7 +24,8 @@ _JSON = flags.DEFINE_bool('json', False, 'One JSON object per row instead of the
 
 
 def count(config) -> dict:
-  """Total (unique: shared weights once), layer, LAuReL and model-state sizes of `config`'s model, from shapes."""
+  """Total (unique: shared weights once; without a design's scan padding, `padded_params`), layer (stored), LAuReL
+  and model-state sizes of `config`'s model, from shapes."""
   task = tasks.get_task(config)
   variables = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))
   params = jax.tree_util.tree_leaves_with_path(variables['params'])
@@ -35,7 +36,9 @@ def count(config) -> dict:
   state = [(p, x) for k, v in variables.items() if k != 'params' for p, x in jax.tree_util.tree_leaves_with_path(v)]
   widths = task.laurel_site_widths()
   spec = task.model_cfg.laurel
-  return {'total_params': size(params), 'layer_params': size(layers), 'laurel_params': size(laurel),
+  total = task.num_params([x for _, x in params])
+  return {'total_params': total, 'layer_params': size(layers), 'padded_params': size(params) - total,
+          'laurel_params': size(laurel),
           'model_state_size': size(state),
           'laurel_sites': len(widths) if spec.components else 0,
           'closed_form_laurel_params': sum(closed_form_params(spec, d) for d in widths)}

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from laurel import cross_entropy, data, image_data, lm, resnet, sharding
+from laurel import cross_entropy, data, designs, image_data, lm, resnet, sharding
 from laurel.hardware import xla_flops
 from laurel.config_lib import DTYPES, InputError, build
 
@@ -26,6 +26,7 @@ class Task(Protocol):
   def sharded_sizes(self) -> dict[str, tuple[str, int]]: ...  # logical axis -> (its config field, size)
   def units_per_example(self) -> int: ...
   def laurel_site_widths(self) -> list[int]: ...  # D of every LAuReL site, for parameter accounting
+  def num_params(self, params) -> int: ...  # of a tree of the model's parameters (or shapes), the one count
   def example_batch(self, batch_size: int) -> dict: ...  # zeros of the batch's shapes and dtypes
   def init(self, rng, batch) -> dict: ...  # the model's variables
   def loss(self, params, model_state, batch, train: bool): ...  # (loss, (metrics, model_state))
@@ -72,6 +73,12 @@ class LMTask:
   def laurel_site_widths(self) -> list[int]:
     return [self.model_cfg.d_model] * self.model_cfg.num_sites
 
+  def num_params(self, params) -> int:
+    """Less a design's scan padding: stored parameters that are structurally 0."""
+    m = self.model_cfg
+    return sharding.num_params(params) - designs.REGISTRY[m.stream.design].padded_params(m.stream, m.num_layers,
+                                                                                           m.d_model)
+
   def model_flops(self, batch_size: int) -> float:
     """PaLM's model FLOPs (Chowdhery et al. 2022, appendix B): 6N + 12·L·H·Q·T per token, T the sequence
     length. N counts every parameter that multiplies an activation: all of them but the lookup tables (an
@@ -80,7 +87,7 @@ class LMTask:
     cfg = dataclasses.replace(self.model_cfg, share=lm.ShareSpec())
     batch = self.example_batch(1)
     shapes = jax.eval_shape(lm.LM(cfg).init, jax.random.key(0), batch['tokens'], batch['positions'])['params']
-    n = sharding.num_params(shapes)
+    n = self.num_params(shapes)
     if not cfg.tie_embeddings:
       n -= cfg.vocab_size * cfg.d_model
     if cfg.positional == 'learned':
@@ -139,6 +146,9 @@ class ClassificationTask:
 
   def laurel_site_widths(self) -> list[int]:
     return list(self.model_cfg.block_channels)
+
+  def num_params(self, params) -> int:
+    return sharding.num_params(params)
 
   def model_flops(self, batch_size: int) -> float:
     """3× the compiler's FLOPs of the forward pass (backward ≈ 2× forward), as convolutions reuse weights."""

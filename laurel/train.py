@@ -289,7 +289,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     else:
       print(f'resumed from checkpoint {start} in {workdir}', flush=True)
 
-    num_params = sharding.num_params(abstract_state.params)
+    num_params = task.num_params(abstract_state.params)
     peak_memory = hardware.peak_memory_bytes(compiled)
     # Utilisation only where the chip's peak is known: model FLOPs (MFU) and the compiler's, remat included (HFU).
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)

@@ -86,7 +86,7 @@ def compile_row(config, mesh) -> tuple:
     compiled, init_state, abstract, _ = step.compile_step(task, config, mesh)
   m = compiled.memory_analysis()
   return compiled, init_state, task, {
-      'params': sharding.num_params(abstract.params), 'compile_s': time.perf_counter() - start,
+      'params': task.num_params(abstract.params), 'compile_s': time.perf_counter() - start,
       'peak_memory_bytes': hardware.peak_memory_bytes(compiled), 'argument_bytes': int(m.argument_size_in_bytes),
       'temp_bytes': int(m.temp_size_in_bytes), 'xla_peak_memory_bytes': int(m.peak_memory_in_bytes or 0)}
 

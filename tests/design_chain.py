@@ -18,8 +18,13 @@ D, BATCH, LEN, LAYERS, T, EPS = 8, 2, 3, 4, 2, 1e-6
 
 
 def toy_fn(w_DxD, x, xn, scale):
-  """scale·F(xn) with F = tanh(xn W): the scale multiplies F's output, as the LM's folded kernel does."""
+  """scale·F(xn) with F = tanh(xn W): the scale multiplies F's output, as the LM's folded kernel does. A (q, k, v)
+  triple of inputs (an attention site of MUDDFormer, DCA) reads F(q + 2(k − v)): each input with its own weight,
+  and exactly F(q) where the three are equal."""
   del x
+  if isinstance(xn, tuple):
+    q, k, v = xn
+    xn = q + 2 * (k - v)
   y = jnp.tanh(xn @ w_DxD)
   return y if scale is None else y * scale.astype(y.dtype)
 

@@ -9,6 +9,10 @@ of what each design is tested against (`REFERENCES`: cases, its chain in float64
   DenseFormer  §3, §3.2–3.3 (2402.02622), the pull form of epfml/DenseFormer's DWAModules
   AttnRes      §3 (2603.15031), Full and Block, the pull form: every source kept, one softmax per site (per head);
                delta: 2605.18855; heads: 2607.27230 (one softmax per group of D/H channels, each its own RMSNorm)
+  MUDDFormer   2502.12170 and the authors' pytorch/muddformer/modeling_muddformer.py: dynamic dense weights
+               per stream (Q, K, V, R) from the layer's output, over every earlier layer's output
+  DCA          2502.06785, as lucidrains/deep-cross-attention's dca_gpt.py (GRN, DCABlock): per-dimension,
+               input-dependent sums of every earlier layer's increment as the attention's q, k, v inputs
 A chain is tests/design_chain.py's: LAYERS layers × T sites, site (l, t) with F = tanh(norm(x) W_{l,t}).
 """
 
@@ -281,6 +285,61 @@ def attnres_init(spec, x, ws, params):  # documented: w = 0 makes every site a u
   return _attnres_sources(spec, np.asarray(x, np.float64), ws, lambda vs, s: sum(vs) / len(vs))[-1], False
 
 
+def np_gelu(z):
+  return 0.5 * z * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))  # exact GELU (PyTorch's nn.GELU)
+
+
+def mudd_chain(spec, params, x, ws):
+  """MUDDFormer in pull form, the per-layer shapes unpadded (the stored weights sliced to them): after layer i,
+  A = GELU(RMSNorm(X_{i+1}) W1) W2 + a over the C streams × i + 2 sources (the last layer: R only), K_i hidden
+  units (C·(i+2), ×4 at the last layer, rounded as (n // 64 + 1)·64); X^c = Σ_j A[c, j] X_j. Layer i+1:
+  h = X^R + F(norm(X^Q), norm_k(X^K), norm_v(X^V)), out = h + F'(norm(h)); the toy F reads q + 2(k − v)."""
+  p, x, ws = _f64(params, x, ws)
+  c = len(spec.mudd_streams)
+  xs, ins = [x], (x,) * c
+  for l in range(LAYERS):
+    site0, site1 = p[f'layers_{l}'].get('site0', {}), p[f'layers_{l}']['site1']
+    if c == 4:
+      xq, xk, xv, xr = ins
+      attn_in = np_rms(xq) + 2 * (np_rmsnorm(xk, site0['norm_key']['scale']) -
+                                  np_rmsnorm(xv, site0['norm_value']['scale']))
+    else:
+      (xr,) = ins
+      attn_in = np_rms(xr)
+    h = xr + np.tanh(attn_in @ ws[l, 0])
+    y = h + np.tanh(np_rms(h) @ ws[l, 1])
+    xs.append(y)
+    last = l == LAYERS - 1
+    ci, si = (1 if last else c), l + 2
+    k = (ci * si * (4 if last else 1) // 64 + 1) * 64
+    w2 = site1['mudd_w2'][:k, c - ci:, :si]
+    a = np.einsum('blk,kcj->blcj', np_gelu(np_rms(y) @ site1['mudd_w1'][:, :k]), w2)
+    a = a + p['chain']['mudd_bias'][l, c - ci:, :si]
+    ins = tuple(sum(a[..., s, j, None] * xs[j] for j in range(si)) for s in range(ci))
+  return ins[-1]
+
+
+def dca_chain(spec, params, x, ws):
+  """DCA in pull form: every increment y_j kept (y_0 = x, y_{j+1} = layer j's attn + mlp); layer i's inputs
+  u^c = Σ_{j ≤ i} (b[i, j, c] + ReLU(w[i, c]ᵀ RMSNorm(y_j))) ⊙ y_j for c = Q, K, V (RMSNorm without scale); the
+  residual is the plain stream x_i; the toy attention reads q + 2(k − v)."""
+  p, x, ws = _f64(params, x, ws)
+  b, w = p['chain']['dca_bias'], p['chain']['dca_query']
+  ys = [x]
+  for l in range(LAYERS):
+    u = [sum((b[l, j, c] + np.maximum(np_rms(y) @ w[l, c], 0.0)[..., None]) * y for j, y in enumerate(ys))
+         for c in range(3)]
+    norms = p[f'layers_{l}']['site0']
+    attn_in = np_rms(u[0]) + 2 * (np_rmsnorm(u[1], norms['norm_key']['scale']) -
+                                  np_rmsnorm(u[2], norms['norm_value']['scale']))
+    attn = np.tanh(attn_in @ ws[l, 0])
+    h = x + attn
+    mlp = np.tanh(np_rms(h) @ ws[l, 1])
+    x = h + mlp
+    ys.append(attn + mlp)
+  return x
+
+
 def np_plain(x, ws, alpha=1.0, beta=1.0):
   """The pre-norm chain β·x + α·F(norm(x)), site by site, float64."""
   x, ws = np.asarray(x, np.float64), np.asarray(ws, np.float64)
@@ -348,7 +407,9 @@ STREAM_CASES = {
     'attnres_block2_heads2': StreamSpec(design='attnres_block', attnres_heads=2),
     'attnres_block4_delta': StreamSpec(design='attnres_block', attnres_block=4, attnres_delta=True),
     'attnres_block4_heads8_delta': StreamSpec(design='attnres_block', attnres_block=4, attnres_heads=8,
-                                              attnres_delta=True)}
+                                              attnres_delta=True),
+    'mudd': StreamSpec(design='mudd'), 'mudd_r': StreamSpec(design='mudd', mudd_streams='r'),
+    'dca': StreamSpec(design='dca')}
 _streams = lambda *designs: {k: s for k, s in STREAM_CASES.items() if s.design in designs}
 
 REFERENCES = {
@@ -383,4 +444,8 @@ REFERENCES = {
     'attnres': Reference(_streams('attnres'), attnres_chain, attnres_init, scan=('attnres', 'attnres_heads4_delta')),
     'attnres_block': Reference(_streams('attnres_block'), attnres_chain, attnres_init,
                                scan=('attnres_block2', 'attnres_block4', 'attnres_block4_heads8_delta')),
+    'mudd': Reference(_streams('mudd'), mudd_chain, lambda spec, x, ws, p: (plain(x, ws), True), tol=1e-4,
+                      scan=tuple(_streams('mudd'))),  # exactly plain; at random weights its chain grows to |x| ~ 10³
+    # b = 1, w = 0: every input is Σ_j y_j = x_i, the plain stream up to the rounding of that sum
+    'dca': Reference(_streams('dca'), dca_chain, lambda spec, x, ws, p: (plain(x, ws), False), scan=('dca',)),
 }

@@ -7,6 +7,7 @@ below fail for a registered design without one.
 """
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -23,6 +24,7 @@ from design_chain import D as CHAIN_D
 from design_chain import Net, T, init, inputs, randomize, run, stacked
 from helpers import TINY_LM, load_config, losses, run_cli
 from laurel import config_lib, designs, lm, tasks
+from laurel import params as params_lib
 from laurel.designs import StreamSpec, hyper
 from laurel.designs.laurel import LaurelSpec
 from reference import REFERENCES, attnres_chain, np_rmsnorm
@@ -150,12 +152,14 @@ def test_attnres_delta_starts_with_plain_inputs_scaled_by_s_plus_2_over_s_plus_1
     x = x + toy_fn(ws[s // T, s % T], x, design_chain.rms(x), None)
 
 
-def test_attnres_backward_keeps_a_constant_amount_per_layer_under_remat():
+@pytest.mark.parametrize('design', ['attnres', 'dca'])
+def test_push_form_backward_keeps_a_constant_amount_per_layer_under_remat(design):
   # Push form with the site inputs saved by name: what a layer adds must not grow with depth. Keeping the running
-  # sums U (2N + 1 D-wide) per layer, as remat did before the inputs were named, grows it ~1.55x from 4→8 to 8→16.
+  # sums U (AttnRes: 2N + 1 D-wide, DCA: 3N) per layer, as remat did before the inputs were named, grows it ~1.55x
+  # from 4→8 to 8→16 (AttnRes).
   def temp_bytes(layers):
     cfg = lm.LMConfig(vocab_size=64, d_model=64, num_heads=2, d_ff=128, num_layers=layers, scan_layers=True,
-                      remat='dots_no_batch', stream=StreamSpec(design='attnres'))
+                      remat='dots_no_batch', stream=StreamSpec(design=design))
     params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
     loss = lambda p, t: lm.LM(cfg).apply({'params': p}, t).sum()
     tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
@@ -290,8 +294,10 @@ def test_residual_transformer_cuts_layer_weights_about_3x_at_table5_shape():
 # Value residual (ResFormer, arXiv 2410.17897 §3): V'_n = λ_1·V_1 + λ_2·V_n for n > 1.
 
 def _np_attention(xn, p, values):
-  """Causal attention (no RoPE: learned positions) whose values `values(v)` may be mixed."""
-  q, k, v = (np.einsum('bld,dhk->blhk', xn, np.asarray(p[n]['kernel'], np.float64)) for n in ('query', 'key', 'value'))
+  """Causal attention (no RoPE: learned positions) whose values `values(v)` may be mixed; xn one input, or a (query,
+  key, value) triple of them."""
+  q, k, v = (np.einsum('bld,dhk->blhk', np.asarray(x, np.float64), np.asarray(p[n]['kernel'], np.float64))
+             for n, x in zip(('query', 'key', 'value'), xn if isinstance(xn, tuple) else (xn,) * 3))
   v_used = values(v)
   logits = np.einsum('bqhk,bshk->bhqs', q, k) / math.sqrt(q.shape[-1])
   logits = np.where(np.tril(np.ones((LEN, LEN), bool)), logits, -np.inf)
@@ -312,6 +318,24 @@ def test_value_residual_mixes_the_first_layers_values_BxLxD():
     lam = np.asarray(p['value_mix'], np.float64)
     mix = (lambda v: v) if layer == 0 else (lambda v, lam=lam, v1=v1: lam[0] * v1 + lam[1] * v)
     want, v = _np_attention(np.asarray(args[0], np.float64), p, mix)
+    v1 = v if layer == 0 else v1
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5, err_msg=f'layer {layer}')
+
+
+def test_attention_projects_query_key_and_value_from_their_own_inputs_BxLxD():
+  # MUDDFormer's layers read three streams; value residual's V_1 stays layer 0's v, projected from its value input.
+  cfg = _cfg(value_residual=True, stream=StreamSpec(design='mudd'))
+  params = _random_params(cfg, 13)
+  calls = _calls(cfg, params, _tokens(14), lm.Attention)
+  assert len(calls) == LAYERS
+  v1 = None
+  for layer, (_, args, (out, _)) in enumerate(calls):
+    xq, xk, xv = args[0]
+    assert layer == 0 or not (np.allclose(xq, xk) or np.allclose(xk, xv))
+    p = params[f'layers_{layer}']['attn']
+    lam = np.asarray(p['value_mix'], np.float64)
+    mix = (lambda v: v) if layer == 0 else (lambda v, lam=lam, v1=v1: lam[0] * v1 + lam[1] * v)
+    want, v = _np_attention(args[0], p, mix)
     v1 = v if layer == 0 else v1
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5, err_msg=f'layer {layer}')
 
@@ -353,6 +377,9 @@ STREAM_SPECS = {
     'frac_dynamic': StreamSpec(design='frac', hc_dynamic=True),
     'denseformer': StreamSpec(design='denseformer'),
     'denseformer_dilated': StreamSpec(design='denseformer', dwa_dilation=2, dwa_period=2),
+    'mudd': StreamSpec(design='mudd'),
+    'mudd_r': StreamSpec(design='mudd', mudd_streams='r'),
+    'dca': StreamSpec(design='dca'),
 }
 
 
@@ -364,6 +391,9 @@ def test_stream_design_lm_starts_as_baseline_BxLxV(name):
   init = nn.unbox(lm.LM(cfg).init(jax.random.key(0), _tokens()))['params']
   graft = lambda b, i: {k: graft(b[k], v) if k in b and isinstance(v, dict) else b.get(k, v) for k, v in i.items()}
   params = graft(base, init)  # the baseline's weights, plus the design's own at their init
+  for layer in range(LAYERS):  # a site's own key and value norms (MUDDFormer, DCA), as the baseline's attention norm
+    for own in params[f'layers_{layer}'].values():
+      own.update({n: base[f'layers_{layer}']['norm_attn'] for n in ('norm_key', 'norm_value') if n in own})
   tokens = _tokens(10)
   # HC/mHC read out n·(baseline stream); the final RMSNorm removes n up to its epsilon.
   np.testing.assert_allclose(_logits(cfg, params, tokens), _logits(base_cfg, base, tokens), rtol=2e-5, atol=2e-5)
@@ -421,6 +451,68 @@ def test_mhc_lite_h_res_is_exactly_doubly_stochastic_and_starts_at_mhcs_matrix(n
 
 
 # ---------------------------------------------------------------------------------------------------
+# MUDDFormer: per-layer shapes padded for the scan, masked; the effective parameter count.
+
+def _mudd_shapes(streams, layers):
+  """(C_i, sources i + 2, K_i) per layer, from the authors' code: the last layer mixes R alone with 4x the hidden
+  units (expand_last), and K = (n // 64 + 1)·64 (round64)."""
+  out = []
+  for i in range(layers):
+    last = i == layers - 1
+    c = 1 if last else len(streams)
+    out.append((c, i + 2, (c * (i + 2) * (4 if last else 1) // 64 + 1) * 64))
+  return out
+
+
+def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
+  # 16 layers: K_i is 64 up to layer 13 and 128 after (C·(i+2) >= 64), so W1, W2 have padded hidden units too.
+  cfg = _cfg(num_layers=16, scan_layers=True, stream=StreamSpec(design='mudd'))
+  params = _random_params(cfg, 15)
+  shapes = _mudd_shapes('qkvr', 16)
+  assert len({k for *_, k in shapes}) == 2
+  pad_w1 = np.ones(params['layers']['mudd_mlp']['mudd_w1'].shape, bool)
+  pad_w2 = np.ones(params['layers']['mudd_mlp']['mudd_w2'].shape, bool)
+  pad_bias = np.ones(params['stream_chain']['mudd_bias'].shape, bool)
+  for i, (c, j, k) in enumerate(shapes):
+    pad_w1[i, :, :k] = pad_w2[i, :k, 4 - c:, :j] = pad_bias[i, 4 - c:, :j] = False
+  pads = {('layers', 'mudd_mlp', 'mudd_w1'): pad_w1, ('layers', 'mudd_mlp', 'mudd_w2'): pad_w2,
+          ('stream_chain', 'mudd_bias'): pad_bias}
+  moved = jax.tree_util.tree_map_with_path(
+      lambda path, a: a + 100.0 * pads.get(tuple(k.key for k in path), 0), params)
+  tokens = jnp.asarray(_tokens(16))
+  np.testing.assert_array_equal(_logits(cfg, moved, tokens), _logits(cfg, params, tokens))
+  grads = jax.grad(lambda p: lm.LM(cfg).apply({'params': p}, tokens).sum())(params)
+  for path, pad in pads.items():
+    g = functools.reduce(lambda t, k: t[k], path, grads)
+    assert np.all(np.asarray(g)[pad] == 0) and np.any(np.asarray(g)[~pad] != 0), path
+
+
+@pytest.mark.parametrize('row,streams', [('mudd', 'qkvr'), ('mudd_r', 'r')])
+def test_mudd_effective_params_at_the_paper_shape_are_the_authors_layer_shapes(row, streams):
+  # Σ_i D·K_i + K_i·C_i(i+2) + C_i(i+2) (W1, W2, a), plus the key and value inputs' norms (2D a layer) with 'qkvr'.
+  config = load_config(f'configs/residual_designs.py:{row}')
+  d, layers = config.model.d_model, config.model.num_layers
+  want = sum(d * k + k * c * j + c * j for c, j, k in _mudd_shapes(streams, layers))
+  want += 2 * d * layers if streams == 'qkvr' else 0
+  base_config = load_config('configs/residual_designs.py:baseline_24')
+  got, base = params_lib.count(config), params_lib.count(base_config)
+  assert got['total_params'] - base['total_params'] == want
+  assert got['padded_params'] > 0 and base['padded_params'] == 0
+  tokens = config.data.seq_len  # model FLOPs (6N per token) count the effective parameters too
+  flops = tasks.get_task(config).model_flops(1) - tasks.get_task(base_config).model_flops(1)
+  assert flops == 6 * tokens * want
+
+
+def test_dca_params_at_the_paper_shape_are_its_equations():
+  # b^c_{i,j} for j <= i and w^c_i per stream (3), plus the key and value inputs' norms (2D a layer).
+  d, layers = 768, 24
+  base = params_lib.count(load_config('configs/residual_designs.py:baseline_24'))
+  got = params_lib.count(load_config('configs/residual_designs.py:dca'))
+  assert got['total_params'] - base['total_params'] == 3 * d * (layers * (layers + 1) // 2 + layers) + 2 * d * layers
+  assert got['padded_params'] == 3 * d * layers * (layers - 1) // 2
+
+
+# ---------------------------------------------------------------------------------------------------
 # Config checks and the comparison table.
 
 @pytest.mark.parametrize('model,message', [
@@ -448,6 +540,15 @@ def test_mhc_lite_h_res_is_exactly_doubly_stochastic_and_starts_at_mhcs_matrix(n
     (dict(stream=dict(design='mhc_lite'), laurel=dict(variant='lr', rank=4)),
      "model.laurel.variant='lr': LAuReL replaces the residual sum, which stream design 'mhc_lite' also replaces"),
     (dict(stream=dict(design='mhc', mhc_readout='v3')), "model.stream.mhc_readout='v3': must be one of sum, v4"),
+    (dict(stream=dict(design='mudd'), laurel=dict(variant='rw', rank=4)),
+     "model.laurel.variant='rw': LAuReL replaces the residual sum, which stream design 'mudd' also replaces"),
+    (dict(stream=dict(design='mudd'), norm_position='post'),
+     "model.norm_position='post': stream design 'mudd' is defined on pre-norm sublayers"),
+    (dict(stream=dict(design='mudd', mudd_streams='qkv')), "model.stream.mudd_streams='qkv': must be one of qkvr, r"),
+    (dict(stream=dict(design='dca'), laurel=dict(variant='rw+lr', rank=4)),
+     "model.laurel.variant='rw+lr': LAuReL replaces the residual sum, which stream design 'dca' also replaces"),
+    (dict(stream=dict(design='dca'), norm_position='post'),
+     "model.norm_position='post': stream design 'dca' is defined on pre-norm sublayers"),
     (dict(stream=dict(design='lstm')), "model.stream.design='lstm': must be one of residual, rezero"),
     (dict(laurel=dict(site='mlp')), "model.laurel.site='mlp': must be one of block, sublayer, attention"),
     (dict(value_residual=1), 'model.value_residual=1: must be a bool'),
@@ -464,7 +565,8 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
   assert set(residual_designs.ROWS) >= {
       'baseline_24', 'baseline_28', 'laurel_rw_lr', 'laurel_rw_lr_pa', 'rezero', 'layerscale', 'hc', 'hc_dynamic',
       'mhc', 'mhc_v4_readout', 'mhc_lite', 'frac', 'frac_dynamic', 'denseformer', 'attnres', 'attnres_block',
-      'attnres_delta', 'attnres_block_delta', 'attnres_heads', 'value_residual', 'laurel_rw_lr_value_residual',
+      'attnres_delta', 'attnres_block_delta', 'attnres_heads', 'mudd', 'mudd_r', 'dca', 'value_residual',
+      'laurel_rw_lr_value_residual',
       'gemma3n_laurel', 'residual_transformer', 'residual_transformer_laurel'}
   for row in residual_designs.ROWS:
     for preset in ('tiny', 'paper'):
@@ -477,12 +579,15 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
             'laurel', 'stream', 'value_residual', 'share', 'num_layers'}, row
 
 
-@pytest.mark.parametrize('row', ['mhc', 'residual_transformer_laurel'])
+@pytest.mark.parametrize('row', ['mhc', 'residual_transformer_laurel', 'mudd'])
 def test_designs_train_through_laurel_main_from_config_flags(row, tmp_path):
   tiny = {k: v for k, v in TINY_LM.items() if not k.startswith('model.laurel')}
-  result = run_cli(f'configs/residual_designs.py:{row},preset=tiny', tmp_path,
-                   {**tiny, 'model.num_layers': 6, 'steps': 4}, num_devices=2)
+  overrides = {**tiny, 'model.num_layers': 6, 'steps': 4}
+  result = run_cli(f'configs/residual_designs.py:{row},preset=tiny', tmp_path, overrides, num_devices=2)
   assert result.returncode == 0, result.stderr[-2000:]
   final = json.loads((tmp_path / 'final.json').read_text())
   assert final['step'] == 4 and math.isfinite(final['eval_loss'])
+  # the effective count (MUDDFormer's scan padding left out), as laurel.params gives it
+  assert final['params'] == params_lib.count(load_config(f'configs/residual_designs.py:{row},preset=tiny',
+                                                         overrides))['total_params']
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, run_cli
-from laurel import generate, lm
+from laurel import designs, generate, lm
 from laurel.designs import StreamSpec
 from laurel.designs.laurel import LaurelSpec
 
@@ -38,6 +38,10 @@ DESIGNS = {
     'attnres_block': dataclasses.replace(BASE, stream=StreamSpec(design='attnres_block', attnres_block=4)),
     'attnres_block_heads_delta': dataclasses.replace(BASE, stream=StreamSpec(
         design='attnres_block', attnres_block=4, attnres_heads=2, attnres_delta=True)),
+    'mudd': dataclasses.replace(BASE, stream=StreamSpec(design='mudd')),
+    'mudd_r_value_residual': dataclasses.replace(BASE, value_residual=True, stream=StreamSpec(
+        design='mudd', mudd_streams='r')),
+    'dca_value_residual': dataclasses.replace(BASE, value_residual=True, stream=StreamSpec(design='dca')),
 }
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13]]
 
@@ -48,6 +52,11 @@ def _params(cfg, seed=1):
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
   return jax.tree.unflatten(tree, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)])
+
+
+def test_every_registered_design_is_decoded_with_the_cache():
+  covered = {cfg.stream.design for cfg in DESIGNS.values()}
+  assert set(designs.REGISTRY) <= covered, f'add a case to DESIGNS for {sorted(set(designs.REGISTRY) - covered)}'
 
 
 @pytest.mark.parametrize('name', list(DESIGNS))

@@ -3,7 +3,9 @@
 A site is one residual connection: `site(carry, fn, norm_in, norm_out, chain_l) -> carry`, fn(x, xn, scale) =
 scale·f(x) reading xn = norm_in(x) (scale None, or folded into f's last kernel), norm_out the post-norm (identity
 for pre-norm; a ResNet's ReLU), chain_l this layer's slice of the design's chain parameters (those whose init
-depends on the site index: LAuReL's RW, HC's A_m, DenseFormer's α). Each family file registers its designs.
+depends on the site index: LAuReL's RW, HC's A_m, DenseFormer's α). An LM's attention fn also takes xn as a
+(query, key, value) triple of normed inputs, each projected from its own (MUDDFormer's X^Q, X^K, X^V). Each family
+file registers its designs.
 """
 
 import dataclasses
@@ -46,6 +48,14 @@ class Site(nn.Module):
   def make(self, name, init, shape, names):
     return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
 
+  def attention_inputs(self, norm_in, q, k, v):
+    """The (query, key, value) triple of an attention fn, each input normed: q by the block's attention norm, k and
+    v by this site's own RMSNorms (MUDDFormer's and DCA's separate input norms)."""
+    norm = lambda name, x: nn.RMSNorm(epsilon=1e-6, dtype=x.dtype, param_dtype=self.param_dtype, name=name,
+                                      scale_init=nn.with_logical_partitioning(nn.initializers.ones,
+                                                                              (self.embed_axis,)))(x)
+    return norm_in(q), norm('norm_key', k), norm('norm_value', v)
+
 
 class PlainSite(Site):
   """x + f(x) around a sublayer the design leaves alone (Gemma 3n's MLP); the rest of the carry passes on."""
@@ -87,6 +97,8 @@ class Design:
   no_decay: tuple = ()  # parameter names kept out of weight decay
   logical_axes: tuple = ()  # (logical axis, mesh axes) rules of its parameters
   saved_names: tuple = ()  # checkpoint names every remat policy saves (a push form's reads of its running sums)
+  # (spec, num_layers, d_model) -> stored parameters that are structurally 0 (per-layer shapes padded for a scan)
+  padded_params: Callable = lambda spec, num_layers, d_model: 0
 
   def site_name(self, suffix):
     return (self.prefix or self.name) + suffix
@@ -102,7 +114,7 @@ def register(*designs: Design) -> None:
 
 # The families register themselves, in the order `model.stream.design` lists them.
 from laurel.designs import (  # pylint: disable=wrong-import-position  # noqa: E402,F401
-    laurel, scale, hyper, denseformer, attnres)
+    laurel, scale, hyper, denseformer, attnres, mudd, dca)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +132,7 @@ class StreamSpec:
   attnres_block: int = field(2, POSITIVE_INT)  # Block AttnRes: sites (attention, MLP) per block
   attnres_heads: int = field(1, POSITIVE_INT)  # AttnRes: independent depth softmaxes over channel groups
   attnres_delta: bool = field(False, BOOL)  # AttnRes over the increments, added to the ordinary stream
+  mudd_streams: str = field('qkvr', one_of('qkvr', 'r'))  # MUDDFormer's dense streams: Q, K, V, R, or R alone
 
   def check_sizes(self, num_layers: int, prefix: str, d_model: int | None = None) -> None:
     REGISTRY[self.design].check(self, num_layers, prefix)

@@ -1,0 +1,129 @@
+"""MUDDFormer: multiway dynamic dense connections (Xiao et al., arXiv 2502.12170; the authors' PyTorch file
+`pytorch/muddformer/modeling_muddformer.py`, `MultiwayDynamicDenseBlock` and `MUDDFormer.forward`).
+
+  X_0 the embedding, X_{i+1} = layer i's output; after layer i, per token and per stream c ∈ {Q, K, V, R}:
+    A_i = GELU(RMSNorm(X_{i+1}) W1_i) W2_i + a_i                        (C × (i+2) weights; RMSNorm without scale)
+    X^c_{i+1} = Σ_{j ≤ i+1} A_i[c, j]·X_j
+  layer i+1:  h = X^R + Attn(norm_q X^Q, norm_k X^K, norm_v X^V),  out = h + MLP(norm(h))
+The last layer mixes R only; the read-out (before the final norm) is its X^R. `mudd_streams='r'` keeps R alone
+(the attention reads X^R, as the code's dense_type 'l'). Sizes follow the code: W1_i is D × K_i,
+K_i = (C·(i+2)·e // 64 + 1)·64 with e = 4 at the last layer (expand_last), else 1; GELU exact (nn.GELU). The
+separate norms of the key and value inputs are the code's `sepln` (the query's is the block's attention norm).
+
+Init, the code's 'current_only' (jax/MaxText/layers/llama2.py): a_i one-hot on j = i+1, W2 = 0, W1 a fan-in normal.
+Every stream is then X_{i+1}: exactly the plain chain. This is the paper's base form, not the authors' JAX training
+config (X_j RMS-normed before mixing, X^R = X_{i+1} + PostNorm(mix), bias 0) nor `dynamic_mlp_dim`.
+
+Pull form: the weights depend on the receiver's own output, so each layer reads every earlier X_j from a buffer of
+N + 1 slots carried through the layers (a scan's backward keeps it per layer: O(N) activations a layer). The carry
+is (x, X_{(N+1)}, A): the residual between the two sites, the buffer, and the last layer's weights, which the next
+layer's first site mixes. Under a scan the per-layer shapes are padded to N + 1 sources and K_max hidden units
+(`MUDDChain`); no padded weight reaches the output or gets a gradient, and `padded_params` counts them so that the
+parameter count is the effective one.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+
+EPS = 1e-6
+WEIGHTS_ACT = ('act_batch', 'act_len', None, None)  # A: (B, L, C streams, N + 1 sources)
+
+
+def hidden_width(streams: int, sources: int, last: bool) -> int:
+  """K_i of the code: C·(i+2) (×4 at the last layer), rounded as `(n // 64 + 1)·64`."""
+  return (streams * sources * (4 if last else 1) // 64 + 1) * 64
+
+
+def layer_shapes(spec, num_layers: int) -> list[tuple[int, int, int]]:
+  """(streams C_i, sources i + 2, hidden K_i) of each layer i; the last layer mixes R only."""
+  c = len(spec.mudd_streams)
+  return [(1 if i == num_layers - 1 else c, i + 2, hidden_width(1 if i == num_layers - 1 else c, i + 2,
+                                                                 i == num_layers - 1)) for i in range(num_layers)]
+
+
+def padded_params(spec, num_layers: int, d_model: int) -> int:
+  """Parameters the padding adds to the effective count (stored minus used): W1's columns past K_i, W2's and the
+  bias's entries past C_i × (i+2) or K_i."""
+  c, j, k_max = len(spec.mudd_streams), num_layers + 1, max_hidden(spec, num_layers)
+  used = sum(d_model * k + k * ci * si + ci * si for ci, si, k in layer_shapes(spec, num_layers))
+  return num_layers * (d_model * k_max + k_max * c * j + c * j) - used
+
+
+def max_hidden(spec, num_layers: int) -> int:
+  return max(k for *_, k in layer_shapes(spec, num_layers))
+
+
+class MUDDChain(Chain):
+  """(a_NxCxJ, hidden_NxK, slot_NxJ), J = N + 1 sources: the bias a_i (the parameter, one-hot on j = i + 1), the
+  mask of layer i's hidden units (k < K_i) and the slot its output takes (i + 1). Weights on sources j > i + 1 meet
+  the buffer's still empty slots, and the last layer's Q, K, V weights are never read: no mask needed there."""
+
+  @nn.compact
+  def __call__(self):
+    big_n, c = self.num_layers, len(self.spec.mudd_streams)
+    hidden = np.zeros((big_n, max_hidden(self.spec, big_n)))
+    for i, (*_, k) in enumerate(layer_shapes(self.spec, big_n)):
+      hidden[i, :k] = 1.0
+    slot = np.eye(big_n + 1)[1:]
+    bias = self.param('mudd_bias', nn.with_logical_partitioning(const(slot[:, None, :]),
+                                                                 ('layers', 'mudd_streams', 'mudd_sources')),
+                      (big_n, c, big_n + 1), self.param_dtype).astype(F32)
+    return bias, jnp.asarray(hidden, F32), jnp.asarray(slot, F32)
+
+
+def mix(buffer_JxBxLxD, a_BxLxCxJ):
+  """X^c = Σ_j A[c, j]·X_j for every stream c: (C, B, L, D)."""
+  out = jnp.einsum('blcj,jbld->cbld', a_BxLxCxJ.astype(buffer_JxBxLxD.dtype), buffer_JxBxLxD,
+                   preferred_element_type=F32)
+  return out.astype(buffer_JxBxLxD.dtype)
+
+
+class MUDDSite(Site):
+  """Site 0 (attention) mixes the streams from the buffer and the last layer's weights: h = X^R + Attn(q, k, v
+  inputs). Site 1 (MLP): out = h + MLP(norm(h)), written to its slot, then this layer's weights A from out."""
+
+  @nn.compact
+  def __call__(self, carry, fn, norm_in, norm_out, chain_l):
+    x_BxLxD, buffer_JxBxLxD, a_BxLxCxJ = carry
+    bias_CxJ, hidden_K, slot_J = chain_l
+    if self.t == 0:
+      streams_CxBxLxD = mix(buffer_JxBxLxD, a_BxLxCxJ)
+      x_BxLxD = streams_CxBxLxD[-1]
+      xn = norm_in(x_BxLxD) if len(streams_CxBxLxD) == 1 else self.attention_inputs(norm_in, *streams_CxBxLxD[:3])
+      return nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, xn, None), ACT), buffer_JxBxLxD, a_BxLxCxJ
+    out_BxLxD = nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, norm_in(x_BxLxD), None), ACT)
+    buffer_JxBxLxD = buffer_JxBxLxD + slot_J.astype(out_BxLxD.dtype)[:, None, None, None] * out_BxLxD
+    c, j = bias_CxJ.shape
+    k_max = hidden_K.shape[0]
+    w1 = self.make('mudd_w1', nn.initializers.variance_scaling(1.0, 'fan_in', 'normal'), (self.features, k_max),
+                   (self.embed_axis, 'mudd_hidden')).astype(F32)
+    w2 = self.make('mudd_w2', nn.initializers.zeros, (k_max, c, j),
+                   ('mudd_hidden', 'mudd_streams', 'mudd_sources')).astype(F32)
+    y = out_BxLxD.astype(F32)
+    hidden_BxLxK = jax.nn.gelu(y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + EPS) @ w1,
+                               approximate=False)
+    a_BxLxCxJ = jnp.einsum('blk,kcj->blcj', hidden_BxLxK, w2 * hidden_K[:, None, None]) + bias_CxJ
+    return out_BxLxD, nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT), nn.with_logical_constraint(
+        a_BxLxCxJ, WEIGHTS_ACT)
+
+
+def _start(spec, x_BxLxD, num_layers):
+  """The buffer holds X_0; every stream of layer 0 is X_0 (weights one-hot on source 0)."""
+  buffer_JxBxLxD = jnp.zeros((num_layers + 1,) + x_BxLxD.shape, x_BxLxD.dtype).at[0].set(x_BxLxD)
+  a_BxLxCxJ = jnp.zeros(x_BxLxD.shape[:2] + (len(spec.mudd_streams), num_layers + 1), F32).at[..., 0].set(1.0)
+  return x_BxLxD, nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT), a_BxLxCxJ
+
+
+def _finish(spec, carry):
+  """The last layer's X^R."""
+  _, buffer_JxBxLxD, a_BxLxCxJ = carry
+  return mix(buffer_JxBxLxD, a_BxLxCxJ[..., -1:, :])[0]
+
+
+register(Design('mudd', MUDDSite, fields=('mudd_streams',), chain=MUDDChain, start=_start, finish=_finish,
+                no_decay=('mudd_bias',), padded_params=padded_params,
+                logical_axes=(('mudd_hidden', None), ('mudd_streams', None), ('mudd_sources', None))))
