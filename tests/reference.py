@@ -4,7 +4,8 @@ of what each design is tested against (`REFERENCES`: cases, its chain in float64
   LAuReL       arXiv 2411.07501, §2, eqs. 2–6, and Gemma 3n's LAuReL block
   ReZero       eq. 1 (arXiv 2003.04887); LayerScale: CaiT §2 (2103.17239)
   HC           eqs. 3–5, 10–14 and Algorithm 2 (2409.19606); mHC: eqs. 3, 7–9 (2512.24880), DeepSeek-V4's read-out
-  mHC-lite     2601.05732: H_res a softmax-weighted sum of the n! permutation matrices
+  mHC-lite     2601.05732: H_res a softmax-weighted sum of the n! permutation matrices; the authors' init as in
+               their code (FFTYYY/mhc-lite): b_res = (0, −8, …), b_pre and b_post ±1 tilted to stream l mod n
   Frac         2503.14125: HC over m fractions of the width (the dynamic form as HC eqs. 10–13)
   DenseFormer  §3, §3.2–3.3 (2402.02622), the pull form of epfml/DenseFormer's DWAModules
   AttnRes      §3 (2603.15031), Full and Block, the pull form: every source kept, one softmax per site (per head);
@@ -160,6 +161,16 @@ def scale_chain(spec, params, x, ws):
   return x
 
 
+def _authors_tilt(n, l):
+  """mHC-lite's code: +1 on stream l mod n (l the layer), −1 on the others."""
+  return 2 * np.eye(n)[l % n] - 1
+
+
+def _b_post_tilt(spec, l):
+  """mHC-lite's authors' init of b_post, carried as a constant shift of a parameter starting at 0."""
+  return _authors_tilt(spec.expansion, l) if getattr(spec, 'mhc_lite_init', 'plain') == 'authors' else 0.0
+
+
 def hyper_chain(spec, params, x, ws):
   """Token-major streams (B, L, n, D)."""
   p, x, ws = _f64(params, x, ws)
@@ -182,7 +193,7 @@ def hyper_chain(spec, params, x, ws):
       xv = np_rms(h.reshape(BATCH, LEN, n * D))
       phi, alpha = q['phi'].reshape(n * D, -1), q['alpha']
       h_pre = np_sigmoid(alpha[0] * (xv @ phi[:, :n]) + p['chain']['b_pre'][l, t])
-      h_post = 2 * np_sigmoid(alpha[1] * (xv @ phi[:, n:2 * n]) + q['b_post'])
+      h_post = 2 * np_sigmoid(alpha[1] * (xv @ phi[:, n:2 * n]) + q['b_post'] + _b_post_tilt(spec, l))
       res = alpha[2] * (xv @ phi[:, 2 * n:])
       if spec.design == 'mhc':
         h_res = np_sinkhorn(res.reshape(BATCH, LEN, n, n) + q['b_res'], spec.sinkhorn_iters)
@@ -367,6 +378,14 @@ def scale_init(spec, x, ws, params):
 
 
 def hyper_init(spec, x, ws, params):  # n equal streams summed: n·(plain chain), removed by the final RMSNorm
+  if getattr(spec, 'mhc_lite_init', 'plain') == 'authors':  # the code's start, not the plain chain: its chain there
+    n, k = spec.expansion, math.factorial(spec.expansion)
+    site = lambda q: {**q, 'phi': np.zeros_like(q['phi']), 'alpha': np.full(3, 0.01), 'b_post': np.zeros(n),
+                      'b_res': np.where(np.arange(k) == 0, 0.0, -8.0)}
+    start = {f'layers_{l}': {f'site{t}': site(params[f'layers_{l}'][f'site{t}']) for t in range(T)}
+             for l in range(LAYERS)}
+    b_pre = np.stack([[_authors_tilt(n, l)] * T for l in range(LAYERS)])
+    return hyper_chain(spec, {**params, **start, 'chain': {'b_pre': b_pre}}, x, ws), False
   weight = 0.5 + 1e-6 if getattr(spec, 'mhc_readout', 'sum') == 'v4' else 1.0  # V4: σ(0) + ε per stream
   return weight * spec.expansion * plain(x, ws), False
 
@@ -392,6 +411,7 @@ STREAM_CASES = {
     'mhc_v4_readout': StreamSpec(design='mhc', expansion=3, mhc_readout='v4'),
     'mhc_lite': StreamSpec(design='mhc_lite', expansion=3),
     'mhc_lite_n2_v4_readout': StreamSpec(design='mhc_lite', expansion=2, mhc_readout='v4'),
+    'mhc_lite_authors': StreamSpec(design='mhc_lite', expansion=3, mhc_lite_init='authors'),
     'frac': StreamSpec(design='frac'), 'frac_m4': StreamSpec(design='frac', fractions=4),
     'frac_dynamic': StreamSpec(design='frac', hc_dynamic=True),
     'frac_m8_dynamic': StreamSpec(design='frac', fractions=8, hc_dynamic=True),

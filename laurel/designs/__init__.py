@@ -125,6 +125,7 @@ class StreamSpec:
   hc_dynamic: bool = field(False, BOOL)  # HC eqs. 10–13
   sinkhorn_iters: int = field(20, POSITIVE_INT)  # mHC t_max (eq. 9)
   mhc_readout: str = field('sum', one_of('sum', 'v4'))  # mHC's streams -> one: HC §2.1's sum, or DeepSeek-V4's
+  mhc_lite_init: str = field('plain', one_of('plain', 'authors'))  # mHC-lite's start: mHC's plain one, or its code's
   fractions: int = field(2, POSITIVE_INT)  # Frac-Connections m
   layerscale_init: float = field(1e-5, POSITIVE)  # CaiT's ε for depth 24
   dwa_dilation: int = field(1, POSITIVE_INT)  # DenseFormer k

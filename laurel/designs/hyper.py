@@ -27,9 +27,9 @@ Initialisation, against the pre-norm chain x + F(norm(x)):
     part; the tilt to stream k mod n breaks that, as HC's A_m does. H_res only half-way to HC's A_r = I, where the
     Sinkhorn gradient would vanish. Needs n ≥ 2. The RMSNorm weight is absorbed into φ, as in the paper's kernel
     (§4.3.1). V4's read-out at φ_head = 0, b = 0 weighs each stream ½ + ε: (½ + ε)·n·(plain chain).
-  * mHC-lite: mHC's, with H_res at exactly mHC's (I + 11ᵀ/n)/2, reached as a = ½e_I + ½/n! (not the authors'
-    b_res = (0, −8, …), H_res ≈ 0.99·I, nor their ±1 b_pre, b_post tilts: those do not start as the plain chain).
-    n ≤ 5: n! logits per token and site.
+  * mHC-lite: mHC's, with H_res at exactly mHC's (I + 11ᵀ/n)/2, reached as a = ½e_I + ½/n!. The authors' code
+    starts elsewhere (b_res = (0, −8, …), H_res ≈ 0.99·I; b_pre, b_post ±1 tilted to stream l mod n), which does not
+    start as the plain chain: `mhc_lite_init='authors'` offers it. n ≤ 5: n! logits per token and site.
   * Frac: Γ = A = I, β = 1, W = 0: exactly the plain chain. Needs m ≥ 2 dividing D.
 The streams are carried stream-leading, h_NxBxLxD, logical axes (None, 'act_batch', 'act_len', 'act_embed').
 """
@@ -66,7 +66,9 @@ def sinkhorn(logits, iters: int):
 
 
 class HyperChain(Chain):
-  """HC's A_m or mHC's b_pre (N×T×n), whose init depends on the global site index k."""
+  """HC's A_m or mHC's b_pre (N×T×n), whose init depends on the global site index k. With mHC-lite's
+  authors' init, b_pre stacked with a constant shift of b_post (N×T×2×n), both ±1 tilted to stream l mod n, l the
+  layer: b_post = 0 + shift trains as b_post initialised at the shift would (b_post has no weight decay)."""
 
   @nn.compact
   def __call__(self):
@@ -76,6 +78,9 @@ class HyperChain(Chain):
         const(value), ('layers', 'stream_sites', 'stream')), shape, self.param_dtype).astype(F32)
     if s.design == 'hc':
       return make('a_m', onehot_NxTxN)
+    if s.design == 'mhc_lite' and s.mhc_lite_init == 'authors':
+      tilt_NxTxN = np.broadcast_to(2 * np.eye(n)[np.arange(shape[0]) % n][:, None] - 1, shape)
+      return jnp.stack([make('b_pre', tilt_NxTxN), jnp.asarray(tilt_NxTxN, F32)], axis=-2)
     p_NxTxN = (1.0 / n + onehot_NxTxN) / 2  # σ(b_pre): sums to 1, tilted to stream k mod n
     return make('b_pre', np.log(p_NxTxN / (1 - p_NxTxN)))
 
@@ -144,17 +149,18 @@ class MHCSite(Site):
     b_res = self.b_res_init()
     self.b_res = self.make('b_res', const(b_res), b_res.shape, ('stream', None)[:b_res.ndim])
 
-  def coefficients(self, h_NxBxLxD, b_pre_N):
+  def coefficients(self, h_NxBxLxD, b_pre_N, b_post_shift_N=0.0):
     """(H_pre, H_post, H_res) per token, float32: (B, L, n), (B, L, n), (B, L, n, n)."""
     n, alpha_3 = self.spec.expansion, self.alpha_3.astype(F32)
     c_BxLxC = jnp.einsum('nbld,ndc->blc', _flat_rms(h_NxBxLxD), self.phi.astype(F32))
     pre, post, res = c_BxLxC[..., :n], c_BxLxC[..., n:2 * n], c_BxLxC[..., 2 * n:]
     return (jax.nn.sigmoid(alpha_3[0] * pre + b_pre_N.astype(F32)),
-            2 * jax.nn.sigmoid(alpha_3[1] * post + self.b_post.astype(F32)),
+            2 * jax.nn.sigmoid(alpha_3[1] * post + self.b_post.astype(F32) + b_post_shift_N),
             self.h_res(alpha_3[2] * res + self.b_res.astype(F32).reshape(-1)))
 
   def __call__(self, h_NxBxLxD, fn, norm_in, norm_out, chain_l):
-    h_pre, h_post, h_res = self.coefficients(h_NxBxLxD, chain_l[self.t])
+    b = chain_l[self.t]  # b_pre, or (b_pre, b_post's shift): HyperChain
+    h_pre, h_post, h_res = self.coefficients(h_NxBxLxD, *(b if b.ndim == 2 else (b,)))
     return _hyper_update(h_NxBxLxD, h_pre, jnp.swapaxes(h_res, -1, -2), h_post, fn, norm_in)
 
 
@@ -166,13 +172,16 @@ def permutations(n: int) -> np.ndarray:
 class MHCLiteSite(MHCSite):
   """mHC-lite: mHC with H_res = Σ_k a_k P_k over the n! permutation matrices, a = softmax(α_res·x̂φ_res + b_res)
   (exactly doubly stochastic, no Sinkhorn). b_res starts H_res at mHC's (I + 11ᵀ/n)/2 exactly: J/n is the mean of
-  all n! permutations, so a_I = ½ + ½/n!, a_{k≠I} = ½/n!."""
+  all n! permutations, so a_I = ½ + ½/n!, a_{k≠I} = ½/n!. `mhc_lite_init='authors'`: their code's start,
+  b_res = (0, −8, …) on (I, the others): H_res ≈ 0.99·I at n = 4, and ±1 tilts of b_pre, b_post (HyperChain)."""
 
   def res_logits(self) -> int:
     return math.factorial(self.spec.expansion)
 
   def b_res_init(self):
     k = self.res_logits()
+    if self.spec.mhc_lite_init == 'authors':
+      return np.where(np.arange(k) == 0, 0.0, -8.0)
     return np.log(np.full(k, 0.5 / k) + np.eye(k)[0] / 2)  # over the permutations: logical axis 'stream'
 
   def h_res(self, logits_BxLxR):
@@ -267,7 +276,8 @@ register(Design('hc', HCSite, fields=('expansion', 'hc_dynamic'), no_decay=('a_m
                 finish=lambda spec, h: h.sum(axis=0, dtype=F32).astype(h.dtype), **_HYPER),  # HC §2.1
          Design('mhc', MHCSite, fields=('expansion', 'sinkhorn_iters', 'mhc_readout'), check=_check_mhc,
                 finish=_finish, no_decay=_MHC_NO_DECAY, **_HYPER),
-         Design('mhc_lite', MHCLiteSite, fields=('expansion', 'mhc_readout'), check=_check_mhc, finish=_finish,
+         Design('mhc_lite', MHCLiteSite, fields=('expansion', 'mhc_readout', 'mhc_lite_init'), check=_check_mhc,
+                finish=_finish,
                 no_decay=_MHC_NO_DECAY, **_HYPER),
          Design('frac', FracSite, fields=('fractions', 'hc_dynamic'), check_width=_check_frac,
                 no_decay=('frac_gamma', 'frac_a', 'frac_beta', 's_alpha', 's_beta'),
