@@ -83,12 +83,11 @@ def compile_only_process() -> None:
   jax.config.update('jax_enable_compilation_cache', False)
 
 
-def _compile(config, devices):
-  task = step.validate_config(config, len(devices), len({d.process_index for d in devices}))
-  mesh = sharding.make_mesh(config.mesh, devices)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-    compiled, _, abstract, _ = step.compile_step(task, config, mesh)
-  return compiled, abstract, task
+def _compile(task, devices):
+  mesh = sharding.make_mesh(task.config.mesh, devices)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
+    compiled, _, abstract, _ = step.compile_step(task, mesh)
+  return compiled, abstract
 
 
 def _not_fitting(topology: str, chip: TPU, error: Exception) -> InputError:
@@ -111,8 +110,9 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   The costs are step.step_costs': XLA counts a loop's body once, so what its loops leave out is compiled too."""
   gen, _ = parse_topology(topology)
   chip, devices = TPUS[gen], slice_devices(topology)
+  task = step.validate_config(config, len(devices), len({d.process_index for d in devices}))
   try:
-    compiled, abstract, task = _compile(config, devices)
+    compiled, abstract = _compile(task, devices)
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' in str(e):
       raise _not_fitting(topology, chip, e) from None
@@ -124,9 +124,9 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
            'temp_bytes': int(m.temp_size_in_bytes), 'hbm_bytes': chip.hbm_bytes}
   if not costs:
     return facts
-  compiled_steps = {config.to_json_best_effort(): compiled}  # the step above, not compiled again
-  costs_of = lambda c: xla_costs(compiled_steps.get(c.to_json_best_effort()) or _compile(c, devices)[0])
-  flops, bytes_accessed = step.step_costs(config, costs_of, sharding.make_mesh(config.mesh, devices))
+  # The step above is not compiled again.
+  costs_of = lambda t: xla_costs(compiled if t.config == task.config else _compile(t, devices)[0])
+  flops, bytes_accessed = step.step_costs(task, costs_of, sharding.make_mesh(task.config.mesh, devices))
   compute_s, memory_s = flops / chip.peak_flops, bytes_accessed / chip.hbm_bytes_per_s
   return {**facts, 'flops_per_step': flops, 'bytes_accessed_per_step': bytes_accessed, 'compute_s': compute_s,
           'memory_s': memory_s, 'roofline_step_time_s': max(compute_s, memory_s)}

@@ -170,11 +170,10 @@ def run_dir(workdir) -> epath.Path:
   return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
 
 
-def restore_params(workdir, config, shardings=None):
-  """(params, step) of the latest checkpoint of a run, e.g. to sample or evaluate it: the parameters only (the
-  optimizer state is never read), each read straight into its sharding in `shardings` (a tree like the params;
+def restore_params(workdir, task, shardings=None):
+  """(params, step) of the latest checkpoint of a run of `task`, e.g. to sample or evaluate it: the parameters only
+  (the optimizer state is never read), each read straight into its sharding in `shardings` (a tree like the params;
   default: device 0)."""
-  task = tasks.get_task(config)
   abstract = jax.eval_shape(lambda rng: nn.unbox(task.init(rng, task.example_batch(1)))['params'],
                             jax.eval_shape(jax.random.key, 0))
   if shardings is None:
@@ -201,10 +200,10 @@ def lm_run_on_mesh(workdir):
   if config.task != 'lm':
     raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
   task = validate_config(config, num_devices=len(jax.devices()))
-  mesh = sharding.make_mesh(config.mesh)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
+  rules, mesh = task.config.logical_axis_rules, sharding.make_mesh(task.config.mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
-    params, step = restore_params(workdir, config, sharding.logical_shardings(boxed, mesh, config.logical_axis_rules))
+    params, step = restore_params(workdir, task, sharding.logical_shardings(boxed, mesh, rules))
     yield task, params, step, mesh
 
 

@@ -1,9 +1,11 @@
 """The train step and what it costs: the run's typed config, the optimizer, the compiled step, FLOPs.
 
   TrainConfig          the top level of a config (the loop's fields; `model` and `data` are the task's sections)
-  validate_config      every check that needs no tracing, before anything compiles
-  make_train_fns       (optimizer, init_state, train_step) of a config; compile_step: sharded, ahead of time
+  validate_config      every check that needs no tracing, before anything compiles; the task of the typed config
+  make_train_fns       (optimizer, init_state, train_step) of a task; compile_step: sharded, ahead of time
   step_costs           XLA's FLOPs and bytes of a step, with what it leaves out of loops added back
+
+A run's config is built into its TrainConfig once, by validate_config, and read from `task.config` from then on.
 """
 
 import dataclasses
@@ -84,8 +86,8 @@ class TrainConfig:
   optimizer: OptimizerConfig = OptimizerConfig()
   mesh: MeshConfig = MeshConfig()
   logical_axis_rules: tuple = LOGICAL_AXIS_RULES
-  model: Any = None
-  data: Any = None
+  model: Any = None  # the task's typed section (LMConfig, ResNetConfig)
+  data: Any = None  # the task's typed section (LMDataConfig, ImageDataConfig)
 
 
 
@@ -106,10 +108,13 @@ def num_data_shards(config) -> int:
   return config.data_shards or math.gcd(config.batch_size, 64)
 
 
-def validate_config(config, num_devices: int | None = None, process_count: int | None = None):
-  """Every check that needs no tracing; returns the task. Errors are one line naming field and value."""
+def validate_config(config, num_devices: int | None = None, process_count: int | None = None) -> tasks.Task:
+  """Every check that needs no tracing; returns the task of the typed config (its `config`, a TrainConfig with the
+  task's typed model and data sections). Errors are one line naming field and value."""
   train_cfg = config_lib.build(TrainConfig, config, '', skip=('model', 'data'))
   task = tasks.get_task(config)
+  train_cfg = dataclasses.replace(train_cfg, model=task.model_cfg, data=task.data_cfg)
+  task = tasks.get_task(train_cfg)  # the same sections, already built
   task.validate()
   num_devices = jax.device_count() if num_devices is None else num_devices
   process_count = jax.process_count() if process_count is None else process_count
@@ -130,9 +135,9 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   require(batch % accum == 0, 'batch_size', batch, f'must be divisible by optimizer.grad_accum_steps={accum}')
   require((batch // accum) % (data * fsdp) == 0, 'batch_size', batch,
           f'each micro-batch ({batch // accum}) must divide over the data-parallel size data*fsdp={data * fsdp}')
-  shards = num_data_shards(config)
+  shards = num_data_shards(train_cfg)
   require(batch % shards == 0, 'batch_size', batch, f'must divide over data_shards={shards}')
-  require(shards % process_count == 0, 'data_shards', config.data_shards,
+  require(shards % process_count == 0, 'data_shards', train_cfg.data_shards,
           f'{shards} input shards do not divide over {process_count} processes; set a multiple')
   return task
 
@@ -167,8 +172,9 @@ def make_optimizer(o, steps):
   return tx, schedule
 
 
-def make_train_fns(task, config):
-  """(optimizer, init_state(rng), train_step(state, batch)) of `config`; nothing is traced yet."""
+def make_train_fns(task):
+  """(optimizer, init_state(rng), train_step(state, batch)) of a task of validate_config; nothing is traced yet."""
+  config = task.config
   tx, schedule = make_optimizer(config.optimizer, config.steps)
   grad_fn = jax.value_and_grad(task.loss, has_aux=True)
   k = config.optimizer.grad_accum_steps
@@ -206,11 +212,10 @@ def make_train_fns(task, config):
   return tx, init_state, train_step
 
 
-
-def compile_step(task, config, mesh):
+def compile_step(task, mesh):
   """Shardings, the ahead-of-time compiled train step and the state initialiser (nothing allocated yet)."""
-  """Shardings, the ahead-of-time compiled train step and the state initialiser (nothing allocated yet)."""
-  tx, init_state, train_step = make_train_fns(task, config)
+  config = task.config
+  tx, init_state, train_step = make_train_fns(task)
   example = task.example_batch(1)
   rng = jax.eval_shape(jax.random.key, 0)  # abstract: a concrete key would be placed on the mesh's devices
   var_shardings = sharding.logical_shardings(jax.eval_shape(task.init, rng, example), mesh, config.logical_axis_rules)
@@ -234,40 +239,39 @@ def compile_step(task, config, mesh):
   return compiled, init, abstract, state_shardings
 
 
-def step_costs(config, costs_of, mesh=None) -> tuple[float, float]:
-  """(FLOPs, bytes accessed) of one train step of `config`: `costs_of(c)`, XLA's costs of the step of a config c
+def step_costs(task, costs_of, mesh=None) -> tuple[float, float]:
+  """(FLOPs, bytes accessed) of one train step of `task`: `costs_of(t)`, XLA's costs of the step of a task t
   (lowered or compiled, per device of `mesh`), with what XLA leaves out added. It counts a loop's body once, so the
   step is counted with one micro-batch (accumulating only splits the batch), a scanned layer stack at scan_unroll
   1 and 2 with the difference (one layer) added for every further layer (where they are odd in number, all in one
   iteration), and the loss's chunks after the first (laurel.cross_entropy scans them) compiled alone."""
-  config = _with(config, {'optimizer.grad_accum_steps': 1, 'model.scan_unroll': 1})
-  totals = costs_of(config)
-  layers = config.model.get('num_layers', 1)
-  if config.model.get('scan_layers') and layers > 1:
+  task = _with(task, scan_unroll=1)
+  totals = costs_of(task)
+  layers = getattr(task.model_cfg, 'num_layers', 1)
+  if getattr(task.model_cfg, 'scan_layers', False) and layers > 1:
     if layers % 2:  # one iteration of every layer
-      totals = costs_of(_with(config, {'model.scan_unroll': layers}))
+      totals = costs_of(_with(task, scan_unroll=layers))
     else:
-      twice = costs_of(_with(config, {'model.scan_unroll': 2}))
+      twice = costs_of(_with(task, scan_unroll=2))
       totals = [c + (layers - 1) * (c2 - c) for c, c2 in zip(totals, twice)]
-  if config.task == 'lm':
-    totals = [c + extra for c, extra in zip(totals, _uncounted_loss_chunks(config, mesh))]
+  if task.config.task == 'lm':
+    totals = [c + extra for c, extra in zip(totals, _uncounted_loss_chunks(task.config, mesh))]
   return tuple(totals)
 
 
-def _with(config, values: dict) -> ml_collections.ConfigDict:
-  """A copy of `config` with the dotted fields of `values` that it has set."""
-  copy = ml_collections.ConfigDict(config.to_dict())
-  for dotted, value in values.items():
-    section, name = dotted.split('.')
-    if name in copy[section]:
-      copy[section][name] = value
-  return copy
+def _with(task, scan_unroll: int):
+  """The same task with one micro-batch per step and the layer scan unrolled `scan_unroll` times (if it has one)."""
+  config, model = task.config, task.model_cfg
+  if hasattr(model, 'scan_unroll'):
+    model = dataclasses.replace(model, scan_unroll=scan_unroll)
+  return type(task)(dataclasses.replace(config, model=model,
+                                        optimizer=dataclasses.replace(config.optimizer, grad_accum_steps=1)))
 
 
 def _uncounted_loss_chunks(config, mesh) -> tuple[float, float]:
   """(FLOPs, bytes) of the loss's chunks after the first: one chunk's loss and gradients compiled alone, its batch
   sharded over `mesh` (None: one device, the global batch)."""
-  model = lm.LMConfig.from_config(config.model)
+  model = config.model
   chunk = min(model.loss_chunk or config.data.seq_len, config.data.seq_len)
   chunks = -(-config.data.seq_len // chunk)
   if chunks == 1:
@@ -283,12 +287,11 @@ def _uncounted_loss_chunks(config, mesh) -> tuple[float, float]:
   return tuple((chunks - 1) * c for c in one)
 
 
-def step_flops(task, config) -> float:
+def step_flops(task) -> float:
   """FLOPs of one train step of `task` on the global batch (step_costs of the step lowered for one device)."""
-  def lowered_costs(c):
-    counted = type(task)(c)  # the same task with the fields step_costs changes
-    with nn.logical_axis_rules(c.logical_axis_rules):
-      _, init_state, train_step = make_train_fns(counted, c)
+  def lowered_costs(t):
+    with nn.logical_axis_rules(t.config.logical_axis_rules):
+      _, init_state, train_step = make_train_fns(t)
       abstract = jax.eval_shape(init_state, jax.random.key(0))
-      return xla_costs(jax.jit(train_step).lower(abstract, counted.example_batch(c.batch_size)))
-  return step_costs(config, lowered_costs)[0]
+      return xla_costs(jax.jit(train_step).lower(abstract, t.example_batch(t.config.batch_size)))
+  return step_costs(task, lowered_costs)[0]

@@ -17,6 +17,7 @@ class Task(Protocol):
   """What the train step and loop (laurel.step, laurel.train) ask of a model family. Each metric of `loss` is a
   (sum, weight) pair, so train and eval both report sum/weight however many batches or devices they span."""
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
+  config: Any  # the run's config: the typed step.TrainConfig for a task of step.validate_config
   model_cfg: Any  # the validated `config.model` (LMConfig, ResNetConfig)
   data_cfg: Any  # the validated `config.data` (LMDataConfig, ImageDataConfig)
 

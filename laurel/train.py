@@ -61,8 +61,9 @@ class _ShardedBatchIterator(grain.DatasetIterator):
       it.set_state(shard_state)
 
 
-def local_dataset(task, config, *, train: bool):
+def local_dataset(task, *, train: bool):
   """This process's rows of the global batch: its consecutive run of the input shards (num_data_shards)."""
+  config = task.config
   num_shards, nproc = num_data_shards(config), jax.process_count()
   mine = range(jax.process_index() * num_shards // nproc, (jax.process_index() + 1) * num_shards // nproc)
   return ShardedBatches([task.dataset(train=train, batch_size=config.batch_size // num_shards, seed=config.seed,
@@ -126,10 +127,10 @@ def read_log_lines(text: str, path) -> list[str]:
 
 
 
-def check_inputs(task, config, workdir: epath.Path) -> None:
+def check_inputs(task, workdir: epath.Path) -> None:
   """What would otherwise fail after compiling, checked first: every gs:// path's filesystem, the data and the
   vocabulary (task.check_data), a writable workdir. One-line InputErrors naming the path."""
-  paths = [('--workdir', os.fspath(workdir))] + [(f'data.{k}', config.data.get(k) or '') for k in
+  paths = [('--workdir', os.fspath(workdir))] + [(f'data.{k}', getattr(task.data_cfg, k, '') or '') for k in
                                                   ('path', 'tfds_data_dir', 'vocab_path')]
   for name, path in paths:
     if '://' in path:
@@ -260,29 +261,30 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
   started = time.perf_counter()
   devices = jax.devices() if devices is None else devices
   task = validate_config(config, num_devices=len(devices))
+  cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
   workdir = run_dir(workdir)
-  check_inputs(task, config, workdir)
+  check_inputs(task, workdir)
   with console.deferred():
     guard_config(config, workdir, allow_config_change)
-  print(f'config: {console.shown(workdir / "config.json")} ({config.task}, row {config.row or "-"}, preset '
-        f'{config.preset or "-"}, {config.steps} steps)', flush=True)
+  print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '
+        f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)
   info = run_info(config)
-  mesh = sharding.make_mesh(config.mesh, devices)
+  mesh = sharding.make_mesh(cfg.mesh, devices)
   pid, nproc = jax.process_index(), jax.process_count()
 
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules):
     with console.phase(f'compiling the train step for {len(devices)} device{"s" * (len(devices) > 1)}'):
-      compiled, init_state, abstract_state, state_shardings = compile_step(task, config, mesh)
+      compiled, init_state, abstract_state, state_shardings = compile_step(task, mesh)
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
-    train_iter = iter(local_dataset(task, config, train=True))
-    mngr = checkpoint.manager(workdir, config.keep_checkpoints)
+    train_iter = iter(local_dataset(task, train=True))
+    mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
     with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
       state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter)
     if state is None:
       with console.phase('initialising the model'):
-        state = init_state(jax.random.key(config.seed))
-    elif start >= config.steps and (workdir / 'final.json').exists():
+        state = init_state(jax.random.key(cfg.seed))
+    elif start >= cfg.steps and (workdir / 'final.json').exists():
       print(f'already finished: checkpoint {start} in {workdir}', flush=True)
       mngr.close()
       return json.loads((workdir / 'final.json').read_text())
@@ -293,17 +295,17 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     peak_memory = hardware.peak_memory_bytes(compiled)
     # Utilisation only where the chip's peak is known: model FLOPs (MFU) and the compiler's, remat included (HFU).
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)
-    flops = {'mfu': task.model_flops(config.batch_size), 'hfu': step_flops(task, config)} if peak_flops else {}
+    flops = {'mfu': task.model_flops(cfg.batch_size), 'hfu': step_flops(task)} if peak_flops else {}
     if moved_aside:  # the log keeps the steps logged after `start`, and says why they come again
       info = {**info, 'moved_aside': moved_aside}
     with console.deferred():  # it rewrites metrics.jsonl
       log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside))
-    watchdog = Watchdog(config.watchdog_factor, config.watchdog_min_s, config.watchdog_s, flush=log.writer.flush)
+    watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
     from clu import periodic_actions  # pylint: disable=import-outside-toplevel
-    actions = [periodic_actions.ReportProgress(num_train_steps=config.steps, every_steps=config.log_every,
+    actions = [periodic_actions.ReportProgress(num_train_steps=cfg.steps, every_steps=cfg.log_every,
                                                every_secs=None, writer=log.writer)]
-    if config.profile_steps:
-      first, stop = config.profile_steps
+    if cfg.profile_steps:
+      first, stop = cfg.profile_steps
       actions.append(periodic_actions.Profile(logdir=workdir / 'profile', first_profile=first,
                                               num_profile_steps=stop - first, profile_duration_ms=None,
                                               every_secs=None))
@@ -312,10 +314,10 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
           f'{peak_memory / 2**20:,.1f} MiB', flush=True)
 
     def evaluate():
-      it = iter(local_dataset(task, config, train=False))
+      it = iter(local_dataset(task, train=False))
       totals = {}
-      with console.phase(f'evaluating on {config.eval_steps} batches'):
-        for _ in range(config.eval_steps):
+      with console.phase(f'evaluating on {cfg.eval_steps} batches'):
+        for _ in range(cfg.eval_steps):
           for name, (s, w) in jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh))).items():
             ts, tw = totals.get(name, (0.0, 0.0))
             totals[name] = (ts + float(s), tw + float(w))
@@ -339,7 +341,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     t0, interval_start = time.time(), start
     watchdog.start()
     try:
-      for step in range(start, config.steps):
+      for step in range(start, cfg.steps):
         batch = sharding.global_batch(next(train_iter), mesh)
         state, metrics = compiled(state, batch)
         if pending is not None:  # one step behind, so the host never waits on the step in flight
@@ -347,29 +349,29 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
         pending, done = (step + 1, metrics), step + 1
         for action in actions:
           action(done)
-        last = done == config.steps
+        last = done == cfg.steps
         stop = mngr.reached_preemption(done) if nproc > 1 else bool(preempted)
-        if done % config.log_every == 0 or last or stop:
+        if done % cfg.log_every == 0 or last or stop:
           check_finite(*pending)
           dt = (time.time() - t0) / (done - interval_start)
           step_times.append(dt)
           row = {k: float(v) for k, v in jax.device_get(metrics).items()}
-          row.update(step_time_s=dt, **{f'{task.unit}_per_s': config.batch_size * task.units_per_example() / dt},
+          row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
                      peak_memory_bytes=peak_memory, params=num_params,
                      **{k: f / dt / (peak_flops * jax.device_count()) for k, f in flops.items()})
           stats = jax.local_devices()[0].memory_stats()
           if stats and 'peak_bytes_in_use' in stats:
             row['device_peak_bytes'] = stats['peak_bytes_in_use']
           log.write(done, row)
-          print(console.step_line(done, config.steps, row, task.unit), flush=True)
-        if done % config.eval_every == 0 or last:
+          print(console.step_line(done, cfg.steps, row, task.unit), flush=True)
+        if done % cfg.eval_every == 0 or last:
           eval_metrics = evaluate()
           log.write(done, eval_metrics)
-          print(console.eval_line(done, config.steps, eval_metrics), flush=True)
-        if done % config.checkpoint_every == 0 or last or stop:
+          print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
+        if done % cfg.checkpoint_every == 0 or last or stop:
           check_finite(*pending)
           checkpoint.save(mngr, done, state, train_iter, config)
-        if done % config.log_every == 0 or done % config.eval_every == 0 or done % config.checkpoint_every == 0:
+        if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
           t0, interval_start = time.time(), done
         watchdog.beat(done)
         if stop:
@@ -386,13 +388,13 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
       log.writer.close()
       mngr.close()
 
-  final = {'step': config.steps, **eval_metrics, 'params': num_params, 'peak_memory_bytes': peak_memory,
+  final = {'step': cfg.steps, **eval_metrics, 'params': num_params, 'peak_memory_bytes': peak_memory,
            'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
            'finished_at': utc_now()}
   if pid == 0:
     with console.deferred():
       (workdir / 'final.json').write_text(json.dumps(final, indent=2) + '\n')
-    print(summary(config, workdir, final, time.perf_counter() - started), flush=True)
+    print(summary(cfg, workdir, final, time.perf_counter() - started), flush=True)
   return final
 
 

@@ -83,7 +83,7 @@ def compile_row(config, mesh) -> tuple:
   loop logs it beside XLA's own peak (which on CPU counts the arguments only)."""
   task, start = step.validate_config(config), time.perf_counter()
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-    compiled, init_state, abstract, _ = step.compile_step(task, config, mesh)
+    compiled, init_state, abstract, _ = step.compile_step(task, mesh)
   m = compiled.memory_analysis()
   return compiled, init_state, task, {
       'params': task.num_params(abstract.params), 'compile_s': time.perf_counter() - start,
@@ -139,7 +139,7 @@ def measure(configs, mesh, cpu: bool) -> list[dict]:
     compiled, init_state, task, facts = compile_row(c, mesh)
     with jax.set_mesh(mesh):
       rows[name] = {'step': compiled, 'state': init_state(jax.random.key(c.seed)), **facts,
-                    'flops_per_step': step.step_flops(task, c), 'model_flops_per_step': task.model_flops(c.batch_size),
+                    'flops_per_step': step.step_flops(task), 'model_flops_per_step': task.model_flops(c.batch_size),
                     'xla_flops_compiled': hardware.xla_flops(compiled) * n}
     batch = batch if batch is not None else synthetic_batch(task, c, mesh)
     print(f"compiled {name}: {facts['compile_s']:.1f}s, {facts['params']:,} params, peak memory "

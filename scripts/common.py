@@ -1,4 +1,5 @@
-"""Helpers shared by the scripts in this folder: error handling, result files, and Cloud TPU VM commands."""
+"""Helpers shared by the scripts in this folder: error handling, result files, and where a table's runs train
+(here, or on a TPU slice through launch_tpu.py)."""
 
 import contextlib
 import csv
@@ -261,34 +262,6 @@ class Launcher:
     return run_points(points, log_name, self.command, after)
 
 
-# Cloud TPU VMs: slices (laurel.tpu_slices.parse_accelerator), gcloud commands and what each host runs (launch_tpu.py).
-REMOTE_DIR = 'laurel'  # in each host's home directory
-REMOTE_PYTHON = '.venv/bin/python'  # relative to REMOTE_DIR
-REMOTE_LOG, REMOTE_PID = 'train.log', 'train.pid'  # of a detached run, in REMOTE_DIR
-TARBALL = 'laurel-src.tar.gz'
-
-
-def gcloud(verb: str, positional: list[str], zone: str, project: str | None, *extra: str,
-           resource: str = 'tpu-vm') -> list[str]:
-  """gcloud compute tpus <resource> <verb> ...; resource: tpu-vm or queued-resources."""
-  return ['gcloud', 'compute', 'tpus', resource, verb, *positional, f'--zone={zone}',
-          *([f'--project={project}'] if project else []), *extra]
-
-
-def ssh(tpu, zone, project, command: str, worker: str = 'all') -> list[str]:
-  """`command` on every host of the slice at once (or on one: worker='0')."""
-  return gcloud('ssh', [tpu], zone, project, f'--worker={worker}', f'--command={command}')
-
-
-def train_command(config_spec: str, workdir: str, overrides=(), detach=False) -> str:
-  """What every host runs: laurel.main from the repo's venv; on a TPU VM jax.distributed finds the processes and
-  the coordinator itself. Detached: under nohup, its output in REMOTE_LOG and its pid in REMOTE_PID."""
-  run = shlex.join([REMOTE_PYTHON, '-m', 'laurel.main', f'--config={config_spec}', f'--workdir={workdir}',
-                    *overrides])
-  return f'cd {REMOTE_DIR} && ' + (f'nohup {run} > {REMOTE_LOG} 2>&1 < /dev/null & echo $! > {REMOTE_PID}'
-                                   if detach else run)
-
-
 def repo_spec(spec: str) -> str:
   """A config spec as the TPU hosts can read it: relative to the repository root, or a shipped config's name."""
   resolved = config_lib.resolve_spec(spec)
@@ -298,23 +271,6 @@ def repo_spec(spec: str) -> str:
   if not pathlib.Path(path).is_relative_to(ROOT):
     raise config_lib.InputError(f'--config={spec!r}: outside the repository, so the TPU hosts do not have it')
   return f'{pathlib.Path(path).relative_to(ROOT)}{sep}{arg}'
-
-
-def setup_command(jax_requirement: str, repo_url: str | None, ref: str, install: bool) -> str:
-  if not re.fullmatch(r'[\w.\[\],=<>!~-]+', jax_requirement):
-    raise config_lib.InputError(f'--jax={jax_requirement!r}: not a pip requirement such as jax[tpu]==0.10.2')
-  if repo_url:
-    url, ref = shlex.quote(repo_url), shlex.quote(ref)
-    steps = [f'if [ -d {REMOTE_DIR}/.git ]; then git -C {REMOTE_DIR} fetch -q origin {ref} && '
-             f'git -C {REMOTE_DIR} checkout -q --force FETCH_HEAD; else git clone -q {url} {REMOTE_DIR} && '
-             f'git -C {REMOTE_DIR} checkout -q {ref}; fi']
-  else:
-    steps = [f'mkdir -p {REMOTE_DIR} && tar xzf {TARBALL} -C {REMOTE_DIR} && rm {TARBALL}']
-  if install:
-    steps += [f'cd {REMOTE_DIR}', 'python3 -m pip install -q --user uv',
-              'python3 -m uv venv -q --allow-existing --python 3.11 .venv',
-              f'python3 -m uv pip install -q --python {REMOTE_PYTHON} "{jax_requirement}" -e ".[gcs]"']
-  return 'set -e; ' + ' && '.join(steps)
 
 
 def shell_line(cmd: list[str]) -> str:

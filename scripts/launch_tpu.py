@@ -22,6 +22,8 @@ Needs gcloud logged in. The workdir should be on GCS: a slice of several hosts w
 
 import importlib.metadata
 import os
+import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -64,6 +66,51 @@ _OVERRIDES = []  # the --config.<field>=<value> arguments, taken out of argv bef
 GONE = ('PREEMPTED', 'TERMINATED', 'STOPPED', 'SUSPENDED', 'FAILED', 'NOT_FOUND')
 
 
+# What each host runs, and where.
+REMOTE_DIR = 'laurel'  # in each host's home directory
+REMOTE_PYTHON = '.venv/bin/python'  # relative to REMOTE_DIR
+REMOTE_LOG, REMOTE_PID = 'train.log', 'train.pid'  # of a detached run, in REMOTE_DIR
+TARBALL = 'laurel-src.tar.gz'
+
+
+def gcloud(verb: str, positional: list[str], zone: str, project: str | None, *extra: str,
+           resource: str = 'tpu-vm') -> list[str]:
+  """gcloud compute tpus <resource> <verb> ...; resource: tpu-vm or queued-resources."""
+  return ['gcloud', 'compute', 'tpus', resource, verb, *positional, f'--zone={zone}',
+          *([f'--project={project}'] if project else []), *extra]
+
+
+def ssh(tpu, zone, project, command: str, worker: str = 'all') -> list[str]:
+  """`command` on every host of the slice at once (or on one: worker='0')."""
+  return gcloud('ssh', [tpu], zone, project, f'--worker={worker}', f'--command={command}')
+
+
+def train_command(config_spec: str, workdir: str, overrides=(), detach=False) -> str:
+  """What every host runs: laurel.main from the repo's venv; on a TPU VM jax.distributed finds the processes and
+  the coordinator itself. Detached: under nohup, its output in REMOTE_LOG and its pid in REMOTE_PID."""
+  run = shlex.join([REMOTE_PYTHON, '-m', 'laurel.main', f'--config={config_spec}', f'--workdir={workdir}',
+                    *overrides])
+  return f'cd {REMOTE_DIR} && ' + (f'nohup {run} > {REMOTE_LOG} 2>&1 < /dev/null & echo $! > {REMOTE_PID}'
+                                   if detach else run)
+
+
+def setup_command(jax_requirement: str, repo_url: str | None, ref: str, install: bool) -> str:
+  if not re.fullmatch(r'[\w.\[\],=<>!~-]+', jax_requirement):
+    raise config_lib.InputError(f'--jax={jax_requirement!r}: not a pip requirement such as jax[tpu]==0.10.2')
+  if repo_url:
+    url, ref = shlex.quote(repo_url), shlex.quote(ref)
+    steps = [f'if [ -d {REMOTE_DIR}/.git ]; then git -C {REMOTE_DIR} fetch -q origin {ref} && '
+             f'git -C {REMOTE_DIR} checkout -q --force FETCH_HEAD; else git clone -q {url} {REMOTE_DIR} && '
+             f'git -C {REMOTE_DIR} checkout -q {ref}; fi']
+  else:
+    steps = [f'mkdir -p {REMOTE_DIR} && tar xzf {TARBALL} -C {REMOTE_DIR} && rm {TARBALL}']
+  if install:
+    steps += [f'cd {REMOTE_DIR}', 'python3 -m pip install -q --user uv',
+              'python3 -m uv venv -q --allow-existing --python 3.11 .venv',
+              f'python3 -m uv pip install -q --python {REMOTE_PYTHON} "{jax_requirement}" -e ".[gcs]"']
+  return 'set -e; ' + ' && '.join(steps)
+
+
 def pack_working_tree(path: str):
   """The files git tracks or would add (not ignored), as they are on disk now, and COMMIT (laurel.train reads it)."""
   from laurel import train  # pylint: disable=import-outside-toplevel  # (see plan)
@@ -78,7 +125,7 @@ def pack_working_tree(path: str):
 
 
 def _gcloud(verb: str, *extra: str, resource: str = 'tpu-vm') -> list[str]:
-  return common.gcloud(verb, [_TPU.value], _ZONE.value, _PROJECT.value, *extra, resource=resource)
+  return gcloud(verb, [_TPU.value], _ZONE.value, _PROJECT.value, *extra, resource=resource)
 
 
 def state_command() -> list[str]:
@@ -100,36 +147,36 @@ def setup_steps() -> list[tuple[str, list[str] | str]]:
   steps = []
   if not _REPO_URL.value:
     tarball = os.path.join(tempfile.gettempdir(), f'laurel-src-{_TPU.value}.tar.gz')
-    steps += [('pack', tarball), ('copy', common.gcloud('scp', [tarball, f'{_TPU.value}:{common.TARBALL}'], _ZONE.value,
+    steps += [('pack', tarball), ('copy', gcloud('scp', [tarball, f'{_TPU.value}:{TARBALL}'], _ZONE.value,
                                                         _PROJECT.value, '--worker=all'))]
-  setup = common.setup_command(_JAX.value or f'jax[tpu]=={importlib.metadata.version("jax")}', _REPO_URL.value,
+  setup = setup_command(_JAX.value or f'jax[tpu]=={importlib.metadata.version("jax")}', _REPO_URL.value,
                                _REF.value, _INSTALL.value)
-  return steps + [('setup', common.ssh(_TPU.value, _ZONE.value, _PROJECT.value, setup))]
+  return steps + [('setup', ssh(_TPU.value, _ZONE.value, _PROJECT.value, setup))]
 
 
 def finished_command() -> list[str]:
   """Exits 0 on worker 0 if the workdir holds final.json (through the hosts' filesystem for gs://)."""
   check = ('import sys; from etils import epath; '
            "sys.exit(0 if (epath.Path(sys.argv[1]) / 'final.json').exists() else 1)")
-  return common.ssh(_TPU.value, _ZONE.value, _PROJECT.value, f'cd {common.REMOTE_DIR} && '
-                    + common.shell_line([common.REMOTE_PYTHON, '-c', check, _WORKDIR.value]), worker='0')
+  return ssh(_TPU.value, _ZONE.value, _PROJECT.value, f'cd {REMOTE_DIR} && '
+                    + common.shell_line([REMOTE_PYTHON, '-c', check, _WORKDIR.value]), worker='0')
 
 
 def plan() -> list[tuple[str, list[str] | str]]:
   """[(what, command)]: a gcloud argv, or for 'pack' the tarball to write."""
   common.require(tpu=_TPU, zone=_ZONE)
-  tpu, zone, project, remote = _TPU.value, _ZONE.value, _PROJECT.value, common.REMOTE_DIR
+  tpu, zone, project, remote = _TPU.value, _ZONE.value, _PROJECT.value, REMOTE_DIR
   if _ACTION.value == 'logs':
-    return [('logs', common.ssh(tpu, zone, project, f'tail -n 200 -F {remote}/{common.REMOTE_LOG}', worker='0'))]
+    return [('logs', ssh(tpu, zone, project, f'tail -n 200 -F {remote}/{REMOTE_LOG}', worker='0'))]
   if _ACTION.value == 'status':
-    pid = f'{remote}/{common.REMOTE_PID}'
+    pid = f'{remote}/{REMOTE_PID}'
     running = (f'if [ -f {pid} ] && kill -0 "$(cat {pid})" 2>/dev/null; then echo "$(hostname): training (pid '
-               f'$(cat {pid}))"; else echo "$(hostname): not training"; fi; tail -n 1 {remote}/{common.REMOTE_LOG} '
+               f'$(cat {pid}))"; else echo "$(hostname): not training"; fi; tail -n 1 {remote}/{REMOTE_LOG} '
                '2>/dev/null || true')
-    return [('state', state_command()), ('status', common.ssh(tpu, zone, project, running))]
+    return [('state', state_command()), ('status', ssh(tpu, zone, project, running))]
   if _ACTION.value == 'stop':  # SIGTERM: laurel.main saves a checkpoint and exits
-    pid = f'{remote}/{common.REMOTE_PID}'
-    return [('stop', common.ssh(tpu, zone, project, f'if [ -f {pid} ]; then kill -TERM "$(cat {pid})" && echo '
+    pid = f'{remote}/{REMOTE_PID}'
+    return [('stop', ssh(tpu, zone, project, f'if [ -f {pid} ]; then kill -TERM "$(cat {pid})" && echo '
                                                      '"$(hostname): stopping (checkpoint, then exit)"; fi'))]
   from laurel import step  # pylint: disable=import-outside-toplevel  # the model stack: logs, status, stop skip it
   common.require(accelerator=_ACCELERATOR, **({'workdir': _WORKDIR, 'config': _CONFIG} if _TRAIN.value else {}))
@@ -149,8 +196,8 @@ def plan() -> list[tuple[str, list[str] | str]]:
       from laurel import aot  # pylint: disable=import-outside-toplevel
       aot.compile_only_process()
       print(aot.preflight(config, f'{accel["generation"]}:{accel["topology"]}'), file=sys.stderr, flush=True)
-    run = common.train_command(spec, _WORKDIR.value, _OVERRIDES, _DETACH.value and not _WATCH.value)
-    steps.append(('train', common.ssh(tpu, zone, project, run)))
+    run = train_command(spec, _WORKDIR.value, _OVERRIDES, _DETACH.value and not _WATCH.value)
+    steps.append(('train', ssh(tpu, zone, project, run)))
   return steps
 
 

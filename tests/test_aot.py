@@ -88,7 +88,7 @@ def test_splash_attention_compiles_per_device_for_a_sharded_slice():
   auto = dataclasses.replace(task.model_cfg, attention='auto')
   mesh = sharding.make_mesh(config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
-    hlo = step.compile_step(task, config, mesh)[0].as_text()
+    hlo = step.compile_step(task, mesh)[0].as_text()
     assert lm.attention_impl(auto, 128) == 'splash' and lm.attention_impl(auto, 100) == 'xla'
   assert 'tpu_custom_call' in hlo
   assert lm.attention_impl(auto, 128) == 'xla'  # off the slice's mesh: this CPU

@@ -91,10 +91,10 @@ def test_damaged_checkpoints_are_moved_aside_and_the_log_is_kept(run_with_three_
 def _restore_args(workdir):
   config = load_config(SPEC, {**TINY_LM, 'steps': 9, 'checkpoint_every': 3})
   task = step.validate_config(config, num_devices=1)
-  _, init_state, _ = step.make_train_fns(task, config)
+  _, init_state, _ = step.make_train_fns(task)
   abstract = jax.eval_shape(init_state, jax.random.key(0))
   mngr = ocp.CheckpointManager(workdir / 'checkpoints')
-  return mngr, checkpoint.run_dir(workdir), config, abstract, iter(train.local_dataset(task, config, train=True))
+  return mngr, checkpoint.run_dir(workdir), config, abstract, iter(train.local_dataset(task, train=True))
 
 
 def _renamed(abstract):

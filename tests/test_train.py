@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, losses, run_cli
-from laurel import hardware, step, tasks, train
+from laurel import hardware, step, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
 
@@ -307,7 +307,7 @@ def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tm
 
 def _step_flops(**overrides):
   config = load_config(SPEC, {**TINY_LM, 'model.laurel.k': 2, **overrides})
-  return step.step_flops(tasks.get_task(config), config)
+  return step.step_flops(step.validate_config(config, 1, 1))
 
 
 def test_step_flops_count_every_scanned_layer():
