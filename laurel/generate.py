@@ -12,6 +12,7 @@ token t sits at position t, so each row decodes at its own position.
 """
 
 import dataclasses
+import functools
 import sys
 
 import flax.linen as nn
@@ -54,13 +55,34 @@ def decode_step_costs(model_cfg: lm.LMConfig, batch: int, length: int) -> tuple[
   return hardware.xla_costs(step.lower(variables['params'], variables['cache'], token, token).compile())
 
 
+@functools.lru_cache(maxsize=4)
+def _decoder(model_cfg: lm.LMConfig):
+  """(its jitted apply with the cache, cache_shapes(batch, length)), kept across calls so that a batch of a shape
+  seen before runs without compiling again."""
+  model = lm.LM(model_cfg, decode=True)
+
+  @jax.jit  # params are arguments: closed over, they would be constants of the compiled program
+  def step(params, cache, tokens_BxL, positions_BxL):
+    logits, updated = model.apply({'params': params, 'cache': cache}, tokens_BxL, positions_BxL, mutable=['cache'])
+    return logits, updated['cache']
+
+  @functools.lru_cache(maxsize=16)
+  def cache_shapes(batch: int, length: int):
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32)))['cache']
+
+  return step, cache_shapes
+
+
 def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_tokens: int, *, temperature=0.0,
-             top_k=0, top_p=1.0, seed=0, use_cache=True, pad_id=0) -> tuple[np.ndarray, np.ndarray]:
-  """(new tokens (B, max_new_tokens), the logits that chose them (B, max_new_tokens, V)) for each prompt."""
+             top_k=0, top_p=1.0, seed=0, use_cache=True, pad_id=0, prefill_len=0) -> tuple[np.ndarray, np.ndarray]:
+  """(new tokens (B, max_new_tokens), the logits that chose them (B, max_new_tokens, V)) for each prompt.
+  `prefill_len` (at least the longest prompt; 0: the longest prompt) fixes the prefill's shape, so that callers
+  that bucket their prompts (laurel.harness) compile once per bucket."""
   lengths_B = np.array([len(p) for p in prompts], np.int32)
   if lengths_B.min() < 1:
     raise InputError('prompt: empty after tokenisation')
-  total = int(lengths_B.max()) + max_new_tokens
+  prompt_len = max(int(lengths_B.max()), prefill_len)
+  total = prompt_len + max_new_tokens
   if model_cfg.positional == 'learned' and total > model_cfg.max_len:
     raise InputError(f'max_new_tokens={max_new_tokens}: prompt + new tokens ({total}) exceed model.max_len='
                      f'{model_cfg.max_len}')
@@ -71,16 +93,9 @@ def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_t
   rng = jax.random.key(seed)
   new, new_logits = [], []
   if use_cache:
-    model = lm.LM(model_cfg, decode=True)
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((len(prompts), total), jnp.int32)))['cache'])
-
-    @jax.jit  # params are arguments: closed over, they would be constants of the compiled program
-    def step(params, cache, tokens_BxL, positions_BxL):
-      logits, updated = model.apply({'params': params, 'cache': cache}, tokens_BxL, positions_BxL, mutable=['cache'])
-      return logits, updated['cache']
-
-    prompt_len = int(lengths_B.max())  # prefill: every prompt at once, right-padded (padding is never attended)
+    step, cache_shapes = _decoder(model_cfg)
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(len(prompts), total))
+    # Prefill: every prompt at once, right-padded (padding is never attended; each row decodes from its length).
     positions = jnp.broadcast_to(jnp.arange(prompt_len), (len(prompts), prompt_len))
     logits_BxLxV, cache = step(params, cache, jnp.asarray(tokens_BxT[:, :prompt_len]), positions)
     logits_BxV = logits_BxLxV[rows_B, lengths_B - 1]

@@ -16,7 +16,9 @@ laurel.evaluate:
                          windows of seq_len with as much context as fits (lm_eval's rolling windows).
   generate_until         laurel.generate's greedy decoding with the KV cache: max_gen_toks (default 256) new tokens
                          after the context cut from the left to seq_len - max_gen_toks, ended at the first stop string
-                         of `until` and at the end-of-document token. Sampling is refused.
+                         of `until` and at the end-of-document token. Sampling is refused. Batches are padded
+                         to --batch_size rows and their prompts to a multiple of 64 tokens, so a task compiles
+                         once per length bucket, not once per batch.
 --batch_size (lm_eval's flag, default 1; 'auto' = 16) is rounded up to the data-parallel devices; --device is unused
 (the devices are the run's mesh).
 """
@@ -40,6 +42,7 @@ except ImportError as e:
 from laurel import checkpoint, config_lib, data, evaluate, generate
 
 AUTO_BATCH_SIZE = 16
+PREFILL_BUCKET = 64  # generate_until's prompts are padded to a multiple of this: one compile per bucket and length
 DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default for generate_until
 
 
@@ -157,9 +160,12 @@ class LaurelLM(LM):
       for (until, max_new), indices in groups.items():
         for start in range(0, len(indices), self.batch_size):
           batch = indices[start:start + self.batch_size]
-          new_BxN, _ = generate.generate(self._model_cfg, self._params,
-                                         [self._prompt(requests[i].args[0], max_new) for i in batch], max_new,
-                                         pad_id=self.tokenizer.pad_id)
+          prompts = [self._prompt(requests[i].args[0], max_new) for i in batch]
+          longest = max(map(len, prompts))  # at most seq_len - max_new: _prompt cuts the context to fit
+          prefill = min(-(-longest // PREFILL_BUCKET) * PREFILL_BUCKET, self.seq_len - max_new)
+          prompts += [[self.tokenizer.eos_id]] * (self.batch_size - len(batch))  # the last batch: the same shape
+          new_BxN, _ = generate.generate(self._model_cfg, self._params, prompts, max_new,
+                                         pad_id=self.tokenizer.pad_id, prefill_len=prefill)
           for i, row in zip(batch, new_BxN):
             results[i] = self._continuation(row, until)
             self.cache_hook.add_partial('generate_until', requests[i].args, results[i])

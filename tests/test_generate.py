@@ -80,6 +80,23 @@ def test_batched_prompts_of_different_lengths_decode_as_alone():
     np.testing.assert_allclose(alone_logits[0], batch_logits[b], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize('name', ['baseline', 'rw_lr_pa_sublayer_learned', 'hc', 'denseformer',
+                                  'attnres_block_heads_delta', 'mudd', 'dca_value_residual'])
+def test_a_longer_prefill_and_padding_rows_change_no_row_and_reuse_the_compiled_step(name):
+  """What laurel.harness does to keep one compile per shape: prompts padded to a bucket (prefill_len), the batch
+  padded with one-token rows."""
+  cfg = DESIGNS[name]
+  params = _params(cfg)
+  plain, plain_logits = generate.generate(cfg, params, PROMPTS, 4)
+  padded, padded_logits = generate.generate(cfg, params, PROMPTS + [[1]], 4, prefill_len=12)
+  np.testing.assert_array_equal(padded[:len(PROMPTS)], plain)
+  np.testing.assert_allclose(padded_logits[:len(PROMPTS)], plain_logits, rtol=1e-4, atol=1e-4)
+  step, _ = generate._decoder(cfg)  # pylint: disable=protected-access
+  compiled = step._cache_size()  # pylint: disable=protected-access
+  generate.generate(cfg, params, [[2, 3]] * 4, 4, prefill_len=12)  # other prompts, the same shapes
+  assert step._cache_size() == compiled  # pylint: disable=protected-access
+
+
 def test_sampling_options():
   logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
   greedy = np.asarray(jnp.argmax(logits, -1))
