@@ -104,7 +104,7 @@ def test_mhc_coefficients_are_on_the_manifold_BxLxN():
   h_NxBxLxD = jnp.asarray(rng.normal(size=(4, BATCH, LEN, D)), jnp.float32)
   site = MHCSite(spec, D, 0, T)
   fn = functools.partial(toy_fn, jnp.eye(D))
-  params = randomize(nn.unbox(site.init(jax.random.key(0), h_NxBxLxD, fn, rms, None, jnp.zeros((1, 4)))['params']),
+  params = randomize(nn.unbox(site.init(jax.random.key(0), h_NxBxLxD, fn, rms, None, jnp.zeros((1, 2, 4)))['params']),
                      seed=4, scale=0.3)
   b_pre = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
   h_pre, h_post, h_res = (np.asarray(a) for a in site.apply({'params': params}, h_NxBxLxD, b_pre,

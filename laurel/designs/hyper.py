@@ -66,9 +66,10 @@ def sinkhorn(logits, iters: int):
 
 
 class HyperChain(Chain):
-  """HC's A_m or mHC's b_pre (N×T×n), whose init depends on the global site index k. With mHC-lite's
-  authors' init, b_pre stacked with a constant shift of b_post (N×T×2×n), both ±1 tilted to stream l mod n, l the
-  layer: b_post = 0 + shift trains as b_post initialised at the shift would (b_post has no weight decay)."""
+  """HC's A_m (N×T×n), or mHC's b_pre stacked with a constant shift of b_post (N×T×2×n): inits that depend on the
+  global site index k. The shift is 0 but for mHC-lite's authors' init, where b_pre and the shift are ±1 tilted to
+  stream l mod n, l the layer: b_post = 0 + shift trains as b_post initialised at the shift would (no weight
+  decay)."""
 
   @nn.compact
   def __call__(self):
@@ -79,10 +80,11 @@ class HyperChain(Chain):
     if s.design == 'hc':
       return make('a_m', onehot_NxTxN)
     if s.design == 'mhc_lite' and s.mhc_lite_init == 'authors':
-      tilt_NxTxN = np.broadcast_to(2 * np.eye(n)[np.arange(shape[0]) % n][:, None] - 1, shape)
-      return jnp.stack([make('b_pre', tilt_NxTxN), jnp.asarray(tilt_NxTxN, F32)], axis=-2)
-    p_NxTxN = (1.0 / n + onehot_NxTxN) / 2  # σ(b_pre): sums to 1, tilted to stream k mod n
-    return make('b_pre', np.log(p_NxTxN / (1 - p_NxTxN)))
+      b_pre = shift = np.broadcast_to(2 * np.eye(n)[np.arange(shape[0]) % n][:, None] - 1, shape)
+    else:
+      p_NxTxN = (1.0 / n + onehot_NxTxN) / 2  # σ(b_pre): sums to 1, tilted to stream k mod n
+      b_pre, shift = np.log(p_NxTxN / (1 - p_NxTxN)), np.zeros(shape)
+    return jnp.stack([make('b_pre', b_pre), jnp.asarray(shift, F32)], axis=-2)
 
 
 def _flat_rms(h_NxBxLxD):
@@ -159,8 +161,8 @@ class MHCSite(Site):
             self.h_res(alpha_3[2] * res + self.b_res.astype(F32).reshape(-1)))
 
   def __call__(self, h_NxBxLxD, fn, norm_in, norm_out, chain_l):
-    b = chain_l[self.t]  # b_pre, or (b_pre, b_post's shift): HyperChain
-    h_pre, h_post, h_res = self.coefficients(h_NxBxLxD, *(b if b.ndim == 2 else (b,)))
+    b_pre, b_post_shift = chain_l[self.t]  # HyperChain
+    h_pre, h_post, h_res = self.coefficients(h_NxBxLxD, b_pre, b_post_shift)
     return _hyper_update(h_NxBxLxD, h_pre, jnp.swapaxes(h_res, -1, -2), h_post, fn, norm_in)
 
 
