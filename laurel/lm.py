@@ -519,6 +519,52 @@ class Block(nn.Module):
     return {k: (f, n_in if pre else identity, identity if pre else n_out) for k, (f, n_in, n_out) in parts.items()}
 
 
+def _stack_rebuilding_buffer(stack, cfg: LMConfig, index: int, carry, positions_BxL, segment_ids_BxL, layer_xs,
+                             shared_G):
+  """The scanned layers with a backward that keeps no copy of a design's write-once buffer (its carry's entry
+  `index`, Design.buffer): layer i starts with slots 0..i filled and writes slot i + 1, so the buffer at layer i is
+  the final one with the later slots zeroed. A scan's own backward saves the buffer at every layer, N copies of N + 1
+  slots; this one saves the final buffer and each layer's carry without it, and recomputes each layer's forward
+  before its backward (as remat 'full': the remat policy has nothing to save)."""
+  def layer(params_l, carry, chain_l, shared, layer_index):
+    return Block(cfg, parent=None).apply({'params': params_l}, carry, positions_BxL, segment_ids_BxL, (layer_index, chain_l),
+                            shared)[0]
+
+  def put(carry, buffer):
+    (stream, values) = carry
+    return (stream[:index] + (buffer,) + stream[index + 1:], values)
+
+  def run(mdl, carry, layer_xs, shared_G):
+    return mdl(carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)[0]
+
+  def forward(mdl, carry, layer_xs, shared_G):
+    params = mdl.variables['params']
+
+    def one(carry, xs):
+      params_l, (layer_index, chain_l) = xs
+      return layer(params_l, carry, chain_l, shared_G, layer_index), put(carry, None)
+    out, saved = jax.lax.scan(one, carry, (params, layer_xs), unroll=cfg.scan_unroll)
+    return out, (params, saved, out[0][index], layer_xs, shared_G)
+
+  def backward(residuals, g_out):
+    params, saved, final_JxBxLxD, layer_xs, shared_G = residuals
+    slots_J = jnp.arange(final_JxBxLxD.shape[0])
+
+    def one(grads, xs):
+      g_carry, g_shared = grads
+      params_l, carry, (layer_index, chain_l) = xs
+      carry = put(carry, jnp.where((slots_J <= layer_index)[:, None, None, None], final_JxBxLxD, 0))
+      _, vjp = jax.vjp(lambda p, c, w, s: layer(p, c, w, s, layer_index), params_l, carry, chain_l, shared_G)
+      g_params, g_carry, g_chain, g_shared_l = vjp(g_carry)
+      return (g_carry, jax.tree.map(jnp.add, g_shared, g_shared_l)), (g_params, g_chain)
+    (g_carry, g_shared), (g_params, g_chain) = jax.lax.scan(
+        one, (g_out, jax.tree.map(jnp.zeros_like, shared_G)), (params, saved, layer_xs), reverse=True,
+        unroll=cfg.scan_unroll)
+    return {'params': g_params}, g_carry, (None, g_chain), g_shared
+
+  return nn.custom_vjp(run, forward, backward)(stack, carry, layer_xs, shared_G)
+
+
 class SharedKernels(nn.Module):
   """ResidualTransformer's shared weights (arXiv 2310.02489, §3.2): every attention and MLP kernel W_g once per
   group of K consecutive layers, stacked over the groups. The layers stay one scan, each taking its group's W_g
@@ -588,7 +634,12 @@ class LM(nn.Module):
       stack = nn.scan(block, variable_axes={'params': 0, 'cache': 0}, split_rngs={'params': True},
                       in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=cfg.num_layers,
                       unroll=cfg.scan_unroll, metadata_params={nn.PARTITION_NAME: 'layers'})
-      carry, _ = stack(cfg, self.decode, name='layers')(carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)
+      stack = stack(cfg, self.decode, name='layers')
+      args = (carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)
+      if design.buffer is None or self.decode or self.is_initializing():
+        carry, _ = stack(*args)
+      else:
+        carry = _stack_rebuilding_buffer(stack, cfg, design.buffer, *args)
     else:
       for i in range(cfg.num_layers):
         carry, _ = block(cfg, self.decode, name=f'layers_{i}')(

@@ -151,13 +151,16 @@ def test_attnres_delta_starts_with_plain_inputs_scaled_by_s_plus_2_over_s_plus_1
     x = x + toy_fn(ws[s // T, s % T], x, design_chain.rms(x), None)
 
 
-@pytest.mark.parametrize('design', ['attnres', 'dca'])
-def test_push_form_backward_keeps_a_constant_amount_per_layer_under_remat(design):
-  # Push form with the site inputs saved by name: what a layer adds must not grow with depth. Keeping the running
+@pytest.mark.parametrize('design', ['attnres', 'dca', 'mudd'])
+def test_backward_keeps_a_constant_amount_per_layer_under_remat(design):
+  # What a layer adds must not grow with depth. Push form with the site inputs saved by name: keeping the running
   # sums U (AttnRes: 2N + 1 D-wide, DCA: 3N) per layer, as remat did before the inputs were named, grows it ~1.55x
-  # from 4→8 to 8→16 (AttnRes).
+  # from 4→8 to 8→16 (AttnRes). MUDDFormer's buffer of N + 1 slots, saved per layer by a scan's own backward, ~2x;
+  # its weights A (C·(N + 1) a token) are kept per layer, so it is measured where they are small beside D.
+  width = 256 if design == 'mudd' else 64
+
   def temp_bytes(layers):
-    cfg = lm.LMConfig(vocab_size=64, d_model=64, num_heads=2, d_ff=128, num_layers=layers, scan_layers=True,
+    cfg = lm.LMConfig(vocab_size=64, d_model=width, num_heads=2, d_ff=128, num_layers=layers, scan_layers=True,
                       remat='dots_no_batch', stream=StreamSpec(design=design))
     params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
     loss = lambda p, t: lm.LM(cfg).apply({'params': p}, t).sum()
@@ -484,6 +487,21 @@ def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
   for path, pad in pads.items():
     g = functools.reduce(lambda t, k: t[k], path, grads)
     assert np.all(np.asarray(g)[pad] == 0) and np.any(np.asarray(g)[~pad] != 0), path
+
+
+@pytest.mark.parametrize('model', [{}, {'value_residual': True}, {'share': lm.ShareSpec(group_size=2, rank=2)}],
+                         ids=['plain', 'value_residual', 'shared'])
+def test_mudd_backward_rebuilding_its_buffer_is_the_scans_own(model, monkeypatch):
+  # The stack's custom backward (the buffer rebuilt from the final one) against a scan's autodiff, at random weights.
+  cfg = _cfg(scan_layers=True, stream=StreamSpec(design='mudd'), **model)
+  params, tokens = _random_params(cfg, 17), jnp.asarray(_tokens(18))
+  grad = lambda: jax.grad(lambda p: jnp.mean(lm.LM(cfg).apply({'params': p}, tokens) ** 2))(params)
+  got = grad()
+  monkeypatch.setitem(designs.REGISTRY, 'mudd', dataclasses.replace(designs.REGISTRY['mudd'], buffer=None))
+  want = grad()
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
 
 
 def _count(config) -> dict:

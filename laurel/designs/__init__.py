@@ -96,6 +96,7 @@ class Design:
   per_bottleneck: bool = False  # a ResNet bottleneck's residual (carry: x, or x first)
   no_decay: tuple = ()  # parameter names kept out of weight decay
   logical_axes: tuple = ()  # (logical axis, mesh axes) rules of its parameters
+  buffer: int | None = None  # index in the carry of a buffer whose slot i + 1 layer i writes once (MUDDFormer's)
   saved_names: tuple = ()  # checkpoint names every remat policy saves (a push form's reads of its running sums)
   # (spec, num_layers, d_model) -> stored parameters that are structurally 0 (per-layer shapes padded for a scan)
   padded_params: Callable = lambda spec, num_layers, d_model: 0

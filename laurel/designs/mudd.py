@@ -15,9 +15,11 @@ Every stream is then X_{i+1}: exactly the plain chain. This is the paper's base 
 config (X_j RMS-normed before mixing, X^R = X_{i+1} + PostNorm(mix), bias 0) nor `dynamic_mlp_dim`.
 
 Pull form: the weights depend on the receiver's own output, so each layer reads every earlier X_j from a buffer of
-N + 1 slots carried through the layers (a scan's backward keeps it per layer: O(N) activations a layer). The carry
-is (x, X_{(N+1)}, A): the residual between the two sites, the buffer, and the last layer's weights, which the next
-layer's first site mixes. Under a scan the per-layer shapes are padded to N + 1 sources and K_max hidden units
+N + 1 slots carried through the layers. The carry is (x, X_{(N+1)}, A): the residual between the two sites, the
+buffer, and the last layer's weights, which the next layer's first site mixes. Slot i + 1 is written once, by layer
+i (`Design.buffer`): the layer scan's backward rebuilds the buffer of each layer from the final one instead of
+keeping N copies (laurel.lm; it recomputes each layer, as remat 'full'), so a layer keeps x and A (C·(N + 1) weights
+a token), not O(N) activations. Unscanned layers keep a buffer per layer. Under a scan the per-layer shapes are padded to N + 1 sources and K_max hidden units
 (`MUDDChain`); no padded weight reaches the output or gets a gradient, and `padded_params` counts them so that the
 parameter count is the effective one.
 """
@@ -124,6 +126,6 @@ def _finish(spec, carry):
   return mix(buffer_JxBxLxD, a_BxLxCxJ[..., -1:, :])[0]
 
 
-register(Design('mudd', MUDDSite, fields=('mudd_streams',), chain=MUDDChain, start=_start, finish=_finish,
+register(Design('mudd', MUDDSite, fields=('mudd_streams',), chain=MUDDChain, start=_start, finish=_finish, buffer=1,
                 no_decay=('mudd_bias',), padded_params=padded_params,
                 logical_axes=(('mudd_hidden', None), ('mudd_streams', None), ('mudd_sources', None))))
