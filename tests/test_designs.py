@@ -155,9 +155,10 @@ def test_attnres_delta_starts_with_plain_inputs_scaled_by_s_plus_2_over_s_plus_1
 def test_backward_keeps_a_constant_amount_per_layer_under_remat(design):
   # What a layer adds must not grow with depth. Push form with the site inputs saved by name: keeping the running
   # sums U (AttnRes: 2N + 1 D-wide, DCA: 3N) per layer, as remat did before the inputs were named, grows it ~1.55x
-  # from 4→8 to 8→16 (AttnRes). MUDDFormer's buffer of N + 1 slots, saved per layer by a scan's own backward, ~2x;
-  # its weights A (C·(N + 1) a token) are kept per layer, so it is measured where they are small beside D.
-  width = 256 if design == 'mudd' else 64
+  # from 4→8 to 8→16 (AttnRes). MUDDFormer's buffer of N + 1 slots, saved per layer by a scan's own backward, ~2x.
+  # Each keeps O(N) scalars a token per layer (AttnRes's and DCA's logits of every later receiver, MUDDFormer's
+  # weights A), so it is measured where they are small beside D.
+  width = 256
 
   def temp_bytes(layers):
     cfg = lm.LMConfig(vocab_size=64, d_model=width, num_heads=2, d_ff=128, num_layers=layers, scan_layers=True,
@@ -167,7 +168,7 @@ def test_backward_keeps_a_constant_amount_per_layer_under_remat(design):
     tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
     return jax.jit(jax.grad(loss)).lower(nn.unbox(params), tokens).compile().memory_analysis().temp_size_in_bytes
   t4, t8, t16 = (temp_bytes(n) for n in (4, 8, 16))
-  assert (t16 - t8) / 8 < 1.3 * (t8 - t4) / 4
+  assert (t16 - t8) / 8 < 1.25 * (t8 - t4) / 4  # measured 1.04 (DCA) to 1.17 (AttnRes)
 
 
 # ---------------------------------------------------------------------------------------------------
