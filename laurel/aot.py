@@ -90,15 +90,25 @@ def _compile(task, devices):
   return compiled, abstract
 
 
-def _not_fitting(topology: str, chip: TPU, error: Exception) -> InputError:
+class DoesNotFit(InputError):
+  """The step needs more HBM than a chip has; `need_bytes` what the compiler said it needs (None if it did not)."""
+
+  def __init__(self, message: str, need_bytes: int | None = None):
+    super().__init__(message)
+    self.need_bytes = need_bytes
+
+
+def _not_fitting(topology: str, chip: TPU, error: Exception) -> DoesNotFit:
   """The TPU compiler's out-of-memory error as one line: what the step needs per chip, and what the chip has."""
   first = str(error).splitlines()[0]
-  need = re.search(r'required for [\w ]+\(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)', first) or \
-      re.search(r'Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm', first)
-  if need:
-    return InputError(f'topology={topology!r}: does not fit: the step needs {need.group(1)}B of HBM per chip, '
-                      f'a {chip.device_kind} chip has {need.group(2)}B for it ({chip.hbm_bytes / 1e9:.1f} GB in all)')
-  return InputError(f'topology={topology!r}: does not fit a {chip.device_kind} chip '
+  need = re.search(r'required for [\w ]+\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)', first) or \
+      re.search(r'Used ([\d.]+)([KMGT]?) of ([\d.]+[KMGT]?) hbm', first)
+  if need:  # XLA writes binary units: 41.2G is 41.2 GiB
+    need_bytes = int(float(need.group(1)) * 1024 ** ' KMGT'.index(need.group(2) or ' '))
+    return DoesNotFit(f'topology={topology!r}: does not fit: the step needs {need.group(1)}{need.group(2)}B of HBM '
+                      f'per chip, a {chip.device_kind} chip has {need.group(3)}B for it '
+                      f'({chip.hbm_bytes / 1e9:.1f} GB in all)', need_bytes)
+  return DoesNotFit(f'topology={topology!r}: does not fit a {chip.device_kind} chip '
                     f'({chip.hbm_bytes / 1e9:.1f} GB of HBM): {first}')
 
 

@@ -210,16 +210,21 @@ def measure_slice(names) -> dict:
     start, row = time.perf_counter(), kept.get(name, config)
     note = ' (kept from an earlier run)' if row else ''
     if row is None:
-      row = {'name': name, **aot.compile_for_slice(config, topology), 'compile_s': time.perf_counter() - start}
+      try:
+        row = {'name': name, **aot.compile_for_slice(config, topology), 'compile_s': time.perf_counter() - start}
+      except aot.DoesNotFit as e:  # a row of the table, not the end of it: what it needs, where the compiler says
+        row = {'name': name, 'fits': False, 'error': str(e), 'peak_memory_bytes': e.need_bytes,
+               'compile_s': time.perf_counter() - start}
       kept.add(name, config, row)
     rows.append(row)
-    print(f"compiled {name} for {topology}: {row['compile_s']:.0f}s, peak {row['peak_memory_bytes'] / 1e9:.2f} GB "
-          f'per chip{note}', flush=True)
+    peak = '?' if row['peak_memory_bytes'] is None else f"{row['peak_memory_bytes'] / 1e9:.2f} GB"
+    print(f"compiled {name} for {topology}: {row['compile_s']:.0f}s, peak {peak} per chip{note}"
+          + (' (does not fit)' if row.get('fits') is False else ''), flush=True)
   for r in rows:
     for key, value in (('peak_memory', 'peak_memory_bytes'), ('argument', 'argument_bytes'), ('temp', 'temp_bytes'),
                        ('flops', 'flops_per_step'), ('bytes_accessed', 'bytes_accessed_per_step'),
                        ('roofline', 'roofline_step_time_s')):
-      r[f'{key}_ratio'] = ratio(r[value], rows[0][value])
+      r[f'{key}_ratio'] = ratio(r.get(value), rows[0].get(value))
     r.update(paper_figures(r['name'], ('peak_memory_gb', 'peak_memory_ratio', 'step_time_ratio')))
   return {'device': {'topology': topology, 'device_kind': chip.device_kind, 'chips': len(devices),
                      'hosts': len({d.process_index for d in devices}),
@@ -270,10 +275,11 @@ class KeptRows:
 
 
 def print_slice_table(result):
-  rows = [{**r, 'peak_gb': r['peak_memory_bytes'] / 1e9, 'argument_gb': r['argument_bytes'] / 1e9,
-           'temp_gb': r['temp_bytes'] / 1e9, 'tflops': r['flops_per_step'] / 1e12,
-           'bytes_gb': r['bytes_accessed_per_step'] / 1e9, 'roofline_ms': r['roofline_step_time_s'] * 1e3}
-          for r in result['rows']]
+  scaled = lambda r, key, unit: None if r.get(key) is None else r[key] / unit
+  rows = [{**r, 'peak_gb': scaled(r, 'peak_memory_bytes', 1e9), 'argument_gb': scaled(r, 'argument_bytes', 1e9),
+           'temp_gb': scaled(r, 'temp_bytes', 1e9), 'tflops': scaled(r, 'flops_per_step', 1e12),
+           'bytes_gb': scaled(r, 'bytes_accessed_per_step', 1e9),
+           'roofline_ms': scaled(r, 'roofline_step_time_s', 1e-3)} for r in result['rows']]
   s, d = result['shape'], result['device']
   print(f"\n{d['topology']} ({d['chips']} x {d['device_kind']}), compiled not run, per chip | batch "
         f"{s['batch_size']} x {s['seq_len']} tokens | {s['dtype']} | remat {s['remat']} | ratios are to {BASELINE}")

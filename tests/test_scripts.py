@@ -453,6 +453,23 @@ def test_benchmark_vary_compiles_baseline_per_value(tmp_path):
   assert rows[1]['flops_ratio'] == pytest.approx(1.0, abs=0.02) and rows[1]['peak_memory_ratio'] != 1.0
 
 
+@pytest.mark.slow
+@needs_libtpu
+def test_benchmark_topology_records_a_row_that_does_not_fit_and_goes_on(tmp_path):
+  # 2^22 × 1024 float32 embedding: 17 GB of parameters, more than a v5e chip's 16 GB.
+  tiny = {**{k: v for k, v in TINY_SETS.items() if k.startswith('model.')}, 'model.d_model': 1024,
+          'model.num_heads': 8}
+  out = tmp_path / 'vary.json'
+  r = script('benchmark.py', '--topology=v5e:1x1', '--preset=tiny', '--batch_size=8', '--seq_len=64',
+             '--vary=model.vocab_size=4194304,512', f'--out={out}', *sets(tiny))
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  big, small = json.loads(out.read_text())['rows']
+  assert big['fits'] is False and "does not fit: the step needs " in big['error'] and big['peak_memory_bytes'] > 16e9
+  assert 'flops_per_step' not in big and big['flops_ratio'] is None
+  assert 'fits' not in small and small['peak_memory_bytes'] < 16e9 and small['peak_memory_ratio'] < 1
+  assert '(does not fit)' in r.stdout
+
+
 def test_benchmark_keeps_slice_rows_across_commits_that_leave_laurel_and_configs_alone(tmp_path):
   """The key of a kept TPU row: the committed trees of laurel/ and configs/, not the commit."""
   git = lambda *args: subprocess.run(['git', '-C', str(tmp_path), *args], check=True, capture_output=True)
