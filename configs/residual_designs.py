@@ -13,6 +13,8 @@ ResidualTransformer shares every attention and MLP matrix within groups of K = 3
 adding a rank-R product and a diagonal (R = 16 at D = 768 as the paper's best trade-off, R = 4 at the tiny
 D = 128); 24 layers (6 at tiny) divide into groups of 3. Block AttnRes counts its blocks in sites (attention and
 MLP each one): 6 sites per block at the paper preset (8 blocks, the paper's recommendation), 2 at tiny (6 blocks).
+8-DCA keeps the last k = 8 layers as their own columns (DCA's Table 6 form); at tiny k = 2, since 8 of 6 layers
+would keep them all (the full `dca` row).
 Multi-head AttnRes takes 4 channel groups: its paper (arXiv 2607.27230) was not read, so 4 is this table's choice.
 """
 
@@ -48,6 +50,7 @@ ROWS = {
     'mudd': (24, dict(stream=dict(design='mudd'))),  # MUDDFormer: Q, K, V, R streams, the paper's base form
     'mudd_r': (24, dict(stream=dict(design='mudd', mudd_streams='r'))),  # the R stream alone
     'dca': (24, dict(stream=dict(design='dca'))),  # DeepCrossAttention: GRN sums as q, k, v inputs
+    'dca_8': (24, dict(stream=dict(design='dca_k'))),  # 8-DCA (its Table 6): the last 8 layers apart
     'value_residual': (24, dict(value_residual=True)),
     'laurel_rw_lr_value_residual': (24, dict(laurel=dict(variant='rw+lr'), value_residual=True)),
     'gemma3n_laurel': (24, dict(laurel=dict(variant='lr', form='gemma3n', site='attention'))),
@@ -62,6 +65,8 @@ def get_config(arg=None):
   model = {k: dict(v) if isinstance(v, dict) else v for k, v in model.items()}
   if 'share' in model:
     model['share']['rank'] = 16 if opts['preset'] == 'paper' else 4
+  if model.get('stream', {}).get('design') == 'dca_k':  # k = 8 of 24 layers; 2 of 6 at tiny (8 would keep them all)
+    model['stream']['dca_k'] = 8 if opts['preset'] == 'paper' else 2
   if model.get('stream', {}).get('design') == 'attnres_block':  # the paper's ~8 blocks: 8 of 3 layers, 6 of 1 at tiny
     model['stream']['attnres_block'] = 6 if opts['preset'] == 'paper' else 2
   return c4_ablation.table5_config(row, opts['preset'], layers, **model)

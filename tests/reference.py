@@ -12,8 +12,9 @@ of what each design is tested against (`REFERENCES`: cases, its chain in float64
                delta: 2605.18855; heads: 2607.27230 (one softmax per group of D/H channels, each its own RMSNorm)
   MUDDFormer   2502.12170 and the authors' pytorch/muddformer/modeling_muddformer.py: dynamic dense weights
                per stream (Q, K, V, R) from the layer's output, over every earlier layer's output
-  DCA          2502.06785, as lucidrains/deep-cross-attention's dca_gpt.py (GRN, DCABlock): per-dimension,
-               input-dependent sums of every earlier layer's increment as the attention's q, k, v inputs
+  DCA          2502.06785, §3.1 (GRN-v3), §3.2 and Fig. 4 (the block: u^Q the FFN's skip), §4.1 (a GRN as the
+               read-out): per-dimension, input-dependent sums of every earlier block output as q, k, v inputs;
+               k-DCA (§3.1): the stack [y_0, Σ_{1≤j≤i−k} y_j, y_{i−k+1}, …, y_i]
 A chain is tests/design_chain.py's: LAYERS layers × T sites, site (l, t) with F = tanh(norm(x) W_{l,t}).
 """
 
@@ -331,24 +332,48 @@ def mudd_chain(spec, params, x, ws):
 
 
 def dca_chain(spec, params, x, ws):
-  """DCA in pull form: every increment y_j kept (y_0 = x, y_{j+1} = layer j's attn + mlp); layer i's inputs
-  u^c = Σ_{j ≤ i} (b[i, j, c] + ReLU(w[i, c]ᵀ RMSNorm(y_j))) ⊙ y_j for c = Q, K, V (RMSNorm without scale); the
-  residual is the plain stream x_i; the toy attention reads q + 2(k − v)."""
+  """DCA in pull form: every block output kept (y_0 = x, y_{j+1} = layer j's attn + mlp); GRN_i(y) =
+  Σ_{j ≤ i} ReLU(b[i, j] + w[i]ᵀ y_j) ⊙ y_j; layer i's inputs u^c = GRN^c_i for c = Q, K, V, the attention's skip
+  u^Q, the toy attention reading q + 2(k − v); the read-out GRN^Q_N over y_0, …, y_N."""
   p, x, ws = _f64(params, x, ws)
   b, w = p['chain']['dca_bias'], p['chain']['dca_query']
+  grn = lambda i, c, ys: sum(np.maximum(b[i, j, c] + (y @ w[i, c])[..., None], 0.0) * y for j, y in enumerate(ys))
   ys = [x]
   for l in range(LAYERS):
-    u = [sum((b[l, j, c] + np.maximum(np_rms(y) @ w[l, c], 0.0)[..., None]) * y for j, y in enumerate(ys))
-         for c in range(3)]
+    u = [grn(l, c, ys) for c in range(3)]
     norms = p[f'layers_{l}']['site0']
     attn_in = np_rms(u[0]) + 2 * (np_rmsnorm(u[1], norms['norm_key']['scale']) -
                                   np_rmsnorm(u[2], norms['norm_value']['scale']))
     attn = np.tanh(attn_in @ ws[l, 0])
-    h = x + attn
+    h = u[0] + attn
     mlp = np.tanh(np_rms(h) @ ws[l, 1])
-    x = h + mlp
     ys.append(attn + mlp)
-  return x
+  return grn(LAYERS, 0, ys)
+
+
+def dca_k_chain(spec, params, x, ws):
+  """k-DCA: as `dca_chain`, each GRN over the stack [y_0, Σ_{1 ≤ j ≤ i−k} y_j, y_i, y_{i−1}, …, y_{i−k+1}] (an
+  empty sum, or a y_j with j < 1, a zero column); the read-out over the same stack of y_0, …, y_N."""
+  p, x, ws = _f64(params, x, ws)
+  k = spec.dca_k
+
+  def stack(ys):
+    i = len(ys) - 1
+    return [ys[0], sum(ys[1:max(i - k + 1, 1)], np.zeros_like(x))] + [ys[i - r] if i - r >= 1 else np.zeros_like(x)
+                                                                        for r in range(k)]
+
+  grn = lambda b, w, cols: sum(np.maximum(b[n] + (g @ w)[..., None], 0.0) * g for n, g in enumerate(cols))
+  b, w = p['chain']['dca_bias'], p['chain']['dca_query']
+  ys = [x]
+  for l in range(LAYERS):
+    u = [grn(b[l, c], w[l, c], stack(ys)) for c in range(3)]
+    norms = p[f'layers_{l}']['site0']
+    attn = np.tanh((np_rms(u[0]) + 2 * (np_rmsnorm(u[1], norms['norm_key']['scale']) -
+                                        np_rmsnorm(u[2], norms['norm_value']['scale']))) @ ws[l, 0])
+    h = u[0] + attn
+    ys.append(attn + np.tanh(np_rms(h) @ ws[l, 1]))
+  out = p['dca_readout']
+  return grn(out['dca_bias'][0], out['dca_query'][0], stack(ys))
 
 
 def np_plain(x, ws, alpha=1.0, beta=1.0):
@@ -429,7 +454,8 @@ STREAM_CASES = {
     'attnres_block4_heads8_delta': StreamSpec(design='attnres_block', attnres_block=4, attnres_heads=8,
                                               attnres_delta=True),
     'mudd': StreamSpec(design='mudd'), 'mudd_r': StreamSpec(design='mudd', mudd_streams='r'),
-    'dca': StreamSpec(design='dca')}
+    'dca': StreamSpec(design='dca'),
+    **{f'dca_k{k}': StreamSpec(design='dca_k', dca_k=k) for k in (1, 2, 5)}}
 _streams = lambda *designs: {k: s for k, s in STREAM_CASES.items() if s.design in designs}
 
 REFERENCES = {
@@ -466,6 +492,10 @@ REFERENCES = {
                                scan=('attnres_block2', 'attnres_block4', 'attnres_block4_heads8_delta')),
     'mudd': Reference(_streams('mudd'), mudd_chain, lambda spec, x, ws, p: (plain(x, ws), True), tol=1e-4,
                       scan=tuple(_streams('mudd'))),  # exactly plain; at random weights its chain grows to |x| ~ 10³
-    # b = 1, w = 0: every input is Σ_j y_j = x_i, the plain stream up to the rounding of that sum
-    'dca': Reference(_streams('dca'), dca_chain, lambda spec, x, ws, p: (plain(x, ws), False), scan=('dca',)),
+    # b = 1, w = 0: every input is Σ_j y_j = x_i, the plain stream up to the rounding of that sum; at random
+    # weights its unnormalised gates grow the chain to |x| ~ 20
+    'dca': Reference(_streams('dca'), dca_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
+                     scan=('dca',)),
+    'dca_k': Reference(_streams('dca_k'), dca_k_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
+                       scan=('dca_k1', 'dca_k2')),
 }

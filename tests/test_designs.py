@@ -151,7 +151,7 @@ def test_attnres_delta_starts_with_plain_inputs_scaled_by_s_plus_2_over_s_plus_1
     x = x + toy_fn(ws[s // T, s % T], x, design_chain.rms(x), None)
 
 
-@pytest.mark.parametrize('design', ['attnres', 'dca', 'mudd'])
+@pytest.mark.parametrize('design', ['attnres', 'dca', 'dca_k', 'mudd'])
 def test_backward_keeps_a_constant_amount_per_layer_under_remat(design):
   # What a layer adds must not grow with depth. Push form with the site inputs saved by name: keeping the running
   # sums U (AttnRes: 2N + 1 D-wide, DCA: 3N) per layer, as remat did before the inputs were named, grows it ~1.55x
@@ -383,6 +383,7 @@ STREAM_SPECS = {
     'mudd': StreamSpec(design='mudd'),
     'mudd_r': StreamSpec(design='mudd', mudd_streams='r'),
     'dca': StreamSpec(design='dca'),
+    'dca_k': StreamSpec(design='dca_k', dca_k=1),
 }
 
 
@@ -529,13 +530,39 @@ def test_mudd_effective_params_at_the_paper_shape_are_the_authors_layer_shapes(r
   assert flops == 6 * tokens * want
 
 
+def test_dca_gates_train_from_their_zero_init():
+  # ReLU(b + wᵀy) with b = 1, w = 0: w gets a gradient at init. App. A's literal b + ReLU(wᵀy) gives it none
+  # (ReLU'(0) = 0), so the input-dependent part would never leave 0. Every GRN's w, the read-out's included.
+  spec = StreamSpec(design='dca')
+  params = init('dca', spec)
+  x_BxLxD, ws = inputs()
+  grads = jax.grad(lambda p: Net('dca', spec).apply({'params': p}, x_BxLxD, ws).sum())(params)
+  used_LxC = np.abs(np.asarray(grads['chain']['dca_query'])).sum(-1)
+  assert (used_LxC[:-1] > 0).all() and used_LxC[-1, 0] > 0 and (used_LxC[-1, 1:] == 0).all()
+
+
 def test_dca_params_at_the_paper_shape_are_its_equations():
-  # b^c_{i,j} for j <= i and w^c_i per stream (3), plus the key and value inputs' norms (2D a layer).
+  # b^c_{i,j} for j <= i and w^c_i per stream (3) of each layer, the read-out GRN's b_{N,j} for j <= N and w_N, and
+  # the key and value inputs' norms (2D a layer).
   d, layers = 768, 24
   base = _count(load_config('configs/residual_designs.py:baseline_24'))
   got = _count(load_config('configs/residual_designs.py:dca'))
-  assert got['total_params'] - base['total_params'] == 3 * d * (layers * (layers + 1) // 2 + layers) + 2 * d * layers
-  assert got['padded_params'] == 3 * d * layers * (layers - 1) // 2
+  grns = 3 * d * (layers * (layers + 1) // 2 + layers) + d * (layers + 1) + d
+  assert got['total_params'] - base['total_params'] == grns + 2 * d * layers
+  stored = 3 * d * (layers + 1) ** 2 + 3 * d * (layers + 1)
+  assert got['padded_params'] == stored - grns
+
+
+def test_dca_8_params_at_the_paper_shape_are_its_equations():
+  # k-DCA, k = 8: per layer b^c over k + 2 columns and w^c (3 streams), the read-out's one GRN, the k and v norms.
+  # Stored but never read: the columns still empty at a receiver (the merged one until i > k, y_{i-r} for r >= i).
+  d, layers, k = 768, 24, 8
+  base = _count(load_config('configs/residual_designs.py:baseline_24'))
+  got = _count(load_config('configs/residual_designs.py:dca_8'))
+  stored = 3 * d * layers * (k + 2 + 1) + d * (k + 2 + 1)
+  assert got['total_params'] - base['total_params'] == stored + 2 * d * layers - got['padded_params']
+  empty = lambda i: sum(1 for r in range(k) if i - r < 1) + (i <= k)
+  assert got['padded_params'] == d * (3 * sum(empty(i) for i in range(layers)) + empty(layers))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -591,7 +618,7 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
   assert set(residual_designs.ROWS) >= {
       'baseline_24', 'baseline_28', 'laurel_rw_lr', 'laurel_rw_lr_pa', 'rezero', 'layerscale', 'hc', 'hc_dynamic',
       'mhc', 'mhc_v4_readout', 'mhc_lite', 'frac', 'frac_dynamic', 'denseformer', 'attnres', 'attnres_block',
-      'attnres_delta', 'attnres_block_delta', 'attnres_heads', 'mudd', 'mudd_r', 'dca', 'value_residual',
+      'attnres_delta', 'attnres_block_delta', 'attnres_heads', 'mudd', 'mudd_r', 'dca', 'dca_8', 'value_residual',
       'laurel_rw_lr_value_residual',
       'gemma3n_laurel', 'residual_transformer', 'residual_transformer_laurel'}
   for row in residual_designs.ROWS:

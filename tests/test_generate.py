@@ -42,6 +42,7 @@ DESIGNS = {
     'mudd_r_value_residual': dataclasses.replace(BASE, value_residual=True, stream=StreamSpec(
         design='mudd', mudd_streams='r')),
     'dca_value_residual': dataclasses.replace(BASE, value_residual=True, stream=StreamSpec(design='dca')),
+    'dca_k': dataclasses.replace(BASE, stream=StreamSpec(design='dca_k', dca_k=1)),
 }
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13]]
 

@@ -135,6 +135,7 @@ class StreamSpec:
   attnres_heads: int = field(1, POSITIVE_INT)  # AttnRes: independent depth softmaxes over channel groups
   attnres_delta: bool = field(False, BOOL)  # AttnRes over the increments, added to the ordinary stream
   mudd_streams: str = field('qkvr', one_of('qkvr', 'r'))  # MUDDFormer's dense streams: Q, K, V, R, or R alone
+  dca_k: int = field(8, POSITIVE_INT)  # k-DCA: the last k layers their own columns, the intermediate ones summed
 
   def check_sizes(self, num_layers: int, prefix: str, d_model: int | None = None) -> None:
     REGISTRY[self.design].check(self, num_layers, prefix)

@@ -1,23 +1,36 @@
-"""DCA, DeepCrossAttention (Heddes et al., arXiv 2502.06785; its paper text was not read here: the equations follow
-the unofficial reference code lucidrains/deep-cross-attention, `deep_cross_attention/dca_gpt.py`, `GRN` and
-`DCABlock`).
+"""DCA, DeepCrossAttention (Heddes et al., arXiv 2502.06785, ICML 2025): GRN-v3 (§3.1), the DCA block (§3.2,
+Fig. 4) and the read-out y = GRN(G_{N+1}) (§4.1; the "Outputs" GRN of App. H, Fig. 10).
 
-  y_0 the embedding, y_{j+1} = layer j's output attn_j + mlp_j (its increment, so Σ_{j ≤ i} y_j = x_i, the stream)
-  layer i, for c ∈ {Q, K, V} (a GRN per input, its weights per dimension and per token):
-    u^c_i = Σ_{j ≤ i} (b^c_{i,j} + ReLU(w^c_iᵀ RMSNorm(y_j))) ⊙ y_j       b^c_{i,j}, w^c_i ∈ R^D
-    h = x_i + Attn(norm(u^Q), norm_k(u^K), norm_v(u^V)),  x_{i+1} = h + MLP(norm(h))
-The residual is the plain stream x_i (the reference code takes u^Q; the plain sum keeps the path that bypasses
-attention the ordinary one) and the read-out is x_N (the code adds a final GRN). The GRN's RMSNorm scale is folded
-into w (the same function). Every earlier layer is a source: the code's `past_layers_k` (the first and last k
-layers only) is not here. Init b = 1, w = 0: u^c = x_i for every c, the plain model up to the rounding of the sum
-(tested).
+  y_0 the embedding, y_{i+1} = layer i's block output a_i + m_i (its skip is not added, §3.2)
+  GRN-v3 of receiver i over the stack G_i = [y_0, …, y_i], per token and per dimension:
+    GRN(G_i) = Σ_{j ≤ i} ReLU(b_{i,j} + w_iᵀ y_j) ⊙ y_j                     b_{i,j}, w_i ∈ R^D
+  layer i, a GRN for each of Q, K, V:
+    a_i = Attn(norm(u^Q), norm_k(u^K), norm_v(u^V)),  h = u^Q + a_i,  m_i = MLP(norm(h))
+  read-out (before the final norm): a GRN of receiver N over y_0, …, y_N
+Init b = 1, w = 0 (the retrofitting paragraph: "identical to a standard residual network at initialization"): every
+GRN is Σ y_j = x_i, the plain model up to the rounding of that sum (tested).
+
+Two readings are taken where the text is loose. The ReLU: App. A writes the weight as b + ReLU(wᵀy), but with w = 0
+at init ReLU'(0) = 0 gives w no gradient, ever; App. H's biases "filtered out as a result of the ReLU" are
+ReLU(b + wᵀy), the form here, in which w trains. No norm before wᵀ (the text has none; lucidrains'
+deep-cross-attention normalises).
+
+`dca`: every earlier layer its own column, the paper's "DCA" (Tables 1, 5, 7). `dca_k`: its k-DCA (§3.1, §5;
+Tables 3 and 6 use 8-DCA): the stack is [y_0, Σ_{1 ≤ j ≤ i−k} y_j, y_{i−k+1}, …, y_i], the intermediate layers
+summed into one column (its own b and gate), at most k + 2 columns.
 
 Push form: the weight of source j at receiver i depends on y_j and on i's parameters only, so layer l adds its
-input increment y_l into running sums U^c of every receiver l, …, N − 1 (a queue, shifted after each read, as
-DenseFormer's), the chain handing each layer b and w rotated to its offsets. The update is linear in U: a layer
-scan's backward keeps y_l and the 3·N gates per token, never the history. The carry is (x, y pending, U_3xNxBxLxD).
-`padded_params` counts the unused half of b (sources after the receiver).
+input y_l into running sums U^c of every receiver l, …, N (the read-out N in stream Q's slot), a queue shifted after
+each read, the chain handing each layer b and w rotated to its offsets; the last layer's MLP site adds y_N, which
+only the read-out reads. U enters linearly: under remat a layer's backward keeps y_l and the read sums, never the
+history (without remat it keeps the ReLU's masks, O(N) a layer). The carry is (h, y pending, U_3x(N+1)xBxLxD).
+`padded_params` counts the stored weights no receiver reads (sources after the receiver; the read-out's K and V).
+
+k-DCA in pull form: the carry keeps y_0, the merged column and the last k outputs (newest first), O(k) D-wide; the
+read-out's GRN is a module of its own, called after the last layer.
 """
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,68 +40,163 @@ from jax.ad_checkpoint import checkpoint_name
 
 from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register
 
-EPS = 1e-6
 SAVED = 'dca_inputs'  # the attention's q, k, v inputs, which every remat policy keeps (Design.saved_names)
 STREAMS = 3  # Q, K, V
 SUMS_ACT = (None,) + STREAM_ACT  # U: (stream, receiver offset, B, L, D)
 
 
+def grn_term(b, w, y):
+  """ReLU(b + wᵀy) ⊙ y for stacks of (b, w) over leading axes (..., D) and y (B, L, D)."""
+  gate = jnp.einsum('bld,...d->...bl', y.astype(F32), w)[..., None]
+  return jax.nn.relu(b[..., None, None, :] + gate).astype(y.dtype) * y
+
+
+def grn_sum(b_CxKxD, w_CxD, g_KxBxLxD):
+  """Σ_k ReLU(b_k + wᵀg_k) ⊙ g_k for each stream c: (C, B, L, D)."""
+  gate_CxKxBxL = jnp.einsum('kbld,cd->ckbl', g_KxBxLxD.astype(F32), w_CxD)
+  weight_CxKxBxLxD = jax.nn.relu(b_CxKxD[:, :, None, None, :] + gate_CxKxBxL[..., None]).astype(g_KxBxLxD.dtype)
+  return jnp.einsum('ckbld,kbld->cbld', weight_CxKxBxLxD, g_KxBxLxD)
+
+
 class DCAChain(Chain):
-  """(b_NxCxRxD, w_NxCxRxD): what layer l's input increment y_l gets at receiver l + r, b^c_{l+r,l} and w^c_{l+r},
-  from `dca_bias` (receiver i, source j, c, D; used where j ≤ i) and `dca_query` (i, c,
-  D)."""
+  """(b_NxCxRxD, w_NxCxRxD, b_last_NxD, w_last_NxD): what layer l's input y_l gets at receiver l + r (receivers past
+  N clamped to it, in queue slots shifted out unread), b^c_{l+r,l} and w^c_{l+r}, and the read-out's weights of y_N,
+  zero except at the last layer; from `dca_bias` (receiver i, source j, c, D; used where j ≤ i) and `dca_query`
+  (i, c, D), receiver N the read-out."""
 
   @nn.compact
   def __call__(self):
     big_n, d = self.num_layers, self.features
     make = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape,
                                                        self.param_dtype).astype(F32)
-    bias = make('dca_bias', nn.initializers.ones, (big_n, big_n, STREAMS, d),
-                ('layers', 'dca_sources', 'dca_streams', self.embed_axis))
-    query = make('dca_query', nn.initializers.zeros, (big_n, STREAMS, d), ('layers', 'dca_streams', self.embed_axis))
-    # Offsets past the last layer (clamped to it) fill queue slots that are shifted out unread.
-    receiver_NxR = np.minimum(np.arange(big_n)[:, None] + np.arange(big_n), big_n - 1)
+    bias = make('dca_bias', nn.initializers.ones, (big_n + 1, big_n + 1, STREAMS, d),
+                ('layers_dca', 'dca_sources', 'dca_streams', self.embed_axis))
+    query = make('dca_query', nn.initializers.zeros, (big_n + 1, STREAMS, d),
+                 ('layers_dca', 'dca_streams', self.embed_axis))
+    receiver_NxR = np.minimum(np.arange(big_n)[:, None] + np.arange(big_n + 1), big_n)
     b_NxRxCxD = bias[receiver_NxR, np.arange(big_n)[:, None]]
-    return b_NxRxCxD.swapaxes(1, 2), query[receiver_NxR].swapaxes(1, 2)
+    last_N1 = jnp.asarray(np.arange(big_n) == big_n - 1, F32)[:, None]
+    return (b_NxRxCxD.swapaxes(1, 2), query[receiver_NxR].swapaxes(1, 2), last_N1 * bias[big_n, big_n, 0],
+            last_N1 * query[big_n, 0])
 
 
 class DCASite(Site):
-  """Site 0 (attention) pushes the pending increment y_l into the sums of receivers l, …, reads its own (U[:, 0]) as
-  the attention's q, k, v inputs, and shifts the queue; site 1 (MLP) is a plain residual. The pending increment
-  collects attn + mlp for the next layer."""
+  """Site 0 (attention) pushes the pending y_l into the sums of receivers l, …, reads its own (U[:, 0]) as the
+  attention's q, k, v inputs, and shifts the queue; site 1 (MLP) is a residual around h. The pending y collects
+  a + m for the next layer; the last layer's goes to the read-out here."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
-    x_BxLxD, y_BxLxD, u_CxRxBxLxD = carry
+    h_BxLxD, y_BxLxD, u_CxRxBxLxD = carry
+    b_CxRxD, w_CxRxD, b_last_D, w_last_D = chain_l
     if self.t == 0:
-      b_CxRxD, w_CxRxD = chain_l
-      y = y_BxLxD.astype(F32)
-      unit_BxLxD = y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + EPS)
-      gate_CxRxBxL = jax.nn.relu(jnp.einsum('bld,crd->crbl', unit_BxLxD, w_CxRxD)).astype(y_BxLxD.dtype)
-      # Two products, not (b + gate)·y: their backward keeps y and the gates, not a (3, N)-stack of weights.
-      u_CxRxBxLxD = (u_CxRxBxLxD + b_CxRxD[:, :, None, None, :].astype(y_BxLxD.dtype) * y_BxLxD
-                     + gate_CxRxBxL[..., None] * y_BxLxD)
-      inputs_CxBxLxD = checkpoint_name(u_CxRxBxLxD[:, 0], SAVED)
-      f_BxLxD = fn(x_BxLxD, self.attention_inputs(norm_in, *inputs_CxBxLxD), None)
-      y_BxLxD = f_BxLxD  # the next increment starts
+      u_CxRxBxLxD = u_CxRxBxLxD + grn_term(b_CxRxD, w_CxRxD, y_BxLxD)
+      h_BxLxD, y_BxLxD = _attention_site(self, u_CxRxBxLxD[:, 0], fn, norm_in)
       u_CxRxBxLxD = jnp.pad(u_CxRxBxLxD[:, 1:], ((0, 0), (0, 1)) + ((0, 0),) * 3)
     else:
-      f_BxLxD = fn(x_BxLxD, norm_in(x_BxLxD), None)
-      y_BxLxD = y_BxLxD + f_BxLxD
-    x_BxLxD = x_BxLxD + f_BxLxD
-    return (nn.with_logical_constraint(x_BxLxD, ACT), nn.with_logical_constraint(y_BxLxD, ACT),
+      f_BxLxD = fn(h_BxLxD, norm_in(h_BxLxD), None)
+      h_BxLxD, y_BxLxD = h_BxLxD + f_BxLxD, y_BxLxD + f_BxLxD
+      u_CxRxBxLxD = u_CxRxBxLxD.at[0, 0].add(grn_term(b_last_D, w_last_D, y_BxLxD))
+    return (nn.with_logical_constraint(h_BxLxD, ACT), nn.with_logical_constraint(y_BxLxD, ACT),
             nn.with_logical_constraint(u_CxRxBxLxD, SUMS_ACT))
 
 
+def _attention_site(site, u_CxBxLxD, fn, norm_in):
+  """(h, a): the attention on the GRNs' inputs and the FFN's skip h = u^Q + a."""
+  q_BxLxD, k_BxLxD, v_BxLxD = checkpoint_name(u_CxBxLxD, SAVED)
+  a_BxLxD = fn(q_BxLxD, site.attention_inputs(norm_in, q_BxLxD, k_BxLxD, v_BxLxD), None)
+  return q_BxLxD + a_BxLxD, a_BxLxD
+
+
+def _columns(y0_BxLxD, merged_BxLxD, last_KxBxLxD):
+  return jnp.concatenate([y0_BxLxD[None], merged_BxLxD[None], last_KxBxLxD])
+
+
+class LastKChain(Chain):
+  """(b_NxCxKxD, w_NxCxD): receiver i's weights of its k + 2 columns (y_0, the merged column, y_i, …, y_{i−k+1}),
+  `dca_bias` and `dca_query`."""
+
+  @nn.compact
+  def __call__(self):
+    big_n, d, cols = self.num_layers, self.features, self.spec.dca_k + 2
+    bias = self.param('dca_bias', nn.with_logical_partitioning(nn.initializers.ones,
+                                                               ('layers', 'dca_streams', 'dca_sources', self.embed_axis)),
+                      (big_n, STREAMS, cols, d), self.param_dtype)
+    query = self.param('dca_query', nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                 ('layers', 'dca_streams', self.embed_axis)),
+                       (big_n, STREAMS, d), self.param_dtype)
+    return bias.astype(F32), query.astype(F32)
+
+
+class LastKSite(Site):
+  """k-DCA, pull form. Site 0 moves the pending y_i into the last k (the oldest into the merged column), reads its
+  GRNs over the k + 2 columns, and runs the attention; site 1 (MLP) is a residual around h."""
+
+  @nn.compact
+  def __call__(self, carry, fn, norm_in, norm_out, chain_l):
+    h_BxLxD, y_BxLxD, y0_BxLxD, merged_BxLxD, last_KxBxLxD = carry
+    if self.t == 0:
+      merged_BxLxD = merged_BxLxD + last_KxBxLxD[-1]
+      last_KxBxLxD = jnp.concatenate([y_BxLxD[None], last_KxBxLxD[:-1]])
+      u_CxBxLxD = grn_sum(*chain_l, _columns(y0_BxLxD, merged_BxLxD, last_KxBxLxD))
+      h_BxLxD, y_BxLxD = _attention_site(self, u_CxBxLxD, fn, norm_in)
+    else:
+      f_BxLxD = fn(h_BxLxD, norm_in(h_BxLxD), None)
+      h_BxLxD, y_BxLxD = h_BxLxD + f_BxLxD, y_BxLxD + f_BxLxD
+    act = lambda a: nn.with_logical_constraint(a, ACT)
+    return (act(h_BxLxD), act(y_BxLxD), act(y0_BxLxD), act(merged_BxLxD),
+            nn.with_logical_constraint(last_KxBxLxD, STREAM_ACT))
+
+
+class LastKReadout(nn.Module):
+  """The read-out GRN of k-DCA over y_0, the merged column and the last k with y_N."""
+  features: int
+  columns: int
+  param_dtype: Any = F32
+
+  @nn.compact
+  def __call__(self, g_KxBxLxD):
+    make = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape,
+                                                       self.param_dtype).astype(F32)
+    bias = make('dca_bias', nn.initializers.ones, (1, self.columns, self.features), (None, 'dca_sources', 'embed'))
+    query = make('dca_query', nn.initializers.zeros, (1, self.features), (None, 'embed'))
+    return grn_sum(bias, query, g_KxBxLxD)[0]
+
+
+def _finish_last_k(spec, carry):
+  _, y_BxLxD, y0_BxLxD, merged_BxLxD, last_KxBxLxD = carry
+  g_KxBxLxD = _columns(y0_BxLxD, merged_BxLxD + last_KxBxLxD[-1], jnp.concatenate([y_BxLxD[None],
+                                                                                   last_KxBxLxD[:-1]]))
+  return LastKReadout(y_BxLxD.shape[-1], spec.dca_k + 2, name='dca_readout')(g_KxBxLxD)
+
+
+def _start_last_k(spec, x_BxLxD, num_layers):
+  """y_0 in its own column; nothing pending, merged or in the last k yet."""
+  zeros = jnp.zeros_like(x_BxLxD)
+  return zeros, zeros, x_BxLxD, zeros, jnp.zeros((spec.dca_k,) + x_BxLxD.shape, x_BxLxD.dtype)
+
+
+def padded_params_last_k(spec, num_layers, d_model):
+  """Columns that stay empty at a receiver: the merged one while i ≤ k, the last k's past y_1."""
+  k = spec.dca_k
+  unused = lambda i: (k + 1) - min(i, k) - (i > k)
+  return d_model * (STREAMS * sum(unused(i) for i in range(num_layers)) + unused(num_layers))
+
+
 def _start(spec, x_BxLxD, num_layers):
-  """x_0, pending as layer 0's input increment y_0 = x_0, empty sums."""
-  return x_BxLxD, x_BxLxD, jnp.zeros((STREAMS, num_layers) + x_BxLxD.shape, x_BxLxD.dtype)
+  """Pending: layer 0's input y_0 = x_0; empty sums of receivers 0, …, N."""
+  return x_BxLxD, x_BxLxD, jnp.zeros((STREAMS, num_layers + 1) + x_BxLxD.shape, x_BxLxD.dtype)
 
 
 def padded_params(spec, num_layers, d_model):
-  return STREAMS * d_model * num_layers * (num_layers - 1) // 2  # b^c_{i,j} for j > i
+  """b^c_{i,j} for j > i, and the read-out's (receiver N's) K and V weights."""
+  n = num_layers + 1
+  return STREAMS * d_model * n * (n - 1) // 2 + (STREAMS - 1) * d_model * (n + 1)
 
 
-register(Design('dca', DCASite, chain=DCAChain, start=_start, finish=lambda spec, carry: carry[0],
+register(Design('dca', DCASite, chain=DCAChain, start=_start, finish=lambda spec, carry: carry[2][0, 0],
                 no_decay=('dca_bias', 'dca_query'), padded_params=padded_params, saved_names=(SAVED,),
+                logical_axes=(('layers_dca', None), ('dca_sources', None), ('dca_streams', None))),
+         Design('dca_k', LastKSite, fields=('dca_k',), chain=LastKChain, start=_start_last_k, finish=_finish_last_k,
+                no_decay=('dca_bias', 'dca_query'), padded_params=padded_params_last_k, saved_names=(SAVED,),
                 logical_axes=(('dca_sources', None), ('dca_streams', None))))
