@@ -24,7 +24,7 @@ from design_chain import D as CHAIN_D
 from design_chain import Net, T, init, inputs, randomize, run, stacked
 from helpers import TINY_LM, load_config, losses, run_cli
 from laurel import config_lib, designs, lm, sharding, tasks
-from laurel.designs import StreamSpec, hyper
+from laurel.designs import StreamSpec, dca, hyper
 from laurel.designs.laurel import LaurelSpec
 from reference import REFERENCES, attnres_chain, np_rmsnorm
 
@@ -151,18 +151,20 @@ def test_attnres_delta_starts_with_plain_inputs_scaled_by_s_plus_2_over_s_plus_1
     x = x + toy_fn(ws[s // T, s % T], x, design_chain.rms(x), None)
 
 
-@pytest.mark.parametrize('design', ['attnres', 'dca', 'dca_k', 'mudd'])
-def test_backward_keeps_a_constant_amount_per_layer_under_remat(design):
+@pytest.mark.parametrize('design,remat', [('attnres', 'dots_no_batch'), ('dca', 'dots_no_batch'), ('dca', 'none'),
+                                          ('dca_k', 'dots_no_batch'), ('mudd', 'dots_no_batch')])
+def test_backward_keeps_a_constant_amount_per_layer(design, remat):
   # What a layer adds must not grow with depth. Push form with the site inputs saved by name: keeping the running
   # sums U (AttnRes: 2N + 1 D-wide, DCA: 3N) per layer, as remat did before the inputs were named, grows it ~1.55x
   # from 4→8 to 8→16 (AttnRes). MUDDFormer's buffer of N + 1 slots, saved per layer by a scan's own backward, ~2x.
   # Each keeps O(N) scalars a token per layer (AttnRes's and DCA's logits of every later receiver, MUDDFormer's
-  # weights A), so it is measured where they are small beside D.
+  # weights A), so it is measured where they are small beside D. Without remat, DCA's gates rebuild the ReLU's
+  # masks (autodiff would keep them, 3N D-wide a layer).
   width = 256
 
   def temp_bytes(layers):
     cfg = lm.LMConfig(vocab_size=64, d_model=width, num_heads=2, d_ff=128, num_layers=layers, scan_layers=True,
-                      remat='dots_no_batch', stream=StreamSpec(design=design))
+                      remat=remat, stream=StreamSpec(design=design))
     params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
     loss = lambda p, t: lm.LM(cfg).apply({'params': p}, t).sum()
     tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
@@ -551,6 +553,18 @@ def test_dca_params_at_the_paper_shape_are_its_equations():
   assert got['total_params'] - base['total_params'] == grns + 2 * d * layers
   stored = 3 * d * (layers + 1) ** 2 + 3 * d * (layers + 1)
   assert got['padded_params'] == stored - grns
+
+
+def test_dca_gated_backward_is_autodiffs_of_its_forward():
+  # The custom VJP rebuilds the ReLU's mask from b and the gates: the same gradients as autodiff, at entries on
+  # both sides of the kink.
+  rng = np.random.default_rng(0)
+  b, gate, y, cot = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((3, 4, 8), (3, 4, 2, 5), (2, 5, 8),
+                                                                          (3, 4, 2, 5, 8)))
+  plain = lambda b, gate, y: jax.nn.relu(b[:, :, None, None, :] + gate[..., None]) * y
+  got, want = jax.vjp(dca.gated, b, gate, y)[1](cot), jax.vjp(plain, b, gate, y)[1](cot)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_dca_8_params_at_the_paper_shape_are_its_equations():

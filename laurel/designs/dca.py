@@ -22,8 +22,8 @@ summed into one column (its own b and gate), at most k + 2 columns.
 Push form: the weight of source j at receiver i depends on y_j and on i's parameters only, so layer l adds its
 input y_l into running sums U^c of every receiver l, …, N (the read-out N in stream Q's slot), a queue shifted after
 each read, the chain handing each layer b and w rotated to its offsets; the last layer's MLP site adds y_N, which
-only the read-out reads. U enters linearly: under remat a layer's backward keeps y_l and the read sums, never the
-history (without remat it keeps the ReLU's masks, O(N) a layer). The carry is (h, y pending, U_3x(N+1)xBxLxD).
+only the read-out reads. U enters linearly: a layer's backward keeps y_l, the read sums and the 3·(N + 1) gates a
+token (`gated`), never the history. The carry is (h, y pending, U_3x(N+1)xBxLxD).
 `padded_params` counts the stored weights no receiver reads (sources after the receiver; the read-out's K and V).
 
 k-DCA in pull form: the carry keeps y_0, the merged column and the last k outputs (newest first), O(k) D-wide; the
@@ -45,10 +45,31 @@ STREAMS = 3  # Q, K, V
 SUMS_ACT = (None,) + STREAM_ACT  # U: (stream, receiver offset, B, L, D)
 
 
+@jax.custom_vjp
+def gated(b_CxRxD, gate_CxRxBxL, y_BxLxD):
+  """ReLU(b + gate) ⊙ y, (C, R, B, L, D). Its backward keeps b, the gates and y, and rebuilds the ReLU's mask from
+  them: autodiff would keep the mask, C·R D-wide a token, where remat does not recompute the layer."""
+  return jax.nn.relu(b_CxRxD[:, :, None, None, :] + gate_CxRxBxL[..., None]).astype(y_BxLxD.dtype) * y_BxLxD
+
+
+def _gated_fwd(b_CxRxD, gate_CxRxBxL, y_BxLxD):
+  return gated(b_CxRxD, gate_CxRxBxL, y_BxLxD), (b_CxRxD, gate_CxRxBxL, y_BxLxD)
+
+
+def _gated_bwd(saved, g_CxRxBxLxD):
+  b_CxRxD, gate_CxRxBxL, y_BxLxD = saved
+  z = b_CxRxD[:, :, None, None, :] + gate_CxRxBxL[..., None]
+  g_y = jnp.einsum('crbld,crbld->bld', g_CxRxBxLxD, jax.nn.relu(z).astype(g_CxRxBxLxD.dtype))
+  g_z = jnp.where(z > 0, g_CxRxBxLxD * y_BxLxD, 0).astype(F32)
+  return g_z.sum((2, 3)).astype(b_CxRxD.dtype), g_z.sum(-1).astype(gate_CxRxBxL.dtype), g_y.astype(y_BxLxD.dtype)
+
+
+gated.defvjp(_gated_fwd, _gated_bwd)
+
+
 def grn_term(b, w, y):
-  """ReLU(b + wᵀy) ⊙ y for stacks of (b, w) over leading axes (..., D) and y (B, L, D)."""
-  gate = jnp.einsum('bld,...d->...bl', y.astype(F32), w)[..., None]
-  return jax.nn.relu(b[..., None, None, :] + gate).astype(y.dtype) * y
+  """ReLU(b + wᵀy) ⊙ y for each (stream, receiver) of b, w (C, R, D) and y (B, L, D)."""
+  return gated(b, jnp.einsum('bld,crd->crbl', y.astype(F32), w), y)
 
 
 def grn_sum(b_CxKxD, w_CxD, g_KxBxLxD):
@@ -96,7 +117,7 @@ class DCASite(Site):
     else:
       f_BxLxD = fn(h_BxLxD, norm_in(h_BxLxD), None)
       h_BxLxD, y_BxLxD = h_BxLxD + f_BxLxD, y_BxLxD + f_BxLxD
-      u_CxRxBxLxD = u_CxRxBxLxD.at[0, 0].add(grn_term(b_last_D, w_last_D, y_BxLxD))
+      u_CxRxBxLxD = u_CxRxBxLxD.at[0, 0].add(grn_term(b_last_D[None, None], w_last_D[None, None], y_BxLxD)[0, 0])
     return (nn.with_logical_constraint(h_BxLxD, ACT), nn.with_logical_constraint(y_BxLxD, ACT),
             nn.with_logical_constraint(u_CxRxBxLxD, SUMS_ACT))
 
