@@ -23,7 +23,7 @@ Push form: the weight of source j at receiver i depends on y_j and on i's parame
 input y_l into running sums U^c of every receiver l, …, N (the read-out N in stream Q's slot), a queue shifted after
 each read, the chain handing each layer b and w rotated to its offsets; the last layer's MLP site adds y_N, which
 only the read-out reads. U enters linearly: a layer's backward keeps y_l, the read sums and the 3·(N + 1) gates a
-token (`gated`), never the history. The carry is (h, y pending, U_3x(N+1)xBxLxD).
+token (`gated`), never the history. The carry is (h, y pending, U_(N+1)x3xBxLxD).
 `padded_params` counts the stored weights no receiver reads (sources after the receiver; the read-out's K and V).
 
 k-DCA in pull form: the carry keeps y_0, the merged column and the last k outputs (newest first), O(k) D-wide; the
@@ -42,34 +42,40 @@ from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register
 
 SAVED = 'dca_inputs'  # the attention's q, k, v inputs, which every remat policy keeps (Design.saved_names)
 STREAMS = 3  # Q, K, V
-SUMS_ACT = (None,) + STREAM_ACT  # U: (stream, receiver offset, B, L, D)
+SUMS_ACT = (None,) + STREAM_ACT  # U: (receiver offset, stream, B, L, D)
 
 
 @jax.custom_vjp
-def gated(b_CxRxD, gate_CxRxBxL, y_BxLxD):
-  """ReLU(b + gate) ⊙ y, (C, R, B, L, D). Its backward keeps b, the gates and y, and rebuilds the ReLU's mask from
-  them: autodiff would keep the mask, C·R D-wide a token, where remat does not recompute the layer."""
-  return jax.nn.relu(b_CxRxD[:, :, None, None, :] + gate_CxRxBxL[..., None]).astype(y_BxLxD.dtype) * y_BxLxD
+def gated(b_RxCxD, gate_RxCxBxL, y_BxLxD):
+  """ReLU(b + gate) ⊙ y, (R, C, B, L, D). Its backward keeps b, the gates and y and rebuilds the ReLU's mask from
+  them (autodiff would keep the mask where remat does not recompute the layer, R·C D-wide a token), one receiver at
+  a time: whole, the mask and the weights are (R, C)-stacks the compiler materialises beside U."""
+  return jax.nn.relu(b_RxCxD[:, :, None, None, :] + gate_RxCxBxL[..., None]).astype(y_BxLxD.dtype) * y_BxLxD
 
 
-def _gated_fwd(b_CxRxD, gate_CxRxBxL, y_BxLxD):
-  return gated(b_CxRxD, gate_CxRxBxL, y_BxLxD), (b_CxRxD, gate_CxRxBxL, y_BxLxD)
+def _gated_fwd(b_RxCxD, gate_RxCxBxL, y_BxLxD):
+  return gated(b_RxCxD, gate_RxCxBxL, y_BxLxD), (b_RxCxD, gate_RxCxBxL, y_BxLxD)
 
 
-def _gated_bwd(saved, g_CxRxBxLxD):
-  b_CxRxD, gate_CxRxBxL, y_BxLxD = saved
-  z = b_CxRxD[:, :, None, None, :] + gate_CxRxBxL[..., None]
-  g_y = jnp.einsum('crbld,crbld->bld', g_CxRxBxLxD, jax.nn.relu(z).astype(g_CxRxBxLxD.dtype))
-  g_z = jnp.where(z > 0, g_CxRxBxLxD * y_BxLxD, 0).astype(F32)
-  return g_z.sum((2, 3)).astype(b_CxRxD.dtype), g_z.sum(-1).astype(gate_CxRxBxL.dtype), g_y.astype(y_BxLxD.dtype)
+def _gated_bwd(saved, g_RxCxBxLxD):
+  b_RxCxD, gate_RxCxBxL, y_BxLxD = saved
+
+  def receiver(g_y, xs):
+    b_CxD, gate_CxBxL, g_CxBxLxD = xs
+    z = b_CxD[:, None, None, :] + gate_CxBxL[..., None]
+    g_y = g_y + jnp.sum(g_CxBxLxD * jax.nn.relu(z).astype(g_CxBxLxD.dtype), axis=0, dtype=F32)
+    g_z = jnp.where(z > 0, g_CxBxLxD * y_BxLxD, 0).astype(F32)
+    return g_y, (g_z.sum((1, 2)), g_z.sum(-1))
+  g_y, (g_b, g_gate) = jax.lax.scan(receiver, jnp.zeros(y_BxLxD.shape, F32), (b_RxCxD, gate_RxCxBxL, g_RxCxBxLxD))
+  return g_b.astype(b_RxCxD.dtype), g_gate.astype(gate_RxCxBxL.dtype), g_y.astype(y_BxLxD.dtype)
 
 
 gated.defvjp(_gated_fwd, _gated_bwd)
 
 
 def grn_term(b, w, y):
-  """ReLU(b + wᵀy) ⊙ y for each (stream, receiver) of b, w (C, R, D) and y (B, L, D)."""
-  return gated(b, jnp.einsum('bld,crd->crbl', y.astype(F32), w), y)
+  """ReLU(b + wᵀy) ⊙ y for each (receiver, stream) of b, w (R, C, D) and y (B, L, D)."""
+  return gated(b, jnp.einsum('bld,rcd->rcbl', y.astype(F32), w), y)
 
 
 def grn_sum(b_CxKxD, w_CxD, g_KxBxLxD):
@@ -80,7 +86,7 @@ def grn_sum(b_CxKxD, w_CxD, g_KxBxLxD):
 
 
 class DCAChain(Chain):
-  """(b_NxCxRxD, w_NxCxRxD, b_last_NxD, w_last_NxD): what layer l's input y_l gets at receiver l + r (receivers past
+  """(b_NxRxCxD, w_NxRxCxD, b_last_NxD, w_last_NxD): what layer l's input y_l gets at receiver l + r (receivers past
   N clamped to it, in queue slots shifted out unread), b^c_{l+r,l} and w^c_{l+r}, and the read-out's weights of y_N,
   zero except at the last layer; from `dca_bias` (receiver i, source j, c, D; used where j ≤ i) and `dca_query`
   (i, c, D), receiver N the read-out."""
@@ -97,29 +103,28 @@ class DCAChain(Chain):
     receiver_NxR = np.minimum(np.arange(big_n)[:, None] + np.arange(big_n + 1), big_n)
     b_NxRxCxD = bias[receiver_NxR, np.arange(big_n)[:, None]]
     last_N1 = jnp.asarray(np.arange(big_n) == big_n - 1, F32)[:, None]
-    return (b_NxRxCxD.swapaxes(1, 2), query[receiver_NxR].swapaxes(1, 2), last_N1 * bias[big_n, big_n, 0],
-            last_N1 * query[big_n, 0])
+    return b_NxRxCxD, query[receiver_NxR], last_N1 * bias[big_n, big_n, 0], last_N1 * query[big_n, 0]
 
 
 class DCASite(Site):
-  """Site 0 (attention) pushes the pending y_l into the sums of receivers l, …, reads its own (U[:, 0]) as the
+  """Site 0 (attention) pushes the pending y_l into the sums of receivers l, …, reads its own (U[0]) as the
   attention's q, k, v inputs, and shifts the queue; site 1 (MLP) is a residual around h. The pending y collects
   a + m for the next layer; the last layer's goes to the read-out here."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
-    h_BxLxD, y_BxLxD, u_CxRxBxLxD = carry
-    b_CxRxD, w_CxRxD, b_last_D, w_last_D = chain_l
+    h_BxLxD, y_BxLxD, u_RxCxBxLxD = carry
+    b_RxCxD, w_RxCxD, b_last_D, w_last_D = chain_l
     if self.t == 0:
-      u_CxRxBxLxD = u_CxRxBxLxD + grn_term(b_CxRxD, w_CxRxD, y_BxLxD)
-      h_BxLxD, y_BxLxD = _attention_site(self, u_CxRxBxLxD[:, 0], fn, norm_in)
-      u_CxRxBxLxD = jnp.pad(u_CxRxBxLxD[:, 1:], ((0, 0), (0, 1)) + ((0, 0),) * 3)
+      u_RxCxBxLxD = u_RxCxBxLxD + grn_term(b_RxCxD, w_RxCxD, y_BxLxD)
+      h_BxLxD, y_BxLxD = _attention_site(self, u_RxCxBxLxD[0], fn, norm_in)
+      u_RxCxBxLxD = jnp.pad(u_RxCxBxLxD[1:], ((0, 1),) + ((0, 0),) * 4)
     else:
       f_BxLxD = fn(h_BxLxD, norm_in(h_BxLxD), None)
       h_BxLxD, y_BxLxD = h_BxLxD + f_BxLxD, y_BxLxD + f_BxLxD
-      u_CxRxBxLxD = u_CxRxBxLxD.at[0, 0].add(grn_term(b_last_D[None, None], w_last_D[None, None], y_BxLxD)[0, 0])
+      u_RxCxBxLxD = u_RxCxBxLxD.at[0, 0].add(grn_term(b_last_D[None, None], w_last_D[None, None], y_BxLxD)[0, 0])
     return (nn.with_logical_constraint(h_BxLxD, ACT), nn.with_logical_constraint(y_BxLxD, ACT),
-            nn.with_logical_constraint(u_CxRxBxLxD, SUMS_ACT))
+            nn.with_logical_constraint(u_RxCxBxLxD, SUMS_ACT))
 
 
 def _attention_site(site, u_CxBxLxD, fn, norm_in):
@@ -206,7 +211,7 @@ def padded_params_last_k(spec, num_layers, d_model):
 
 def _start(spec, x_BxLxD, num_layers):
   """Pending: layer 0's input y_0 = x_0; empty sums of receivers 0, …, N."""
-  return x_BxLxD, x_BxLxD, jnp.zeros((STREAMS, num_layers + 1) + x_BxLxD.shape, x_BxLxD.dtype)
+  return x_BxLxD, x_BxLxD, jnp.zeros((num_layers + 1, STREAMS) + x_BxLxD.shape, x_BxLxD.dtype)
 
 
 def padded_params(spec, num_layers, d_model):
