@@ -493,15 +493,19 @@ def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
     assert np.all(np.asarray(g)[pad] == 0) and np.any(np.asarray(g)[~pad] != 0), path
 
 
-@pytest.mark.parametrize('model', [{}, {'value_residual': True}, {'share': lm.ShareSpec(group_size=2, rank=2)}],
-                         ids=['plain', 'value_residual', 'shared'])
-def test_mudd_backward_rebuilding_its_buffer_is_the_scans_own(model, monkeypatch):
+@pytest.mark.parametrize('stream,model', [
+    (StreamSpec(design='mudd'), {}), (StreamSpec(design='mudd'), {'value_residual': True}),
+    (StreamSpec(design='mudd'), {'share': lm.ShareSpec(group_size=2, rank=2)}),
+    (StreamSpec(design='dca_k', dca_k=1), {}), (StreamSpec(design='dca_k', dca_k=2), {'value_residual': True})],
+    ids=['mudd', 'mudd_value_residual', 'mudd_shared', 'dca_k1', 'dca_k2_value_residual'])
+def test_backward_rebuilding_a_buffer_is_the_scans_own(stream, model, monkeypatch):
   # The stack's custom backward (the buffer rebuilt from the final one) against a scan's autodiff, at random weights.
-  cfg = _cfg(scan_layers=True, stream=StreamSpec(design='mudd'), **model)
+  cfg = _cfg(scan_layers=True, stream=stream, **model)
   params, tokens = _random_params(cfg, 17), jnp.asarray(_tokens(18))
   grad = lambda: jax.grad(lambda p: jnp.mean(lm.LM(cfg).apply({'params': p}, tokens) ** 2))(params)
   got = grad()
-  monkeypatch.setitem(designs.REGISTRY, 'mudd', dataclasses.replace(designs.REGISTRY['mudd'], buffer=None))
+  monkeypatch.setitem(designs.REGISTRY, stream.design, dataclasses.replace(designs.REGISTRY[stream.design],
+                                                                           buffer=None))
   want = grad()
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):

@@ -26,8 +26,10 @@ only the read-out reads. U enters linearly: a layer's backward keeps y_l, the re
 token (`gated`), never the history. The carry is (h, y pending, U_(N+1)x3xBxLxD).
 `padded_params` counts the stored weights no receiver reads (sources after the receiver; the read-out's K and V).
 
-k-DCA in pull form: the carry keeps y_0, the merged column and the last k outputs (newest first), O(k) D-wide; the
-read-out's GRN is a module of its own, called after the last layer.
+k-DCA in pull form over a buffer of every block output, as MUDDFormer's: slot i + 1 is written once, by layer i
+(`Design.buffer`), so the scanned stack's backward rebuilds each layer's buffer from the final one instead of
+keeping a window of k outputs per layer (laurel.lm; it recomputes each layer, as remat 'full'). Each layer reads its
+k + 2 columns as fixed sums of slots. The read-out's GRN is a module of its own, called after the last layer.
 """
 
 from typing import Any
@@ -134,48 +136,61 @@ def _attention_site(site, u_CxBxLxD, fn, norm_in):
   return q_BxLxD + a_BxLxD, a_BxLxD
 
 
-def _columns(y0_BxLxD, merged_BxLxD, last_KxBxLxD):
-  return jnp.concatenate([y0_BxLxD[None], merged_BxLxD[None], last_KxBxLxD])
+def stack_selection(k, receiver, slots):
+  """(k + 2, slots): receiver i's columns as sums of buffer slots, y_0, Σ_{1≤j≤i−k} y_j, y_i, …, y_{i−k+1} (a y_j
+  with j < 1 an empty column)."""
+  select = np.zeros((k + 2, slots), np.float32)
+  select[0, 0] = 1.0
+  select[1, 1:max(receiver - k + 1, 1)] = 1.0
+  for r in range(min(k, receiver)):
+    select[2 + r, receiver - r] = 1.0
+  return select
+
+
+def _columns(select_KxJ, buffer_JxBxLxD):
+  out = jnp.einsum('kj,jbld->kbld', select_KxJ.astype(buffer_JxBxLxD.dtype), buffer_JxBxLxD,
+                   preferred_element_type=F32)
+  return out.astype(buffer_JxBxLxD.dtype)
 
 
 class LastKChain(Chain):
-  """(b_NxCxKxD, w_NxCxD): receiver i's weights of its k + 2 columns (y_0, the merged column, y_i, …, y_{i−k+1}),
-  `dca_bias` and `dca_query`."""
+  """(b_NxCxKxD, w_NxCxD, select_NxKxJ, slot_NxJ): receiver i's weights of its k + 2 columns, `dca_bias` and
+  `dca_query`; which buffer slots make each column (`stack_selection`); the slot its output takes (i + 1)."""
 
   @nn.compact
   def __call__(self):
-    big_n, d, cols = self.num_layers, self.features, self.spec.dca_k + 2
+    big_n, d, k = self.num_layers, self.features, self.spec.dca_k
     bias = self.param('dca_bias', nn.with_logical_partitioning(nn.initializers.ones,
                                                                ('layers', 'dca_streams', 'dca_sources', self.embed_axis)),
-                      (big_n, STREAMS, cols, d), self.param_dtype)
+                      (big_n, STREAMS, k + 2, d), self.param_dtype)
     query = self.param('dca_query', nn.with_logical_partitioning(nn.initializers.zeros,
                                                                  ('layers', 'dca_streams', self.embed_axis)),
                        (big_n, STREAMS, d), self.param_dtype)
-    return bias.astype(F32), query.astype(F32)
+    select = np.stack([stack_selection(k, i, big_n + 1) for i in range(big_n)])
+    return bias.astype(F32), query.astype(F32), jnp.asarray(select), jnp.asarray(np.eye(big_n + 1)[1:], F32)
 
 
 class LastKSite(Site):
-  """k-DCA, pull form. Site 0 moves the pending y_i into the last k (the oldest into the merged column), reads its
-  GRNs over the k + 2 columns, and runs the attention; site 1 (MLP) is a residual around h."""
+  """k-DCA, pull form over a buffer of every block output. Site 0 reads its k + 2 columns from the buffer, its GRNs
+  over them, and runs the attention; site 1 (MLP) is a residual around h, and writes y_{i+1} = a + m to its slot."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
-    h_BxLxD, y_BxLxD, y0_BxLxD, merged_BxLxD, last_KxBxLxD = carry
+    h_BxLxD, y_BxLxD, buffer_JxBxLxD = carry
+    b_CxKxD, w_CxD, select_KxJ, slot_J = chain_l
     if self.t == 0:
-      merged_BxLxD = merged_BxLxD + last_KxBxLxD[-1]
-      last_KxBxLxD = jnp.concatenate([y_BxLxD[None], last_KxBxLxD[:-1]])
-      u_CxBxLxD = grn_sum(*chain_l, _columns(y0_BxLxD, merged_BxLxD, last_KxBxLxD))
+      u_CxBxLxD = grn_sum(b_CxKxD, w_CxD, _columns(select_KxJ, buffer_JxBxLxD))
       h_BxLxD, y_BxLxD = _attention_site(self, u_CxBxLxD, fn, norm_in)
     else:
       f_BxLxD = fn(h_BxLxD, norm_in(h_BxLxD), None)
       h_BxLxD, y_BxLxD = h_BxLxD + f_BxLxD, y_BxLxD + f_BxLxD
-    act = lambda a: nn.with_logical_constraint(a, ACT)
-    return (act(h_BxLxD), act(y_BxLxD), act(y0_BxLxD), act(merged_BxLxD),
-            nn.with_logical_constraint(last_KxBxLxD, STREAM_ACT))
+      buffer_JxBxLxD = buffer_JxBxLxD + slot_J.astype(y_BxLxD.dtype)[:, None, None, None] * y_BxLxD
+    return (nn.with_logical_constraint(h_BxLxD, ACT), nn.with_logical_constraint(y_BxLxD, ACT),
+            nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT))
 
 
 class LastKReadout(nn.Module):
-  """The read-out GRN of k-DCA over y_0, the merged column and the last k with y_N."""
+  """The read-out GRN of k-DCA over y_0, the merged column and the last k of y_1, …, y_N."""
   features: int
   columns: int
   param_dtype: Any = F32
@@ -190,16 +205,16 @@ class LastKReadout(nn.Module):
 
 
 def _finish_last_k(spec, carry):
-  _, y_BxLxD, y0_BxLxD, merged_BxLxD, last_KxBxLxD = carry
-  g_KxBxLxD = _columns(y0_BxLxD, merged_BxLxD + last_KxBxLxD[-1], jnp.concatenate([y_BxLxD[None],
-                                                                                   last_KxBxLxD[:-1]]))
-  return LastKReadout(y_BxLxD.shape[-1], spec.dca_k + 2, name='dca_readout')(g_KxBxLxD)
+  buffer_JxBxLxD = carry[2]
+  slots = buffer_JxBxLxD.shape[0]
+  g_KxBxLxD = _columns(jnp.asarray(stack_selection(spec.dca_k, slots - 1, slots)), buffer_JxBxLxD)
+  return LastKReadout(buffer_JxBxLxD.shape[-1], spec.dca_k + 2, name='dca_readout')(g_KxBxLxD)
 
 
 def _start_last_k(spec, x_BxLxD, num_layers):
-  """y_0 in its own column; nothing pending, merged or in the last k yet."""
-  zeros = jnp.zeros_like(x_BxLxD)
-  return zeros, zeros, x_BxLxD, zeros, jnp.zeros((spec.dca_k,) + x_BxLxD.shape, x_BxLxD.dtype)
+  """The buffer holds y_0; nothing between the sites yet."""
+  buffer_JxBxLxD = jnp.zeros((num_layers + 1,) + x_BxLxD.shape, x_BxLxD.dtype).at[0].set(x_BxLxD)
+  return jnp.zeros_like(x_BxLxD), jnp.zeros_like(x_BxLxD), nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT)
 
 
 def padded_params_last_k(spec, num_layers, d_model):
@@ -224,5 +239,5 @@ register(Design('dca', DCASite, chain=DCAChain, start=_start, finish=lambda spec
                 no_decay=('dca_bias', 'dca_query'), padded_params=padded_params, saved_names=(SAVED,),
                 logical_axes=(('layers_dca', None), ('dca_sources', None), ('dca_streams', None))),
          Design('dca_k', LastKSite, fields=('dca_k',), chain=LastKChain, start=_start_last_k, finish=_finish_last_k,
-                no_decay=('dca_bias', 'dca_query'), padded_params=padded_params_last_k, saved_names=(SAVED,),
+                buffer=2, no_decay=('dca_bias', 'dca_query'), padded_params=padded_params_last_k, saved_names=(SAVED,),
                 logical_axes=(('dca_sources', None), ('dca_streams', None))))
