@@ -331,31 +331,14 @@ def mudd_chain(spec, params, x, ws):
   return ins[-1]
 
 
-def dca_chain(spec, params, x, ws):
-  """DCA in pull form: every block output kept (y_0 = x, y_{j+1} = layer j's attn + mlp); GRN_i(y) =
-  Σ_{j ≤ i} ReLU(b[i, j] + w[i]ᵀ y_j) ⊙ y_j; layer i's inputs u^c = GRN^c_i for c = Q, K, V, the attention's skip
-  u^Q, the toy attention reading q + 2(k − v); the read-out GRN^Q_N over y_0, …, y_N."""
-  p, x, ws = _f64(params, x, ws)
-  b, w = p['chain']['dca_bias'], p['chain']['dca_query']
-  grn = lambda i, c, ys: sum(np.maximum(b[i, j, c] + (y @ w[i, c])[..., None], 0.0) * y for j, y in enumerate(ys))
-  ys = [x]
-  for l in range(LAYERS):
-    u = [grn(l, c, ys) for c in range(3)]
-    norms = p[f'layers_{l}']['site0']
-    attn_in = np_rms(u[0]) + 2 * (np_rmsnorm(u[1], norms['norm_key']['scale']) -
-                                  np_rmsnorm(u[2], norms['norm_value']['scale']))
-    attn = np.tanh(attn_in @ ws[l, 0])
-    h = u[0] + attn
-    mlp = np.tanh(np_rms(h) @ ws[l, 1])
-    ys.append(attn + mlp)
-  return grn(LAYERS, 0, ys)
-
-
 def dca_k_chain(spec, params, x, ws):
-  """k-DCA: as `dca_chain`, each GRN over the stack [y_0, Σ_{1 ≤ j ≤ i−k} y_j, y_i, y_{i−1}, …, y_{i−k+1}] (an
-  empty sum, or a y_j with j < 1, a zero column); the read-out over the same stack of y_0, …, y_N."""
+  """DCA in pull form: every block output kept (y_0 = x, y_{j+1} = layer j's attn + mlp); a GRN over the stack
+  [y_0, Σ_{1 ≤ j ≤ i−k} y_j, y_i, y_{i−1}, …, y_{i−k+1}] (an empty sum, or a y_j with j < 1, a zero column) is
+  Σ_n ReLU(b_n + wᵀ g_n) ⊙ g_n over its columns g_n; layer i's inputs u^c = GRN^c_i for c = Q, K, V, the
+  attention's skip u^Q, the toy attention reading q + 2(k − v); the read-out a GRN over the stack of y_0, …, y_N.
+  k-DCA keeps the last k apart; DCA every layer (k = N: the merged column stays empty)."""
   p, x, ws = _f64(params, x, ws)
-  k = spec.dca_k
+  k = LAYERS if spec.design == 'dca' else spec.dca_k
 
   def stack(ys):
     i = len(ys) - 1
@@ -494,7 +477,7 @@ REFERENCES = {
                       scan=tuple(_streams('mudd'))),  # exactly plain; at random weights its chain grows to |x| ~ 10³
     # b = 1, w = 0: every input is Σ_j y_j = x_i, the plain stream up to the rounding of that sum; at random
     # weights its unnormalised gates grow the chain to |x| ~ 20
-    'dca': Reference(_streams('dca'), dca_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
+    'dca': Reference(_streams('dca'), dca_k_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
                      scan=('dca',)),
     'dca_k': Reference(_streams('dca_k'), dca_k_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
                        scan=('dca_k1', 'dca_k2')),

@@ -24,7 +24,7 @@ from design_chain import D as CHAIN_D
 from design_chain import Net, T, init, inputs, randomize, run, stacked
 from helpers import TINY_LM, load_config, losses, run_cli
 from laurel import config_lib, designs, lm, sharding, tasks
-from laurel.designs import StreamSpec, dca, hyper
+from laurel.designs import StreamSpec, hyper
 from laurel.designs.laurel import LaurelSpec
 from reference import REFERENCES, attnres_chain, np_rmsnorm
 
@@ -158,8 +158,8 @@ def test_backward_keeps_a_constant_amount_per_layer(design, remat):
   # sums U (AttnRes: 2N + 1 D-wide, DCA: 3N) per layer, as remat did before the inputs were named, grows it ~1.55x
   # from 4→8 to 8→16 (AttnRes). MUDDFormer's buffer of N + 1 slots, saved per layer by a scan's own backward, ~2x.
   # Each keeps O(N) scalars a token per layer (AttnRes's and DCA's logits of every later receiver, MUDDFormer's
-  # weights A), so it is measured where they are small beside D. Without remat, DCA's gates rebuild the ReLU's
-  # masks (autodiff would keep them, 3N D-wide a layer).
+  # weights A), so it is measured where they are small beside D. DCA without remat: its buffer's backward
+  # recomputes every layer whatever the policy.
   width = 256
 
   def temp_bytes(layers):
@@ -496,8 +496,9 @@ def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
 @pytest.mark.parametrize('stream,model', [
     (StreamSpec(design='mudd'), {}), (StreamSpec(design='mudd'), {'value_residual': True}),
     (StreamSpec(design='mudd'), {'share': lm.ShareSpec(group_size=2, rank=2)}),
-    (StreamSpec(design='dca_k', dca_k=1), {}), (StreamSpec(design='dca_k', dca_k=2), {'value_residual': True})],
-    ids=['mudd', 'mudd_value_residual', 'mudd_shared', 'dca_k1', 'dca_k2_value_residual'])
+    (StreamSpec(design='dca'), {}), (StreamSpec(design='dca_k', dca_k=1), {}),
+    (StreamSpec(design='dca_k', dca_k=2), {'value_residual': True})],
+    ids=['mudd', 'mudd_value_residual', 'mudd_shared', 'dca', 'dca_k1', 'dca_k2_value_residual'])
 def test_backward_rebuilding_a_buffer_is_the_scans_own(stream, model, monkeypatch):
   # The stack's custom backward (the buffer rebuilt from the final one) against a scan's autodiff, at random weights.
   cfg = _cfg(scan_layers=True, stream=stream, **model)
@@ -543,8 +544,8 @@ def test_dca_gates_train_from_their_zero_init():
   params = init('dca', spec)
   x_BxLxD, ws = inputs()
   grads = jax.grad(lambda p: Net('dca', spec).apply({'params': p}, x_BxLxD, ws).sum())(params)
-  used_LxC = np.abs(np.asarray(grads['chain']['dca_query'])).sum(-1)
-  assert (used_LxC[:-1] > 0).all() and used_LxC[-1, 0] > 0 and (used_LxC[-1, 1:] == 0).all()
+  assert (np.abs(np.asarray(grads['chain']['dca_query'])).sum(-1) > 0).all()
+  assert (np.abs(np.asarray(grads['dca_readout']['dca_query'])) > 0).any()
 
 
 def test_dca_params_at_the_paper_shape_are_its_equations():
@@ -555,20 +556,8 @@ def test_dca_params_at_the_paper_shape_are_its_equations():
   got = _count(load_config('configs/residual_designs.py:dca'))
   grns = 3 * d * (layers * (layers + 1) // 2 + layers) + d * (layers + 1) + d
   assert got['total_params'] - base['total_params'] == grns + 2 * d * layers
-  stored = 3 * d * (layers + 1) ** 2 + 3 * d * (layers + 1)
+  stored = 3 * d * layers * (layers + 3) + d * (layers + 3)  # N + 2 columns a receiver, the merged one unused
   assert got['padded_params'] == stored - grns
-
-
-def test_dca_gated_backward_is_autodiffs_of_its_forward():
-  # The custom VJP rebuilds the ReLU's mask from b and the gates: the same gradients as autodiff, at entries on
-  # both sides of the kink.
-  rng = np.random.default_rng(0)
-  b, gate, y, cot = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((3, 4, 8), (3, 4, 2, 5), (2, 5, 8),
-                                                                          (3, 4, 2, 5, 8)))
-  plain = lambda b, gate, y: jax.nn.relu(b[:, :, None, None, :] + gate[..., None]) * y
-  got, want = jax.vjp(dca.gated, b, gate, y)[1](cot), jax.vjp(plain, b, gate, y)[1](cot)
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_dca_8_params_at_the_paper_shape_are_its_equations():
