@@ -527,8 +527,8 @@ def _stack_rebuilding_buffer(stack, cfg: LMConfig, index: int, carry, positions_
   slots; this one saves the final buffer and each layer's carry without it, and recomputes each layer's forward
   before its backward (as remat 'full': the remat policy has nothing to save)."""
   def layer(params_l, carry, chain_l, shared, layer_index):
-    return Block(cfg, parent=None).apply({'params': params_l}, carry, positions_BxL, segment_ids_BxL, (layer_index, chain_l),
-                            shared)[0]
+    return Block(cfg, parent=None).apply({'params': params_l}, carry, positions_BxL, segment_ids_BxL,
+                                         (layer_index, chain_l), shared)[0]
 
   def put(carry, buffer):
     (stream, values) = carry

@@ -6,9 +6,9 @@
 
 Each row at its tiny preset's width (or --d_model), scanned, float32, with the given remat policy: XLA's temporary
 bytes of the compiled loss gradient at each layer count; the difference per added layer between consecutive counts
-(`activations_per_layer` the last), divided by the bytes of one (batch, seq_len, d_model) float32 activation. Parameters and optimizer state do not enter (no optimizer step), so
-this isolates what a design's layer adds to the activation memory that dominates at the full shape. A compiler
-figure: noise cannot move it.
+(`activations_per_layer` the last), divided by the bytes of one (batch, seq_len, d_model) float32 activation.
+Parameters and optimizer state do not enter (no optimizer step), so this isolates what a design's layer adds to
+the activation memory that dominates at the full shape. A compiler figure: noise cannot move it.
 """
 
 import json

@@ -57,6 +57,17 @@ class Site(nn.Module):
     return norm_in(q), norm('norm_key', k), norm('norm_value', v)
 
 
+def start_buffer(x_BxLxD, num_layers):
+  """A `Design.buffer` of N + 1 slots, x in slot 0: layer i reads slots 0..i and writes slot i + 1 once."""
+  buffer_JxBxLxD = jnp.zeros((num_layers + 1,) + x_BxLxD.shape, x_BxLxD.dtype).at[0].set(x_BxLxD)
+  return nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT)
+
+
+def write_slot(buffer_JxBxLxD, slot_J, y_BxLxD):
+  """y written to the buffer's slot of the one-hot slot_J (a layer's row of `np.eye(N + 1)[1:]`, from its chain)."""
+  return buffer_JxBxLxD + slot_J.astype(y_BxLxD.dtype)[:, None, None, None] * y_BxLxD
+
+
 class PlainSite(Site):
   """x + f(x) around a sublayer the design leaves alone (Gemma 3n's MLP); the rest of the carry passes on."""
 
@@ -97,7 +108,7 @@ class Design:
   no_decay: tuple = ()  # parameter names kept out of weight decay
   logical_axes: tuple = ()  # (logical axis, mesh axes) rules of its parameters
   buffer: int | None = None  # index in the carry of a buffer whose slot i + 1 layer i writes once (MUDDFormer's)
-  saved_names: tuple = ()  # checkpoint names every remat policy saves (a push form's reads of its running sums)
+  saved_names: tuple = ()  # checkpoint names every remat policy saves (AttnRes's push form: its site inputs)
   # (spec, num_layers, d_model) -> stored parameters that are structurally 0 (per-layer shapes padded for a scan)
   padded_params: Callable = lambda spec, num_layers, d_model: 0
 

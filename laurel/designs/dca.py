@@ -32,11 +32,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register
+from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register, start_buffer, write_slot
 
-SAVED = 'dca_inputs'  # the attention's q, k, v inputs, which every remat policy keeps (Design.saved_names)
 STREAMS = 3  # Q, K, V
 
 
@@ -45,13 +43,6 @@ def grn_sum(b_CxKxD, w_CxD, g_KxBxLxD):
   gate_CxKxBxL = jnp.einsum('kbld,cd->ckbl', g_KxBxLxD.astype(F32), w_CxD)
   weight_CxKxBxLxD = jax.nn.relu(b_CxKxD[:, :, None, None, :] + gate_CxKxBxL[..., None]).astype(g_KxBxLxD.dtype)
   return jnp.einsum('ckbld,kbld->cbld', weight_CxKxBxLxD, g_KxBxLxD)
-
-
-def _attention_site(site, u_CxBxLxD, fn, norm_in):
-  """(h, a): the attention on the GRNs' inputs and the FFN's skip h = u^Q + a."""
-  q_BxLxD, k_BxLxD, v_BxLxD = checkpoint_name(u_CxBxLxD, SAVED)
-  a_BxLxD = fn(q_BxLxD, site.attention_inputs(norm_in, q_BxLxD, k_BxLxD, v_BxLxD), None)
-  return q_BxLxD + a_BxLxD, a_BxLxD
 
 
 def last_k(spec, num_layers):
@@ -84,14 +75,13 @@ class DCAChain(Chain):
   def __call__(self):
     big_n, d = self.num_layers, self.features
     k = last_k(self.spec, big_n)
-    bias = self.param('dca_bias', nn.with_logical_partitioning(nn.initializers.ones,
-                                                               ('layers', 'dca_streams', 'dca_sources', self.embed_axis)),
-                      (big_n, STREAMS, k + 2, d), self.param_dtype)
-    query = self.param('dca_query', nn.with_logical_partitioning(nn.initializers.zeros,
-                                                                 ('layers', 'dca_streams', self.embed_axis)),
-                       (big_n, STREAMS, d), self.param_dtype)
+    make = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape,
+                                                       self.param_dtype).astype(F32)
+    bias = make('dca_bias', nn.initializers.ones, (big_n, STREAMS, k + 2, d),
+                ('layers', 'dca_streams', 'dca_sources', self.embed_axis))
+    query = make('dca_query', nn.initializers.zeros, (big_n, STREAMS, d), ('layers', 'dca_streams', self.embed_axis))
     select = np.stack([stack_selection(k, i, big_n + 1) for i in range(big_n)])
-    return bias.astype(F32), query.astype(F32), jnp.asarray(select), jnp.asarray(np.eye(big_n + 1)[1:], F32)
+    return bias, query, jnp.asarray(select), jnp.asarray(np.eye(big_n + 1)[1:], F32)
 
 
 class DCASite(Site):
@@ -102,13 +92,14 @@ class DCASite(Site):
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
     h_BxLxD, y_BxLxD, buffer_JxBxLxD = carry
     b_CxKxD, w_CxD, select_KxJ, slot_J = chain_l
-    if self.t == 0:
-      u_CxBxLxD = grn_sum(b_CxKxD, w_CxD, _columns(select_KxJ, buffer_JxBxLxD))
-      h_BxLxD, y_BxLxD = _attention_site(self, u_CxBxLxD, fn, norm_in)
+    if self.t == 0:  # the attention on the GRNs' q, k, v inputs; the FFN's skip is u^Q
+      q_BxLxD, k_BxLxD, v_BxLxD = grn_sum(b_CxKxD, w_CxD, _columns(select_KxJ, buffer_JxBxLxD))
+      y_BxLxD = fn(q_BxLxD, self.attention_inputs(norm_in, q_BxLxD, k_BxLxD, v_BxLxD), None)
+      h_BxLxD = q_BxLxD + y_BxLxD
     else:
       f_BxLxD = fn(h_BxLxD, norm_in(h_BxLxD), None)
       h_BxLxD, y_BxLxD = h_BxLxD + f_BxLxD, y_BxLxD + f_BxLxD
-      buffer_JxBxLxD = buffer_JxBxLxD + slot_J.astype(y_BxLxD.dtype)[:, None, None, None] * y_BxLxD
+      buffer_JxBxLxD = write_slot(buffer_JxBxLxD, slot_J, y_BxLxD)
     return (nn.with_logical_constraint(h_BxLxD, ACT), nn.with_logical_constraint(y_BxLxD, ACT),
             nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT))
 
@@ -138,18 +129,17 @@ def _finish(spec, carry):
 
 def _start(spec, x_BxLxD, num_layers):
   """The buffer holds y_0; nothing between the sites yet."""
-  buffer_JxBxLxD = jnp.zeros((num_layers + 1,) + x_BxLxD.shape, x_BxLxD.dtype).at[0].set(x_BxLxD)
-  return jnp.zeros_like(x_BxLxD), jnp.zeros_like(x_BxLxD), nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT)
+  return jnp.zeros_like(x_BxLxD), jnp.zeros_like(x_BxLxD), start_buffer(x_BxLxD, num_layers)
 
 
 def padded_params(spec, num_layers, d_model):
   """Columns that stay empty at a receiver: the merged one while i ≤ k, the last k's past y_1."""
-  k = last_k(spec, num_layers)
-  unused = lambda i: (k + 1) - min(i, k) - (i > k)
-  return d_model * (STREAMS * sum(unused(i) for i in range(num_layers)) + unused(num_layers))
+  k, slots = last_k(spec, num_layers), num_layers + 1
+  empty = lambda i: int((stack_selection(k, i, slots).sum(1) == 0).sum())
+  return d_model * (STREAMS * sum(empty(i) for i in range(num_layers)) + empty(num_layers))
 
 
 _DCA = dict(chain=DCAChain, start=_start, finish=_finish, buffer=2, no_decay=('dca_bias', 'dca_query'),
-            padded_params=padded_params, saved_names=(SAVED,),
+            padded_params=padded_params,
             logical_axes=(('dca_sources', None), ('dca_streams', None)))
 register(Design('dca', DCASite, **_DCA), Design('dca_k', DCASite, fields=('dca_k',), **_DCA))

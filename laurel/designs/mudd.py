@@ -19,9 +19,9 @@ N + 1 slots carried through the layers. The carry is (x, X_{(N+1)}, A): the resi
 buffer, and the last layer's weights, which the next layer's first site mixes. Slot i + 1 is written once, by layer
 i (`Design.buffer`): the layer scan's backward rebuilds the buffer of each layer from the final one instead of
 keeping N copies (laurel.lm; it recomputes each layer, as remat 'full'), so a layer keeps x and A (C·(N + 1) weights
-a token), not O(N) activations. Unscanned layers keep a buffer per layer. Under a scan the per-layer shapes are padded to N + 1 sources and K_max hidden units
-(`MUDDChain`); no padded weight reaches the output or gets a gradient, and `padded_params` counts them so that the
-parameter count is the effective one.
+a token), not O(N) activations. Unscanned layers keep a buffer per layer. Under a scan the per-layer shapes are
+padded to N + 1 sources and K_max hidden units (`MUDDChain`); no padded weight reaches the output or gets a
+gradient, and `padded_params` counts them so that the parameter count is the effective one.
 """
 
 import flax.linen as nn
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register, start_buffer, write_slot
 
 EPS = 1e-6
 WEIGHTS_ACT = ('act_batch', 'act_len', None, None)  # A: (B, L, C streams, N + 1 sources)
@@ -98,7 +98,7 @@ class MUDDSite(Site):
       xn = norm_in(x_BxLxD) if len(streams_CxBxLxD) == 1 else self.attention_inputs(norm_in, *streams_CxBxLxD[:3])
       return nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, xn, None), ACT), buffer_JxBxLxD, a_BxLxCxJ
     out_BxLxD = nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, norm_in(x_BxLxD), None), ACT)
-    buffer_JxBxLxD = buffer_JxBxLxD + slot_J.astype(out_BxLxD.dtype)[:, None, None, None] * out_BxLxD
+    buffer_JxBxLxD = write_slot(buffer_JxBxLxD, slot_J, out_BxLxD)
     c, j = bias_CxJ.shape
     k_max = hidden_K.shape[0]
     w1 = self.make('mudd_w1', nn.initializers.variance_scaling(1.0, 'fan_in', 'normal'), (self.features, k_max),
@@ -115,9 +115,8 @@ class MUDDSite(Site):
 
 def _start(spec, x_BxLxD, num_layers):
   """The buffer holds X_0; every stream of layer 0 is X_0 (weights one-hot on source 0)."""
-  buffer_JxBxLxD = jnp.zeros((num_layers + 1,) + x_BxLxD.shape, x_BxLxD.dtype).at[0].set(x_BxLxD)
   a_BxLxCxJ = jnp.zeros(x_BxLxD.shape[:2] + (len(spec.mudd_streams), num_layers + 1), F32).at[..., 0].set(1.0)
-  return x_BxLxD, nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT), a_BxLxCxJ
+  return x_BxLxD, start_buffer(x_BxLxD, num_layers), a_BxLxCxJ
 
 
 def _finish(spec, carry):
