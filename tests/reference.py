@@ -331,7 +331,7 @@ def mudd_chain(spec, params, x, ws):
   return ins[-1]
 
 
-def dca_k_chain(spec, params, x, ws):
+def dca_chain(spec, params, x, ws):
   """DCA in pull form: every block output kept (y_0 = x, y_{j+1} = layer j's attn + mlp); a GRN over the stack
   [y_0, Σ_{1 ≤ j ≤ i−k} y_j, y_i, y_{i−1}, …, y_{i−k+1}] (an empty sum, or a y_j with j < 1, a zero column) is
   Σ_n ReLU(b_n + wᵀ g_n) ⊙ g_n over its columns g_n; layer i's inputs u^c = GRN^c_i for c = Q, K, V, the
@@ -477,8 +477,8 @@ REFERENCES = {
                       scan=tuple(_streams('mudd'))),  # exactly plain; at random weights its chain grows to |x| ~ 10³
     # b = 1, w = 0: every input is Σ_j y_j = x_i, the plain stream up to the rounding of that sum; at random
     # weights its unnormalised gates grow the chain to |x| ~ 20
-    'dca': Reference(_streams('dca'), dca_k_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
+    'dca': Reference(_streams('dca'), dca_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
                      scan=('dca',)),
-    'dca_k': Reference(_streams('dca_k'), dca_k_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
+    'dca_k': Reference(_streams('dca_k'), dca_chain, lambda spec, x, ws, p: (plain(x, ws), False), tol=1e-4,
                        scan=('dca_k1', 'dca_k2')),
 }
