@@ -151,15 +151,15 @@ def test_attnres_delta_starts_with_plain_inputs_scaled_by_s_plus_2_over_s_plus_1
     x = x + toy_fn(ws[s // T, s % T], x, design_chain.rms(x), None)
 
 
-@pytest.mark.parametrize('design,remat', [('attnres', 'dots_no_batch'), ('dca', 'dots_no_batch'), ('dca', 'none'),
+@pytest.mark.parametrize('design,remat', [('attnres', 'dots_no_batch'), ('dca', 'dots_no_batch'),
                                           ('dca_k', 'dots_no_batch'), ('mudd', 'dots_no_batch')])
 def test_backward_keeps_a_constant_amount_per_layer(design, remat):
-  # What a layer adds must not grow with depth. Push form with the site inputs saved by name: keeping the running
-  # sums U (AttnRes: 2N + 1 D-wide, DCA: 3N) per layer, as remat did before the inputs were named, grows it ~1.55x
-  # from 4→8 to 8→16 (AttnRes). MUDDFormer's buffer of N + 1 slots, saved per layer by a scan's own backward, ~2x.
-  # Each keeps O(N) scalars a token per layer (AttnRes's and DCA's logits of every later receiver, MUDDFormer's
-  # weights A), so it is measured where they are small beside D. DCA without remat: its buffer's backward
-  # recomputes every layer whatever the policy.
+  # What a layer adds must not grow with depth. AttnRes's push form saves its site inputs by name: keeping its
+  # running sums U (2N + 1 D-wide) per layer, as remat did before the inputs were named, grows it ~1.55x from 4→8 to
+  # 8→16. A buffer of N + 1 slots (MUDDFormer, DCA), saved per layer by a scan's own backward, ~2x. AttnRes keeps the
+  # logits of every later receiver and MUDDFormer its weights A, O(N) scalars a token per layer, so it is measured
+  # where they are small beside D. The buffer designs' backward recomputes every layer whatever the policy, so one
+  # policy covers them.
   width = 256
 
   def temp_bytes(layers):
@@ -170,7 +170,7 @@ def test_backward_keeps_a_constant_amount_per_layer(design, remat):
     tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
     return jax.jit(jax.grad(loss)).lower(nn.unbox(params), tokens).compile().memory_analysis().temp_size_in_bytes
   t4, t8, t16 = (temp_bytes(n) for n in (4, 8, 16))
-  assert (t16 - t8) / 8 < 1.25 * (t8 - t4) / 4  # measured 1.04 (DCA) to 1.17 (AttnRes)
+  assert (t16 - t8) / 8 < 1.25 * (t8 - t4) / 4  # measured 1.00 (DCA, k-DCA) to 1.17 (AttnRes)
 
 
 # ---------------------------------------------------------------------------------------------------
