@@ -107,7 +107,8 @@ def summarise(rows: list[dict], with_paper: bool) -> list[dict]:
     r['test_loss_ratio'] = (statistics.fmean(losses[r['name']][s] / losses[BASELINE][s] for s in shared)
                             if shared else None)
     r['paired_seeds'] = len(shared)
-    r.update(common.paired_columns(losses[r['name']], losses.get(BASELINE, {}), 'test_loss'))
+    own = losses[r['name']] if r['name'] != BASELINE else {}  # the reference has no difference of its own
+    r.update(common.paired_columns(own, losses.get(BASELINE, {}), 'test_loss'))
   return rows
 
 
