@@ -119,7 +119,7 @@ def collect(points, fields: list[str], metric: str) -> dict:
   if done and all(r.get(metric) is None for r in done):
     keys = sorted({k for r in done for k, v in r.items() if k.startswith('eval_') and v is not None})
     raise InputError(f'--metric={metric!r}: not in final.json of any finished point (it has: {", ".join(keys)})')
-  combinations = list(dict.fromkeys(tuple(p['values'].items()) for p in points))
+  combinations = combinations_of(points)
   reference = reference_combination(combinations, fields)
   by_seed = lambda values: {str(r['seed']): r[metric] for r in done
                             if all(r[f] == v for f, v in values) and r.get(metric) is not None}
@@ -139,6 +139,11 @@ def collect(points, fields: list[str], metric: str) -> dict:
                                                               for f in fields},
           'seeds': _SEEDS.value, 'metric': metric, 'reduce': _REDUCE.value, 'set': _SET.value,
           'reference': dict(reference), 'points': rows, 'summary': summary}
+
+
+def combinations_of(points) -> list[tuple]:
+  """The points' distinct ((field, value), ...) combinations, in order."""
+  return list(dict.fromkeys(tuple(p['values'].items()) for p in points))
 
 
 def reference_combination(combinations: list[tuple], fields: list[str]) -> tuple:
@@ -216,6 +221,7 @@ def sweep():
   common.require(config=_CONFIG, field=_FIELD, values=_VALUES, workdir=_WORKDIR)
   launcher, grid = common.Launcher(_LAUNCH), parse_grid(_FIELD.value, _VALUES.value)
   points = plan_points(_WORKDIR.value, _CONFIG.value, grid, _SEEDS.value, _SET.value, launcher)
+  reference_combination(combinations_of(points), list(grid))  # a bad --reference fails before anything runs
   if not _COLLECT_ONLY.value:
     if launcher.launch == 'print':  # the commands only; nothing is read or written
       launcher.run(points, 'sweep.log')

@@ -144,3 +144,13 @@ print('ok')
   r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, env=cli_env(),
                      timeout=300)
   assert r.returncode == 0 and r.stdout.strip() == 'ok', r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_sweep_bad_reference_is_one_line_before_anything_runs(tmp_path):
+  r = subprocess.run([sys.executable, 'scripts/sweep.py', '--config=configs/c4_ablation.py:rw_lr,preset=tiny',
+                      '--field=model.laurel.rank', '--values=4,8', '--reference=16', f'--workdir={tmp_path}'],
+                     cwd=ROOT, capture_output=True, text=True, env=cli_env(), timeout=300)
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+      "error: --reference='16': not a point of the grid (give one value per --field, in order, e.g. 4)")
+  assert not list(tmp_path.iterdir())
