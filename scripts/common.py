@@ -185,6 +185,18 @@ def integer(value) -> str:
   return '—' if value is None else f'{round(value):,}'
 
 
+def eval_noise(held_out: list[dict]) -> str | None:
+  """The eval set's size and its own noise from the runs' final.json held_out (laurel.train), or None if none has
+  it: 'the eval set is 2,097,152 tokens in 32 batches; the standard error of a run's eval loss over its batches is
+  0.0012–0.0015'."""
+  held_out = [h for h in held_out if (h or {}).get('loss_se') is not None]
+  if not held_out:
+    return None
+  ses, unit = [h['loss_se'] for h in held_out], next(k for k in held_out[0] if k not in ('loss_se', 'batches'))
+  return (f"the eval set is {integer(held_out[0][unit])} {unit} in {integer(held_out[0]['batches'])} batches; the "
+          f"standard error of a run's eval loss over its batches is {min(ses):.4f}–{max(ses):.4f}")
+
+
 def fit_title(ax, title: str, fontsize: float = 10):
   """The axes' title, wrapped to the width of the axes so that it fits its figure (about 0.6 em a character)."""
   width_points = ax.get_position().width * ax.figure.get_figwidth() * 72

@@ -42,7 +42,6 @@ from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
 KEYS = ('params_m', 'test_loss', 'peak_memory_gb', 'step_time_s')  # measured beside the paper's, with ratios
-HELD_OUT = ('loss_se', 'tokens', 'batches')  # final.json's held_out: the eval set's size and own noise
 EVAL_METRICS = ('bits_per_byte', 'accuracy', 'accuracy_norm', 'correct_loglik')  # of laurel.evaluate's results
 
 _TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to train.')
@@ -75,13 +74,14 @@ def collect(workdir: epath.Path, rows_in_order, with_paper: bool) -> list[dict]:
     paths = [workdir / row / seed / 'final.json' for seed, status in runs.items() if status == 'done']
     finals = [json.loads(p.read_text()) for p in paths]
     held_out = [f['held_out'] for f in finals if (f.get('held_out') or {}).get('loss_se') is not None]
+    held_out = {**held_out[0], 'loss_se': median([h['loss_se'] for h in held_out])} if held_out else None
     peak = median([f.get('peak_memory_bytes') for f in finals])
     rows.append({'name': row, 'seeds': len(finals), 'failed': [s for s, status in runs.items() if status == 'failed'],
                  'params': finals[0]['params'] if finals else None,
                  'test_losses': {p.parent.name: f['eval_loss'] for p, f in zip(paths, finals)},
                  'peak_memory_gb': peak and peak / 1e9, 'step_time_s': median([f.get('median_step_time_s')
                                                                                 for f in finals]),
-                 **{f'held_out_{k}': median([h.get(k) for h in held_out]) for k in HELD_OUT}})
+                 'held_out': held_out, 'held_out_loss_se': held_out and held_out['loss_se']})
   add_evals(workdir, rows)
   return summarise(rows, with_paper)
 
@@ -184,15 +184,10 @@ def noise_line(rows) -> str:
   seeds = (f"{BASELINE}'s seed-to-seed std {base['test_loss_std']:.4f}" if base.get('test_loss_std') is not None
            else f'no seed-to-seed std of {BASELINE} (one seed)')
   paired = (f', the paired differences\' std {min(diff_sds):.4f}–{max(diff_sds):.4f}' if diff_sds else '')
-  measured = [r for r in rows if r.get('held_out_loss_se') is not None]
-  if not measured:
+  if not (noise := common.eval_noise([r.get('held_out') for r in rows])):
     return (f'Eval noise: not recorded by these runs (final.json\'s held_out, written since laurel.stats); '
             f'{seeds}{paired}.')
-  ses = [r['held_out_loss_se'] for r in measured]
-  size = measured[0]
-  return (f"Eval noise: the eval set is {common.integer(size['held_out_tokens'])} tokens in "
-          f"{common.integer(size['held_out_batches'])} batches, the same for every run; the standard error of a "
-          f"run's eval loss over its batches is {min(ses):.4f}–{max(ses):.4f} (median over each row's seeds), beside "
+  return (f"Eval noise: {noise} (each row's median over its seeds; the same eval set for every run), beside "
           f'{seeds}{paired}.')
 
 

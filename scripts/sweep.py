@@ -176,6 +176,8 @@ def markdown(result: dict) -> str:
             f'| {" | ".join(common.paired_cells(s, metric, reference=s["reference"]))} '
             f'| {fmt(s[best], s[best + "_std"])} | {fmt(s["params"])} | {fmt(s["median_step_time_s"])} |'
             for s in result['summary']]
+  if noise := common.eval_noise([r.get('held_out') for r in result['points']]):
+    lines += ['', f'Eval noise: {noise} (over the points\' runs).']
   lines += ['', f'| point | status | {metric} |', '|---|---|---|']
   lines += [f'| {r["point"]} | {r["status"]} | {fmt(r.get(metric))} |' for r in result['points']]
   return '\n'.join(lines) + '\n'

@@ -69,8 +69,9 @@ def sweep_result(tmp_path, seeds):
       point = {'name': f'rank={rank},seed={seed}', 'dir': epath.Path(tmp_path) / f'rank={rank},seed={seed}',
                'values': {'model.laurel.rank': rank}, 'seed': seed}
       point['dir'].mkdir()
+      held_out = {'loss_se': 0.01 * (i + 1), 'batches': 4, 'tokens': 1024}
       (point['dir'] / 'final.json').write_text(json.dumps({'eval_loss': base + 0.01 * i, 'params': 1024652,
-                                                           'median_step_time_s': 0.5}))
+                                                           'median_step_time_s': 0.5, 'held_out': held_out}))
       points.append(point)
   result = sweep.collect(points, ['model.laurel.rank'], 'eval_loss')
   return sweep, {**result, 'config': 'configs/c4_ablation.py:rw_lr,preset=tiny'}
@@ -94,7 +95,10 @@ def test_sweep_pairs_seeds_with_the_reference_point(tmp_path):
   assert rank8['eval_loss_diff'] == pytest.approx(-0.1) and rank8['eval_loss_diff_n'] == 3
   assert rank8['eval_loss_resolved'] and result['reference'] == {'model.laurel.rank': '4'}
   assert rank8['params'] == 1024652 and isinstance(rank8['params'], int)
-  assert '| 8 | 3 | 2.9100 ± 0.0100 | −0.1000 [−0.1000, −0.1000] | 3 | yes |' in sweep.markdown(result)
+  text = sweep.markdown(result)
+  assert '| 8 | 3 | 2.9100 ± 0.0100 | −0.1000 [−0.1000, −0.1000] | 3 | yes |' in text
+  assert ("Eval noise: the eval set is 1,024 tokens in 4 batches; the standard error of a run's eval loss over its "
+          'batches is 0.0100–0.0300') in text
 
 
 def tiny_table(path, seeds):
