@@ -78,10 +78,6 @@ class Interval:
     """The interval excludes zero."""
     return self.low is not None and (self.low > 0 or self.high < 0)
 
-  def as_dict(self, prefix: str) -> dict:
-    return {f'{prefix}': self.mean, f'{prefix}_n': self.n, f'{prefix}_sd': self.sd, f'{prefix}_low': self.low,
-            f'{prefix}_high': self.high, f'{prefix}_resolved': self.resolved}
-
 
 def mean_interval(values, level: float = LEVEL) -> Interval | None:
   """The t-interval of the mean of `values` (None for none)."""

@@ -152,9 +152,8 @@ def paired_columns(values: dict, reference: dict, key: str) -> dict:
   """<key>_diff (mean of values[s] - reference[s] over the seeds s both have), its t-interval (<key>_diff_low,
   _high; None below 2 seeds), the seed count <key>_diff_n and <key>_resolved (the interval excludes zero)."""
   d = stats.paired_difference(values, reference)
-  return ({f'{key}_diff': None, f'{key}_diff_n': 0, f'{key}_diff_sd': None, f'{key}_diff_low': None,
-           f'{key}_diff_high': None, f'{key}_resolved': False} if d is None else d.as_dict(f'{key}_diff')
-          | {f'{key}_resolved': d.resolved})
+  return {f'{key}_diff': d and d.mean, f'{key}_diff_n': d.n if d else 0, f'{key}_diff_sd': d and d.sd,
+          f'{key}_diff_low': d and d.low, f'{key}_diff_high': d and d.high, f'{key}_resolved': bool(d and d.resolved)}
 
 
 def mean_and_spread(values) -> tuple[float | None, float | None]:

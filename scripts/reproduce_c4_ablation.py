@@ -42,6 +42,9 @@ from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
 KEYS = ('params_m', 'test_loss', 'peak_memory_gb', 'step_time_s')  # measured beside the paper's, with ratios
+# A row's figures as collect reads them from its runs (summarise derives the rest; eval_* are laurel.evaluate's).
+MEASURED = ('name', 'seeds', 'failed', 'params', 'test_losses', 'peak_memory_gb', 'step_time_s', 'held_out',
+            'held_out_loss_se')
 EVAL_METRICS = ('bits_per_byte', 'accuracy', 'accuracy_norm', 'correct_loglik')  # of laurel.evaluate's results
 
 _TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to train.')
@@ -115,9 +118,9 @@ def summarise(rows: list[dict], with_paper: bool) -> list[dict]:
 def from_json(path: str, with_paper: bool) -> tuple[dict, list[dict]]:
   """A table's JSON (a previous run of this script) with its statistics recomputed by summarise."""
   result = json.loads(epath.Path(path).read_text())
-  rows = result['rows']
-  for r in rows:  # tables written before the integer count kept params_m only
-    r.setdefault('params', None if r.get('params_m') is None else round(r['params_m'] * 1e6))
+  rows = [{k: v for k, v in r.items() if k in MEASURED or k.startswith('eval_')} for r in result['rows']]
+  for r, old in zip(rows, result['rows']):  # tables written before the integer count kept params_m only
+    r.setdefault('params', None if old.get('params_m') is None else round(old['params_m'] * 1e6))
   return result, summarise(rows, with_paper)
 
 
