@@ -1,6 +1,6 @@
 """Table 5 of the paper: LAuReL variants on a small decoder-only LM pre-trained on C4.
 
-  --config=configs/c4_ablation.py:<row>[,preset=tiny|small]
+  --config=configs/c4_ablation.py:<row>[,preset=tiny|small|gpu]
 
 Rows: baseline_24, baseline_28, rw, lr (r=32), pa (k=3), rw_lr, rw_lr_pa. LAuReL rows sit on Baseline-24.
 
@@ -14,6 +14,24 @@ is what Table 5's +0.02M fits; RW+LR+PA is eq. 6 with one rank-32 pair per previ
 preset=tiny: the same rows shrunk to train on 2 CPU cores: 6/7 layers, D=128, F=384 (the paper's F/D),
 4 heads, r=8 (r/D = 6%, the paper's is 4%), byte-level tokens from the embedded local text corpus
 (the Python standard library), 500 steps of 16 × 128 tokens (1.0M tokens).
+
+preset=gpu: the rows sized so that three seeds of Baseline-24, Baseline-28 and RW+LR+PA (nine runs) train within
+6 minutes on one H100, on a corpus every machine has: byte tokens of every Python source installed on it (the
+standard library and each site-packages on sys.path, data.path='<installed>'; 5% of the files held out by a hash of
+their path). 6/7 layers (as tiny, 28/24 layers apart), D=512, F=1536, 8 heads, r=16, bf16 compute, cuDNN attention
+where the GPU serves it (model.attention=auto), 500 steps of 128 x 512 bytes = 32.8M tokens: 2.1 tokens per
+parameter for Baseline-24 (15.87M params), 1.8 for Baseline-28 (18.49M). The size comes from the budget, not from
+compute-optimality: laurel's model FLOPs (6N per token plus 12·layers·D·L attention, no causal saving) are 7.48, 8.71
+and 7.59 TFLOP a step for Baseline-24, Baseline-28 and RW+LR+PA; at an assumed 25% MFU of the H100's 989 TFLOP/s
+dense bf16 peak (a small model's matmuls do not fill the chip, so the assumption is conservative) that is 15.1, 17.6
+and 15.4 s of training a run, 144 s for the nine. The rest is overhead, estimated, not measured: about 12 s a run to
+start Python, jax and the input, a compile of about 30 s for each row's first run and 5 s for the next two with
+JAX's persistent compilation cache, the final eval (32 batches = 2.1M held-out tokens, a third of a train step's
+FLOPs per token: about 1 s) and the checkpoint: about 400 s for the command, under the 8 minutes it may take. A
+model that reached 20 tokens per parameter in this time would be D=256 or less, whose matmuls fill an H100 far below
+25%. The eval set is 64 times tiny's 32,768 tokens, whose standard error over its 16 batches (final.json's
+held_out.loss_se) was 0.075 nats in a 100-step run, as large as tiny's seed-to-seed spread; with 32 times the tokens
+per batch and twice the batches it should be about 8 times smaller, which the first GPU run measures.
 
 preset=small: the same rows at a size for your own corpus on one GPU (or, slowly, a CPU): 12/14 layers, D=384,
 F=1024, 6 heads, r=16 (r/D = 4%, the paper's), SentencePiece tokens from scripts/prepare_text.py's shards
@@ -34,10 +52,11 @@ ROWS = {
     'rw_lr_pa': (24, dict(variant='rw+lr+pa')),
 }
 assert set(ROWS) == set(paper.TABLE5)
+GPU_STEPS = 500  # preset=gpu: 500 steps of 128 x 512 bytes
 
 
 def get_config(arg=None):
-  row, opts = config_lib.parse_arg(arg, ROWS, 'rw_lr', {'preset': ('paper', ('paper', 'tiny', 'small'))})
+  row, opts = config_lib.parse_arg(arg, ROWS, 'rw_lr', {'preset': ('paper', ('paper', 'tiny', 'small', 'gpu'))})
   layers, laurel = ROWS[row]
   return table5_config(row, opts['preset'], layers, laurel=laurel)
 
@@ -46,7 +65,7 @@ def table5_config(row: str, preset: str, layers: int, **model):
   """Table 5's run at `preset` with `layers` at the paper preset (half of them at small, a quarter at tiny) and
   the model fields `model` (nested sections are dicts: laurel=dict(variant='rw'); the LAuReL rank and k are the
   preset's)."""
-  laurel = dict(rank={'paper': 32, 'small': 16, 'tiny': 8}[preset], k=3, **model.pop('laurel', {}))
+  laurel = dict(rank={'paper': 32, 'small': 16, 'gpu': 16, 'tiny': 8}[preset], k=3, **model.pop('laurel', {}))
   if preset == 'paper':
     return step.base_config(
         task='lm', row=row, preset='paper', baseline_row='baseline_24', batch_size=512, steps=19_073,
@@ -65,6 +84,16 @@ def table5_config(row: str, preset: str, layers: int, **model):
         model=config_lib.config_dict(lm.LMConfig, vocab_size=32768, d_model=384, num_heads=6, d_ff=1024,
                                      num_layers=layers // 2, laurel=laurel, **model),
         data=config_lib.config_dict(data.LMDataConfig, name='corpus', seq_len=512),
+    ).lock()
+  if preset == 'gpu':  # the module docstring says why this size
+    return step.base_config(
+        task='lm', row=row, preset='gpu', baseline_row='baseline_24', batch_size=128, steps=GPU_STEPS, log_every=50,
+        eval_every=GPU_STEPS, eval_steps=32, checkpoint_every=GPU_STEPS, data_shards=1,
+        optimizer=dict(learning_rate=2e-3, warmup_steps=50),
+        model=config_lib.config_dict(lm.LMConfig, vocab_size=264, d_model=512, num_heads=8, d_ff=1536,
+                                     num_layers=layers // 4, dtype='bfloat16', attention='auto', max_segments=16,
+                                     laurel=laurel, **model),
+        data=config_lib.config_dict(data.LMDataConfig, name='text', path=data.INSTALLED, seq_len=512, prefetch=8),
     ).lock()
   # Byte vocabulary (258) padded to 264 so the vocab axis divides over tensor-parallel sizes up to 8. One input
   # stream (data_shards=1), as one CPU process reads it.

@@ -3,7 +3,8 @@
 Sources (`config.data.name`): 'c4' (SentencePiece tokens; ArrayRecord shards written by scripts/prepare_c4.py in
 `path`, or a prepared TFDS C4 in `tfds_data_dir`), 'corpus' (your own documents: SentencePiece tokens, ArrayRecord
 shards written by scripts/prepare_text.py in `path`), 'text' (files matching a glob, '' = this interpreter's standard
-library; a stable hash of each relative path holds out `validation_fraction` of them; byte tokens), 'synthetic' (a tiny
+library, '<installed>' = every Python source installed here: the standard library and sys.path's site-packages; a
+stable hash of each relative path holds out `validation_fraction` of them; byte tokens), 'synthetic' (a tiny
 Markov language whose loss falls clearly; byte tokens). Nothing is downloaded: `check_available` names what is
 missing. Batches are int32 (batch_size, seq_len) arrays: 'tokens', 'segment_ids' (0 = padding, then one id per packed
 chunk) and 'positions' (restarting in each segment). Long documents are split into chunks, so no token is dropped.
@@ -18,6 +19,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 import sysconfig
 from typing import Any
 
@@ -45,7 +47,8 @@ class LMDataConfig:
   """`config.data` of an LM run."""
   name: str = field('synthetic', one_of('c4', 'corpus', 'text', 'synthetic'))
   seq_len: int = field(128, POSITIVE_INT)
-  # text: a glob of files, '' = the running interpreter's standard library (*.py); c4: the directory of
+  # text: a glob of files, '' = the running interpreter's standard library (*.py), '<installed>' = it and every
+  # site-packages on sys.path (INSTALLED); c4: the directory of
   # scripts/prepare_c4.py's shards, '' = a TFDS C4 in tfds_data_dir; corpus: scripts/prepare_text.py's output.
   path: str = field('', STRING)
   validation_fraction: float = field(0.05, in_range(0, 1, closed=(False, False)))  # text: files held out
@@ -122,18 +125,48 @@ def _glob_root(pattern: str) -> str:
   return os.sep.join(fixed) or (os.sep if pattern.startswith(os.sep) else os.curdir)
 
 
+INSTALLED = '<installed>'  # data.path of 'text': every Python source installed here (installed_roots)
+_SKIPPED_FOLDERS = ('__pycache__',)
+
+
+def installed_roots() -> list[tuple[str, str]]:
+  """(key prefix, folder) of the Python sources installed on this machine: the standard library ('stdlib'), then
+  every site-packages or dist-packages folder on sys.path ('site-packages'), in sys.path's order."""
+  roots, seen = [('stdlib', sysconfig.get_paths()['stdlib'])], set()
+  for folder in sys.path:
+    real = os.path.realpath(folder or os.curdir)
+    if os.path.basename(real) in ('site-packages', 'dist-packages') and os.path.isdir(real) and real not in seen:
+      seen.add(real)
+      roots.append(('site-packages', folder))
+  return roots
+
+
+def python_sources(roots) -> tuple[tuple[str, str], ...]:
+  """(key, file) of every *.py under the (prefix, folder) roots, sorted by key: the prefix joined to the path
+  relative to its folder, so the same on every host wherever Python lives. A key found under two roots keeps the
+  first one's file, as an import would. site-packages inside a root are roots of their own, or not read."""
+  found = {}
+  for prefix, root in roots:
+    for folder, dirs, names in os.walk(root):
+      dirs[:] = [d for d in dirs if d not in (*_SKIPPED_FOLDERS, 'site-packages', 'dist-packages')]
+      for name in names:
+        if name.endswith('.py') and os.path.isfile(path := os.path.join(folder, name)):
+          found.setdefault(pathlib.PurePath(prefix, os.path.relpath(path, root)).as_posix(), path)
+  return tuple(sorted(found.items()))
+
+
 @functools.lru_cache(maxsize=8)
-def _list_files(path: str) -> tuple[tuple[str, ...], str]:
-  """(sorted files, root). '' = the standard library's *.py, skipping installed packages."""
+def _list_files(path: str) -> tuple[tuple[str, str], ...]:
+  """(key, file) pairs sorted by key, the key being what the split hashes: a glob's files relative to the glob's
+  fixed part; '' = the standard library's *.py (skipping installed packages); INSTALLED = installed_roots()."""
+  if path == INSTALLED:
+    return python_sources(installed_roots())
   if path:
     path = os.path.expanduser(path)
-    return tuple(sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))), _glob_root(path)
-  root = sysconfig.get_paths()['stdlib']
-  files = []
-  for folder, dirs, names in os.walk(root):
-    dirs[:] = [d for d in dirs if d not in ('site-packages', 'dist-packages', '__pycache__')]
-    files += [os.path.join(folder, n) for n in names if n.endswith('.py')]
-  return tuple(sorted(files)), root
+    root = _glob_root(path)
+    return tuple(sorted((pathlib.PurePath(os.path.relpath(f, root)).as_posix(), f)
+                        for f in glob.glob(path, recursive=True) if os.path.isfile(f)))
+  return python_sources([('', sysconfig.get_paths()['stdlib'])])
 
 
 def _unit_hash(text: str) -> float:
@@ -142,11 +175,12 @@ def _unit_hash(text: str) -> float:
 
 
 def split_files(path: str, validation_fraction: float) -> tuple[list[str], list[str]]:
-  """(train, validation) files. A file is held out when its hash < fraction; each split keeps >= 1 file."""
-  files, root = _list_files(path)
-  keyed = sorted((_unit_hash(os.path.relpath(f, root)), f) for f in files)
-  num_val = min(max(sum(h < validation_fraction for h, _ in keyed), 1), len(keyed) - 1)
-  return sorted(f for _, f in keyed[num_val:]), sorted(f for _, f in keyed[:num_val])
+  """(train, validation) files, each sorted by key. A file is held out when its key's hash < fraction; each split
+  keeps >= 1 file."""
+  keyed = sorted((_unit_hash(key), key, f) for key, f in _list_files(path))
+  num_val = min(max(sum(h < validation_fraction for h, _, _ in keyed), 1), len(keyed) - 1)
+  by_key = lambda part: [f for _, f in sorted((key, f) for _, key, f in part)]  # one order on every host
+  return by_key(keyed[num_val:]), by_key(keyed[:num_val])
 
 
 class SyntheticSource:
@@ -245,7 +279,7 @@ def validate(data_cfg, vocab_size: int, field: str = 'data') -> LMDataConfig:
   cfg = build(LMDataConfig, data_cfg, field)
   fail = lambda name, why: require(False, f'{field}.{name}', getattr(cfg, name), why)
   if cfg.name == 'text':
-    num_files = len(_list_files(cfg.path)[0])
+    num_files = len(_list_files(cfg.path))
     if num_files < 2:
       fail('path', 'matches no files' if not num_files else 'matches 1 file; need at least 2 to split train and '
            'validation')

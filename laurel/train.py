@@ -32,6 +32,7 @@ from etils import epath
 from laurel import checkpoint, config_lib, console, hardware, sharding
 from laurel.checkpoint import guard_config, run_dir, utc_now
 from laurel.config_lib import InputError
+from laurel.stats import weighted_mean_se
 # LOGICAL_AXIS_RULES and NO_DECAY stay importable from here.
 from laurel.step import (LOGICAL_AXIS_RULES, NO_DECAY, compile_step, num_data_shards, step_flops,  # noqa: F401
                          validate_config)
@@ -315,13 +316,18 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
 
     def evaluate():
       it = iter(local_dataset(task, train=False))
-      totals = {}
+      totals, loss_batches = {}, []
       with console.phase(f'evaluating on {cfg.eval_steps} batches'):
         for _ in range(cfg.eval_steps):
-          for name, (s, w) in jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh))).items():
+          batch_metrics = jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh)))
+          for name, (s, w) in batch_metrics.items():
             ts, tw = totals.get(name, (0.0, 0.0))
             totals[name] = (ts + float(s), tw + float(w))
+          loss_batches.append(batch_metrics['loss'])
           watchdog.beat()
+      # final.json's held_out: the eval set's size and own sampling noise (eval_loss's standard error over batches).
+      eval_noise.update(loss_se=weighted_mean_se(*zip(*loss_batches)), batches=len(loss_batches),
+                        **{task.unit: int(totals['loss'][1])})
       return {f'eval_{k}': s / max(w, 1.0) for k, (s, w) in totals.items()}
 
     def check_finite(step, metrics):
@@ -337,7 +343,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     handler = _preemption_handler(preempted, nproc)
     signals = (signal.SIGTERM, signal.SIGINT) if nproc == 1 else (signal.SIGINT,)
     previous = {s: signal.signal(s, handler) for s in signals}
-    eval_metrics, pending, step_times = {}, None, []
+    eval_metrics, eval_noise, pending, step_times = {}, {}, None, []
     t0, interval_start = time.time(), start
     watchdog.start()
     try:
@@ -388,7 +394,8 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
       log.writer.close()
       mngr.close()
 
-  final = {'step': cfg.steps, **eval_metrics, 'params': num_params, 'peak_memory_bytes': peak_memory,
+  final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
+           'peak_memory_bytes': peak_memory,
            'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
            'finished_at': utc_now()}
   if pid == 0:

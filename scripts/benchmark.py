@@ -38,7 +38,7 @@ BASELINE = 'baseline_24'
 _OUT = flags.DEFINE_string('out', '', 'Write the results as JSON here (besides the table on stdout).')
 _TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to measure.')
 _ROWS = flags.DEFINE_list('rows', None, "Rows to measure (default: all of the table's); baseline_24 is always added.")
-_PRESET = flags.DEFINE_enum('preset', 'paper', ['paper', 'tiny'], "Preset of the table's config.")
+_PRESET = flags.DEFINE_enum('preset', 'paper', ['paper', 'tiny', 'gpu'], "Preset of the table's config.")
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Global batch (sequences). Default: 1 on CPU, else 32/device.')
 _SEQ_LEN = flags.DEFINE_integer('seq_len', None, 'Tokens per sequence. Default: 512 on CPU, else 1024.')
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps per row before the first round.', lower_bound=0)

@@ -3,7 +3,8 @@ and a plot.
 
   python scripts/sweep.py --config=configs/c4_ablation.py:rw_lr,preset=tiny --field=model.laurel.rank \
       --values=4,8,16,32,64 [--field=model.laurel.k --values=1,2,3,4] --workdir=runs/sweep [--seeds=0,1,2] \
-      [--metric=eval_top1] [--reduce=best] [--set=<field>=<value> ...] [--collect_only] \
+      [--metric=eval_top1] [--reduce=best] [--reference=<value>[,...]] [--set=<field>=<value> ...] \
+      [--collect_only] \
       [--launch=local|print|tpu --tpu=NAME --zone=ZONE --accelerator=v6e-16 [--nosetup]]
 
 Each --field takes the --values given in the same position; several fields sweep their grid (every combination).
@@ -13,8 +14,10 @@ before the first one runs. --launch=local trains the points here in turn (log: <
 trains each on a TPU slice through scripts/launch_tpu.py (after setting the slice up, unless --nosetup), and
 --launch=print prints those commands (without --tpu the local ones: a dry run of the points). A failed point is marked failed and the rest go on; rerunning skips finished
 points and resumes the others. Collecting writes WORKDIR/sweep.{csv,json,md,png}: each point's final.json and best
-evaluation, and per combination the mean ± std over seeds, plotted against the value as in Figure 3 (one field) or
-as a heatmap of the first two fields (averaged over any others).
+evaluation, and per combination the mean ± std over seeds (no ± for one run) and the paired difference to the
+--reference point (default: the first) on the same seeds, with its 95% Student-t interval and whether it excludes zero;
+plotted against the value as in Figure 3 (one field) or as a heatmap of the first two fields (averaged over any
+others).
 """
 
 import functools
@@ -41,6 +44,8 @@ _REDUCE = flags.DEFINE_enum('reduce', 'final', ['final', 'best'], "Plot the fina
 _SEEDS = flags.DEFINE_list('seeds', [], "Seeds per point (config.seed); default: one run at the config's seed.")
 _SET = flags.DEFINE_multi_string('set', [], '<field>=<value> override for every point (repeatable).')
 _COLLECT_ONLY = flags.DEFINE_bool('collect_only', False, 'Only collect finished points into the results.')
+_REFERENCE = flags.DEFINE_string('reference', None, 'The values (one per --field, comma-separated) of the point every '
+                                 'other is compared with on the same seeds; default: the first.')
 _LAUNCH = common.define_launch_flags()
 
 
@@ -114,37 +119,65 @@ def collect(points, fields: list[str], metric: str) -> dict:
   if done and all(r.get(metric) is None for r in done):
     keys = sorted({k for r in done for k, v in r.items() if k.startswith('eval_') and v is not None})
     raise InputError(f'--metric={metric!r}: not in final.json of any finished point (it has: {", ".join(keys)})')
+  combinations = combinations_of(points)
+  reference = reference_combination(combinations, fields)
+  by_seed = lambda values: {str(r['seed']): r[metric] for r in done
+                            if all(r[f] == v for f, v in values) and r.get(metric) is not None}
   summary = []
-  for values in dict.fromkeys(tuple(p['values'].items()) for p in points):
+  for values in combinations:
     group = [r for r in done if all(r[f] == v for f, v in values) and r.get(metric) is not None]
-    entry = {**dict(values), 'runs': len(group)}
+    entry = {**dict(values), 'runs': len(group), 'reference': values == reference}
     for key in (metric, best):
-      xs = [r[key] for r in group if r.get(key) is not None]
-      entry[key] = statistics.fmean(xs) if xs else None
-      entry[f'{key}_std'] = (statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else None
+      entry[key], entry[f'{key}_std'] = common.mean_and_spread(r[key] for r in group if r.get(key) is not None)
+    entry.update(common.paired_columns(by_seed(values), by_seed(reference), metric))
     for key in ('params', 'median_step_time_s'):
       xs = [r[key] for r in group if isinstance(r.get(key), (int, float))]
       entry[key] = statistics.median(xs) if xs else None
+    entry['params'] = entry['params'] and round(entry['params'])  # a count, even as the median of two
     summary.append(entry)
   return {'config': _CONFIG.value, 'fields': fields, 'grid': {f: list(dict.fromkeys(p['values'][f] for p in points))
                                                               for f in fields},
           'seeds': _SEEDS.value, 'metric': metric, 'reduce': _REDUCE.value, 'set': _SET.value,
-          'points': rows, 'summary': summary}
+          'reference': dict(reference), 'points': rows, 'summary': summary}
+
+
+def combinations_of(points) -> list[tuple]:
+  """The points' distinct ((field, value), ...) combinations, in order."""
+  return list(dict.fromkeys(tuple(p['values'].items()) for p in points))
+
+
+def reference_combination(combinations: list[tuple], fields: list[str]) -> tuple:
+  """The combination every other is compared with, seed by seed: --reference's values, else the first."""
+  if not _REFERENCE.value:
+    return combinations[0]
+  wanted = tuple(zip(fields, (v.strip() for v in _REFERENCE.value.split(','))))
+  if wanted not in combinations:
+    raise InputError(f'--reference={_REFERENCE.value!r}: not a point of the grid (give one value per --field, in '
+                     f'order, e.g. {",".join(v for _, v in combinations[0])})')
+  return wanted
 
 
 def markdown(result: dict) -> str:
   def fmt(x, std=None):
-    text = '–' if x is None else f'{x:.4f}' if isinstance(x, float) else f'{x:,}' if isinstance(x, int) else str(x)
-    return text + (f' ± {std:.4f}' if std else '')
+    text = ('–' if x is None else common.integer(x) if isinstance(x, int) else f'{x:.4f}' if isinstance(x, float)
+            else str(x))
+    return text + ('' if std is None else f' ± {std:.4f}')
   fields, metric, best = result['fields'], result['metric'], f'best_{result["metric"]}'
   head = ' | '.join(fields)
+  reference = ', '.join(f'{f}={v}' for f, v in result['reference'].items())
   lines = [f'# Sweep of {" × ".join(f"`{f}`" for f in fields)}: `{result["config"]}`', '',
-           f'`{metric}` (final evaluation) and `{best}` (best evaluation of the run), mean ± std over runs.'
+           f'`{metric}` (final evaluation) and `{best}` (best evaluation of the run), mean ± std over runs (no ± for '
+           f'one run). Δ: `{metric}` minus the reference point\'s ({reference}) on the same seeds, with the '
+           f'{common.CI_PERCENT} Student-t interval over those seeds (pairs); resolved: the interval excludes zero.'
            + (f' Overrides: {", ".join(f"`{s}`" for s in result["set"])}.' if result['set'] else ''), '',
-           f'| {head} | runs | {metric} | {best} | params | step (s) |', '|---' * (len(fields) + 5) + '|']
+           f'| {head} | runs | {metric} | Δ {metric} ({common.CI_PERCENT} CI) | pairs | resolved | {best} | params '
+           '| step (s) |', '|---' * (len(fields) + 8) + '|']
   lines += [f'| {" | ".join(s[f] for f in fields)} | {s["runs"]} | {fmt(s[metric], s[metric + "_std"])} '
+            f'| {" | ".join(common.paired_cells(s, metric, reference=s["reference"]))} '
             f'| {fmt(s[best], s[best + "_std"])} | {fmt(s["params"])} | {fmt(s["median_step_time_s"])} |'
             for s in result['summary']]
+  if noise := common.eval_noise([r.get('held_out') for r in result['points']]):
+    lines += ['', f'Eval noise: {noise} (over the points\' runs).']
   lines += ['', f'| point | status | {metric} |', '|---|---|---|']
   lines += [f'| {r["point"]} | {r["status"]} | {fmt(r.get(metric))} |' for r in result['points']]
   return '\n'.join(lines) + '\n'
@@ -181,7 +214,7 @@ def plot(result: dict):
     ax.set(xticks=range(len(xs)), xticklabels=xs, xlabel=x_field, yticks=range(len(ys)), yticklabels=ys,
            ylabel=y_field)
     fig.colorbar(image, ax=ax, label=label + (' (mean over the other fields)' if len(fields) > 2 else ''))
-  ax.set_title(result['config'].split('/')[-1], fontsize=8)
+  common.fit_title(ax, result['config'].split('/')[-1], fontsize=8)
   fig.tight_layout()
   return fig
 
@@ -190,6 +223,7 @@ def sweep():
   common.require(config=_CONFIG, field=_FIELD, values=_VALUES, workdir=_WORKDIR)
   launcher, grid = common.Launcher(_LAUNCH), parse_grid(_FIELD.value, _VALUES.value)
   points = plan_points(_WORKDIR.value, _CONFIG.value, grid, _SEEDS.value, _SET.value, launcher)
+  reference_combination(combinations_of(points), list(grid))  # a bad --reference fails before anything runs
   if not _COLLECT_ONLY.value:
     if launcher.launch == 'print':  # the commands only; nothing is read or written
       launcher.run(points, 'sweep.log')

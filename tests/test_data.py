@@ -179,6 +179,78 @@ def test_default_corpus_is_the_standard_library():
   it.close()
 
 
+def make_installed_host(root, extra_package=False) -> list[tuple[str, str]]:
+  """A host's installed Python: a standard library (with a __pycache__ and a site-packages of its own, neither read)
+  and two site-packages folders, one shadowing a module of the other; installed_roots()'s form."""
+  stdlib = {f'mod{i}.py': f'x = {i}\n' for i in range(30)} | {f'json/part{i}.py': f'j = {i}\n' for i in range(10)}
+  files = {'stdlib': stdlib,
+           'venv/site-packages': {f'pkg{i}/__init__.py': f'p = {i}\n' for i in range(30)} | {'six.py': 'first'},
+           'user/site-packages': {'six.py': 'shadowed', 'extra/__init__.py': 'e = 1\n'} if extra_package else
+                                 {'six.py': 'shadowed'},
+           'stdlib/__pycache__': {'mod0.cpython.py': 'cache'}, 'stdlib/site-packages': {'inner.py': 'not read'}}
+  for folder, contents in files.items():
+    for name, text in contents.items():
+      (root / folder / name).parent.mkdir(parents=True, exist_ok=True)
+      (root / folder / name).write_text(text)
+  (root / 'stdlib' / 'README.txt').write_text('not python')
+  return [('stdlib', str(root / 'stdlib')), ('site-packages', str(root / 'venv' / 'site-packages')),
+          ('site-packages', str(root / 'user' / 'site-packages'))]
+
+
+def installed_split(monkeypatch, roots, fraction=0.3):
+  monkeypatch.setattr(data, 'installed_roots', lambda: roots)
+  data._list_files.cache_clear()  # pylint: disable=protected-access
+  try:
+    return data.split_files(data.INSTALLED, fraction)
+  finally:
+    data._list_files.cache_clear()  # pylint: disable=protected-access
+
+
+def test_installed_sources_split_by_file_the_same_on_every_host(tmp_path, monkeypatch):
+  roots_a = make_installed_host(tmp_path / 'host_a')
+  roots_b = make_installed_host(tmp_path / 'elsewhere' / 'host_b', extra_package=True)
+  keys = [k for k, _ in data.python_sources(roots_a)]
+  assert keys == sorted(keys) and len(keys) == 30 + 10 + 30 + 1  # no cache, no README, no nested site-packages
+  assert not any('__pycache__' in k or 'inner' in k for k in keys)
+  assert dict(data.python_sources(roots_a))['site-packages/six.py'].endswith(os.path.join('venv', 'site-packages',
+                                                                                          'six.py'))
+  train, val = installed_split(monkeypatch, roots_a)
+  assert len(train) + len(val) == len(keys) and not set(train) & set(val)
+  assert 5 <= len(val) <= 40  # about 30% of 71
+  assert installed_split(monkeypatch, roots_a) == (train, val)  # deterministic
+  # Host B: the same files elsewhere, plus one package. Every shared file falls on the same side, in the same order.
+  train_b, val_b = installed_split(monkeypatch, roots_b)
+  relative = lambda files, host: [os.path.relpath(f, host) for f in files]
+  shared = lambda files: [f for f in files if 'extra' not in f]
+  assert shared(relative(train_b, tmp_path / 'elsewhere' / 'host_b')) == relative(train, tmp_path / 'host_a')
+  assert shared(relative(val_b, tmp_path / 'elsewhere' / 'host_b')) == relative(val, tmp_path / 'host_a')
+
+
+def test_installed_batches_read_only_their_split(tmp_path, monkeypatch):
+  roots = make_installed_host(tmp_path)
+  _, val = installed_split(monkeypatch, roots)
+  monkeypatch.setattr(data, 'installed_roots', lambda: roots)
+  data._list_files.cache_clear()  # pylint: disable=protected-access
+  cfg = lm_data('text', 16, path=data.INSTALLED, validation_fraction=0.3)
+  data.validate(cfg, data.BYTE_VOCAB_SIZE)
+  seen = take_segments(data.lm_dataset(cfg, train=False, batch_size=4, seed=0), 10)
+  data._list_files.cache_clear()  # pylint: disable=protected-access
+  texts = {bytes(t - 1 for t in s if t != EOS).decode() for s in seen}
+  assert texts == {open(f).read() for f in val}
+
+
+def test_installed_roots_are_the_stdlib_and_each_site_packages_on_sys_path_once(tmp_path, monkeypatch):
+  (tmp_path / 'a' / 'site-packages').mkdir(parents=True)
+  (tmp_path / 'b' / 'dist-packages').mkdir(parents=True)
+  monkeypatch.setattr('sys.path', [str(tmp_path / 'repo'), str(tmp_path / 'a' / 'site-packages'),
+                                   str(tmp_path / 'b' / 'dist-packages'), str(tmp_path / 'a' / 'site-packages'),
+                                   str(tmp_path / 'missing' / 'site-packages')])
+  roots = data.installed_roots()
+  assert roots[0][0] == 'stdlib' and os.path.isdir(roots[0][1])
+  assert roots[1:] == [('site-packages', str(tmp_path / 'a' / 'site-packages')),
+                       ('site-packages', str(tmp_path / 'b' / 'dist-packages'))]
+
+
 @pytest.mark.parametrize('name,field,value,message', [
     ('text', 'name', 'foo', "data.name='foo': must be one of c4, corpus, text, synthetic"),
     ('text', 'seq_len', 0, 'data.seq_len=0: must be a positive integer'),

@@ -1,0 +1,94 @@
+"""configs/c4_ablation.py's gpu preset: its FLOPs budget and eval set, as its docstring states them."""
+import json
+import sys
+
+import jax
+import pytest
+
+from helpers import ROOT
+from laurel import config_lib, data, hardware, step
+
+sys.path.insert(0, str(ROOT / 'configs'))
+import c4_ablation  # noqa: E402  pylint: disable=wrong-import-position
+
+H100_PEAK = hardware.PEAK_FLOPS['NVIDIA H100 80GB HBM3']
+MFU = 0.25  # the docstring's assumption
+ROWS = {'baseline_24': (15.87e6, 7.48e12, 15.1), 'baseline_28': (18.49e6, 8.71e12, 17.6),
+        'rw_lr_pa': (None, 7.59e12, 15.4)}  # params, model FLOPs per step, seconds of training at 25% MFU
+
+
+def gpu_config(row):
+  return config_lib.load(f'configs/c4_ablation.py:{row},preset=gpu', [])
+
+
+@pytest.mark.parametrize('row', list(ROWS))
+def test_gpu_preset_flops_and_train_time_are_the_docstrings(row):
+  config = gpu_config(row)
+  task = step.validate_config(config, 1, 1)
+  params = task.num_params(jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params'])
+  flops = task.model_flops(config.batch_size)
+  want_params, want_flops, want_seconds = ROWS[row]
+  if want_params:
+    assert params == pytest.approx(want_params, abs=0.005e6)
+  assert flops == pytest.approx(want_flops, abs=0.005e12)
+  assert flops * config.steps / (MFU * H100_PEAK) == pytest.approx(want_seconds, abs=0.05)
+  assert f'{want_seconds}' in c4_ablation.__doc__ and f'{want_flops / 1e12:.2f}'[:4] in c4_ablation.__doc__
+
+
+def test_nine_runs_train_within_the_budget_and_reach_the_stated_tokens():
+  seconds = 3 * sum(s for _, _, s in ROWS.values())
+  assert seconds == pytest.approx(144, abs=1) and seconds < 6 * 60
+  config = gpu_config('baseline_24')
+  tokens = config.batch_size * config.data.seq_len * config.steps
+  assert tokens == 32_768_000 and round(tokens / ROWS['baseline_24'][0], 1) == 2.1
+  assert '32.8M tokens' in c4_ablation.__doc__ and '2.1 tokens per\nparameter' in c4_ablation.__doc__
+
+
+def test_gpu_preset_reads_the_installed_sources_and_a_large_fixed_eval_set():
+  gpu, tiny = gpu_config('baseline_24'), config_lib.load('configs/c4_ablation.py:baseline_24,preset=tiny', [])
+  assert (gpu.data.name, gpu.data.path) == ('text', data.INSTALLED)
+  eval_tokens = lambda c: c.eval_steps * c.batch_size * c.data.seq_len
+  assert eval_tokens(gpu) == 2_097_152 == 64 * eval_tokens(tiny)
+  assert gpu.eval_every == gpu.checkpoint_every == gpu.steps  # one eval and one checkpoint, at the end
+  assert gpu_config('baseline_28').model.num_layers == 7 and gpu.model.num_layers == 6
+
+
+# The gpu preset shrunk to run on CPU in seconds: its rows, corpus (the installed sources), schedule and eval as set.
+SHRUNK = {'model.d_model': 32, 'model.num_heads': 4, 'model.d_ff': 64, 'model.laurel.rank': 4, 'data.seq_len': 32,
+          'batch_size': 8, 'steps': 2, 'log_every': 1, 'eval_every': 2, 'eval_steps': 3, 'checkpoint_every': 2,
+          'optimizer.warmup_steps': 1, 'tensorboard': False}
+
+
+@pytest.mark.slow
+def test_gpu_command_end_to_end_on_cpu_shrunk_and_resumable(tmp_path):
+  """The one command a GPU session runs, shrunk: nine runs become six (two seeds), the table gets its intervals,
+  and a rerun skips what finished."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  from test_scripts import fast_env  # pylint: disable=import-outside-toplevel
+  runs, out = tmp_path / 'runs', tmp_path / 'out'
+  command = [sys.executable, 'scripts/reproduce_c4_ablation.py', '--preset=gpu',
+             '--rows=baseline_24,baseline_28,rw_lr_pa', '--seeds=2', f'--workdir={runs}', f'--out={out}',
+             *(f'--set={k}={v}' for k, v in SHRUNK.items())]
+  run = lambda: subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=fast_env(), timeout=1800)
+  r = run()
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert r.stdout.count('laurel.main') == 6
+  final = json.loads((runs / 'rw_lr_pa' / 'seed1' / 'final.json').read_text())
+  assert final['held_out']['tokens'] <= 3 * 8 * 32 and final['held_out']['batches'] == 3
+  assert final['held_out']['loss_se'] > 0
+  rows = {r['name']: r for r in json.loads((out / 'c4_ablation_gpu.json').read_text())['rows']}
+  assert list(rows) == ['baseline_24', 'baseline_28', 'rw_lr_pa']
+  for name in ('baseline_28', 'rw_lr_pa'):
+    row = rows[name]
+    assert row['test_loss_diff_n'] == 2
+    assert row['test_loss_diff_low'] < row['test_loss_diff'] < row['test_loss_diff_high']
+    assert row['test_loss_diff'] == pytest.approx(sum(row['test_losses'][s] - rows['baseline_24']['test_losses'][s]
+                                                      for s in ('seed0', 'seed1')) / 2)
+  text = (out / 'c4_ablation_gpu.md').read_text()
+  assert '| baseline_28 | 2 |' in text and 'Eval noise: the eval set is ' in text and '(reference)' in text
+  # Rerun: every run finished, so none trains; one without its final.json resumes at its last checkpoint.
+  (runs / 'baseline_28' / 'seed0' / 'final.json').unlink()
+  r = run()
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert r.stdout.count('finished, skipped') == 5 and r.stdout.count('laurel.main') == 1
+  assert 'baseline_28,preset=gpu' in r.stdout and 'resumed from checkpoint 2' in r.stdout
