@@ -150,7 +150,7 @@ TFDS_TASKS = {
 
 
 def tfds_items(name: str, data_dir: str, max_items: int) -> list:
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  tfds = config_lib.optional_import('tensorflow_datasets', 'tfds', f'--task={name}')
   tfds_name, split, item = TFDS_TASKS[name]
   try:
     source = tfds.data_source(tfds_name, split=split, data_dir=data_dir or None, download=False)
