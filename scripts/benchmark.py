@@ -27,6 +27,7 @@ import subprocess
 import time
 
 import common  # puts the repo root on sys.path
+import step_profile
 import flax.linen as nn
 import jax
 import numpy as np
@@ -55,6 +56,10 @@ _VARIANTS = flags.DEFINE_list('variants', [], 'Baseline-24 once more per <field>
                                '(e.g. model.loss_chunk=0,model.attention=xla); named "baseline_24 <field>=<value>".')
 _PEAK = flags.DEFINE_float('peak_flops', None, "Dense bf16 peak FLOP/s per device for MFU and HFU (default: "
                            "laurel.hardware's figure for the device; none for CPUs).", lower_bound=1)
+_PROFILE = flags.DEFINE_string('profile', '', 'Also trace a few steps of the --profile_rows into this folder and '
+                               'print their ops by time, grouped: attention, loss, residual (LAuReL), optimizer (step_profile).')
+_PROFILE_ROWS = flags.DEFINE_list('profile_rows', ['baseline_24', 'rw_lr'], 'The rows --profile traces.')
+PROFILE_STEPS = 3
 _SET = flags.DEFINE_multi_string('set', [], 'Config override <field>=<value> for all rows, e.g. model.remat=full.')
 _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (TPU pods).')
 _VARY = flags.DEFINE_string('vary', None, 'With --topology: <field>=<v1>,<v2>,...: compile Baseline-24 once per value '
@@ -174,8 +179,9 @@ def ratio(value, base):
   return round(value / base, 4) if value is not None and base else None
 
 
-def measure(configs, mesh, cpu: bool) -> list[dict]:
-  """Compiles, initialises and times the rows: a result row each."""
+def measure(configs, mesh, cpu: bool, profiles: dict) -> list[dict]:
+  """Compiles, initialises and times the rows: a result row each; with --profile, `profiles` gets the ops of the
+  --profile_rows by time (step_profile)."""
   rows, batch, n = {}, None, jax.device_count()
   for name, c in configs.items():
     compiled, init_state, task, facts = compile_row(c, mesh)
@@ -187,6 +193,13 @@ def measure(configs, mesh, cpu: bool) -> list[dict]:
     print(f"compiled {name}: {facts['compile_s']:.1f}s, {facts['params']:,} params, peak memory "
           f"{facts['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)
   time_rows(rows, batch, _STEPS.value or (3 if cpu else 30), _PER_ROUND.value or (1 if cpu else 5))
+  for name in [n for n in _PROFILE_ROWS.value if n in rows] if _PROFILE.value else []:
+    r, logdir = rows[name], os.path.join(_PROFILE.value, name.replace(' ', '_').replace('=', '-'))
+    r['state'], trace = step_profile.trace_steps(r['step'], r['state'], batch, logdir, PROFILE_STEPS)
+    text = r['step'].as_text()
+    profiles[name] = step_profile.op_times(trace, text, text.split()[1].rstrip(','), PROFILE_STEPS)
+    step_profile.print_profile(name, profiles[name])
+    profiles[name].update(trace=trace, ops=profiles[name]['ops'][:40])
   peak, base, c = (peak_flops_per_device() or 0) * n, rows[BASELINE], configs[BASELINE]
   out = []
   for name, r in rows.items():
@@ -363,7 +376,10 @@ def main():
             'shape': shape_of(configs)}
   c, mesh = configs[BASELINE], sharding.make_mesh(configs[BASELINE].mesh)
   print(f'{kind} x{n}: {len(names)} rows, batch {c.batch_size} x {c.data.seq_len}, {c.model.dtype}', flush=True)
-  result['rows'] = measure(configs, mesh, cpu)  # their train states are freed before the full-shape compiles
+  profiles = result['profile'] = {}
+  result['rows'] = measure(configs, mesh, cpu, profiles)  # their states are freed before the full-shape compiles
+  if not profiles:
+    del result['profile']
   stats = jax.local_devices()[0].memory_stats() or {}
   result['device']['device_peak_bytes'] = stats.get('peak_bytes_in_use')  # of every row together, this process
   if full:

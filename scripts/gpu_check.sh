@@ -30,11 +30,12 @@ if [[ $part != tests ]]; then
   # 9 compiles (7 rows, 2 variants) and 20 timed steps of each in rounds of 5; the measured shape is Table 5's
   # per-device shape, so no separate full-shape compile. auto attention is cudnn on Hopper and newer once a bound
   # on documents per row is set (the synthetic batch holds one document per row). A compilation cache lets the
-  # rows share XLA's GEMM autotuning results (jax_persistent_cache_enable_xla_caches).
+  # rows share XLA's GEMM autotuning results (jax_persistent_cache_enable_xla_caches). --profile traces 3 more steps
+  # of Baseline-24 and RW+LR and prints their ops by time: attention, loss, residual (LAuReL), optimizer.
   JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/laurel_gpu_check_cache} \
   "$PYTHON" scripts/benchmark.py --steps=20 --steps_per_round=5 --warmup=2 --nofull_shape_memory \
     --set=model.attention=auto --set=model.max_segments=16 \
-    --variants=model.loss_chunk=0,model.attention=xla ${BENCH_ARGS:-} \
+    --variants=model.loss_chunk=0,model.attention=xla --profile="${TMPDIR:-/tmp}/laurel_gpu_profile" ${BENCH_ARGS:-} \
     --out='results/benchmark_{device}.json' 2>&1 | tee "$logs/benchmark.log" || status=1
   if [[ -n ${OUT:-} ]]; then
     cp results/benchmark_*.json "$OUT"/ 2>/dev/null || true
