@@ -7,7 +7,7 @@
                      id lives in WORKDIR/wandb_run_id, so a resumed run continues the same W&B run
   Progress           steps_per_sec and uptime every log_every steps
   Profiler           a jax.profiler trace of config.profile_steps in WORKDIR/profile
-  create(...)        the writers of a run, as one MetricWriters
+  create(...)        the writers of a run, as one MetricWriters; check_extras: their extras, before compiling
 """
 
 import os
@@ -23,6 +23,14 @@ from etils import epath
 from laurel import config_lib, files
 
 WANDB_RUN_ID = 'wandb_run_id'  # in the workdir: the W&B run a resumed run continues
+
+
+def check_extras(config) -> None:
+  """The optional extras the config's writers need are installed (a one-line InputError otherwise), checked
+  before anything compiles."""
+  wandb_cfg = config.get('wandb') if hasattr(config, 'get') else getattr(config, 'wandb', None)
+  if wandb_cfg is not None and wandb_cfg.project:
+    config_lib.optional_import('wandb', 'wandb', f'wandb.project={wandb_cfg.project!r}')
 
 
 class LogWriter:
@@ -156,7 +164,7 @@ def create(workdir: epath.Path, config, flat_config: dict, active: bool, resumed
     writers.append(TensorBoardWriter(workdir / 'tensorboard'))
     if not resumed:
       writers[-1].write_hparams(scalar_hparams(flat_config))
-  wandb_cfg = config.get('wandb') if hasattr(config, 'get') else getattr(config, 'wandb', None)
+  wandb_cfg = config.get('wandb')
   if active and wandb_cfg is not None and wandb_cfg.project:
     writers.append(WandbWriter(wandb_cfg, workdir, flat_config))
   return MetricWriters(writers)

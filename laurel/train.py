@@ -134,6 +134,7 @@ def check_inputs(task, workdir: epath.Path) -> None:
       except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
         raise InputError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
   task.check_data()
+  metric_writers.check_extras(task.config)
   probe = workdir / f'.write_test.{jax.process_index()}'
   try:
     workdir.mkdir(parents=True, exist_ok=True)

@@ -125,6 +125,13 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch, module, ru
   assert '\n' not in str(error.value)
 
 
+def test_a_run_asking_for_wandb_without_it_stops_before_compiling(tmp_path, monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, 'wandb', None)
+  with pytest.raises(config_lib.InputError, match=r"^wandb.project='laurel': needs the optional extra \[wandb\]"):
+    train.train(load_config(SPEC, {**TINY_LM, 'wandb.project': 'laurel'}), str(tmp_path), devices=jax.devices()[:1])
+  assert 'compiling' not in capsys.readouterr().out and not (tmp_path / 'metrics.jsonl').exists()
+
+
 # W&B: a real offline run, read back from its run file (LevelDB-log records of wandb's protobuf Records).
 
 def _wandb_records(path) -> list:
