@@ -92,7 +92,8 @@ def on_gpu(test):
     if not gpu_present():
       pytest.skip('needs an NVIDIA GPU and jax[cuda]')
     node = os.environ['PYTEST_CURRENT_TEST'].rsplit(' ', 1)[0]  # this test, parameters included
-    env = dict(os.environ, JAX_PLATFORMS='cuda', PYTHONPATH=str(ROOT))
+    # Without preallocation: pytest's other workers may hold the same GPU.
+    env = dict(os.environ, JAX_PLATFORMS='cuda', PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE='false')
     result = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-n', '0', '-p', 'no:cacheprovider', node],
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
