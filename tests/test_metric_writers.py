@@ -87,9 +87,10 @@ def test_profiler_traces_the_configured_steps_only(monkeypatch):
 
 
 def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
-  """laurel.train and every default writer load no TensorFlow (a separate process: another test may load it)."""
-  code = ('import sys, ml_collections\nfrom etils import epath\nfrom laurel import main, train\n'
-          'config = ml_collections.ConfigDict({"tensorboard": True})\n'
+  """laurel.train and every default writer load no TensorFlow, and W&B not unless asked (a separate process: another
+  test may load them)."""
+  code = ('import sys\nfrom etils import epath\nfrom laurel import config_lib, main, train\n'
+          f'config = config_lib.load({SPEC!r}, ["tensorboard=True"])\n'
           f'log = train.MetricsLog(epath.Path({str(tmp_path)!r}), config, 0, {{}})\n'
           'log.write(1, {"loss": 2.5})\nlog.writer.close()\n'
           'print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "clu", "wandb")))\n')
