@@ -20,6 +20,19 @@ logs=${OUT:-results}
 mkdir -p results "$logs"
 status=0
 
+# What it runs on, and every package the project imports, before the first compile (a missing one ends it here).
+"$PYTHON" - <<'PY' 2>&1 | tee "$logs/versions.log" || exit 1
+import importlib.metadata, jax
+print(f'{jax.devices()[0].device_kind} x{jax.device_count()}, backend {jax.default_backend()}')
+for name in ('jax', 'jaxlib', 'jax-cuda13-plugin', 'flax', 'optax', 'orbax-checkpoint', 'grain', 'array-record',
+             'ml_collections', 'tensorboard', 'protobuf', 'numpy', 'pytest'):
+  try:
+    print(name, importlib.metadata.version(name))
+  except importlib.metadata.PackageNotFoundError:
+    print(name, '-')
+import laurel.train, grain, ml_collections, array_record  # noqa
+PY
+
 if [[ $part != bench ]]; then
   # -n 0: one process holds the GPU (jax takes most of its memory).
   "$PYTHON" -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/test_gpu.py tests/test_attention.py 2>&1 |
