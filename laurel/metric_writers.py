@@ -11,8 +11,11 @@
 """
 
 import os
+import pathlib
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 import types
 
@@ -53,21 +56,26 @@ class LogWriter:
 
 
 class TensorBoardWriter:
-  """Event files in `logdir` (local or through etils' filesystems, e.g. gs://), written by tensorboard's
-  EventFileWriter: no TensorFlow. Scalars are tensor summaries of the scalars plugin, as tf.summary.scalar (and so
-  clu) wrote them; hparams are the HParams plugin's session-start summary."""
+  """Event files in `logdir`, written by tensorboard's EventFileWriter: no TensorFlow. Scalars are tensor summaries
+  of the scalars plugin, as tf.summary.scalar (and so clu) wrote them; hparams are the HParams plugin's
+  session-start summary. Behind '://' (gs://), where objects cannot be appended to, the events go to a local
+  folder and each event file is uploaded whole after every write (files.write_bytes_atomic)."""
 
   def __init__(self, logdir):
-    # tensorboard.compat.notf makes tensorboard use its own file layer (local, and fsspec: gs:// through gcsfs)
-    # even where TensorFlow is installed, which it would otherwise import (seconds) for the same files.
+    # tensorboard.compat.notf makes tensorboard use its own file layer even where TensorFlow is installed, which it
+    # would otherwise import (seconds) to write the same files.
     sys.modules.setdefault('tensorboard.compat.notf', types.ModuleType('tensorboard.compat.notf'))
     from tensorboard.summary.writer import event_file_writer  # pylint: disable=import-outside-toplevel
-    epath.Path(logdir).mkdir(parents=True, exist_ok=True)
-    self._events = event_file_writer.EventFileWriter(os.fspath(logdir))
+    self.logdir, self.remote = epath.Path(logdir), files.is_remote(logdir)
+    self.logdir.mkdir(parents=True, exist_ok=True)
+    self._local = tempfile.mkdtemp(prefix='laurel_tensorboard_') if self.remote else os.fspath(logdir)
+    self._events = event_file_writer.EventFileWriter(self._local)
 
   def _add(self, step: int, summary):
     from tensorboard.compat.proto import event_pb2  # pylint: disable=import-outside-toplevel
     self._events.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    if self.remote:
+      self.flush()
 
   def write_scalars(self, step: int, scalars: dict):
     from tensorboard.compat.proto import summary_pb2  # pylint: disable=import-outside-toplevel
@@ -88,9 +96,17 @@ class TensorBoardWriter:
 
   def flush(self):
     self._events.flush()
+    self._upload()
 
   def close(self):
     self._events.close()
+    self._upload()
+    if self.remote:
+      shutil.rmtree(self._local)
+
+  def _upload(self):
+    for name in os.listdir(self._local) if self.remote else ():
+      files.write_bytes_atomic(self.logdir / name, pathlib.Path(self._local, name).read_bytes())
 
 
 class WandbWriter:

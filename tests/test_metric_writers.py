@@ -15,7 +15,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from helpers import ROOT, TINY_LM, cli_env, load_config
+from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config
 from laurel import config_lib, data, evaluate, image_data, metric_writers, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -201,3 +201,18 @@ def test_wandb_offline_gets_the_metrics_config_and_summary_and_a_resume_continue
   assert first['summary']['eval_loss'] == pytest.approx(final['eval_loss'])
   assert first['summary']['params'] == final['params']
   assert resumed['summary']['step'] == 6
+
+
+@pytest.mark.slow
+def test_tensorboard_on_gcs_uploads_whole_event_files(tmp_path):
+  """GCS has no appends (tests/fake_gcs refuses them): the event files are written locally and uploaded whole."""
+  code = ('from laurel import metric_writers\n'
+          'w = metric_writers.TensorBoardWriter("gs://bucket/run/tensorboard")\n'
+          'w.write_hparams({"lr": 0.1})\nw.write_scalars(1, {"loss": 2.0})\nw.write_scalars(2, {"loss": 1.5})\n'
+          'w.close()\n')
+  (tmp_path / 'gcs' / 'bucket').mkdir(parents=True)
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=ROOT, check=False,
+                          env=fake_gcs_env(tmp_path / 'gcs'))
+  assert result.returncode == 0, result.stderr[-2000:]
+  logdir = tmp_path / 'gcs' / 'bucket' / 'run' / 'tensorboard'
+  assert _tensorboard_scalars(logdir) == {'loss': {1: 2.0, 2: 1.5}} and _tensorboard_hparams(logdir) == {'lr': 0.1}
