@@ -6,7 +6,7 @@ CONFIG ?= configs/c4_ablation.py:rw_lr,preset=tiny
 WORKDIR ?= runs/demo
 ARGS ?=
 
-.PHONY: setup train test test-fast params bench clean distclean
+.PHONY: setup train test test-fast params bench gpu-check gpu-wheels clean distclean
 
 # What training needs. The tests' extra adds pytest and, on Linux x86-64, libtpu (the TPU compiler, for the tests
 # that compile for a TPU slice); training installs neither.
@@ -40,6 +40,16 @@ params: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) scripts/benchmark.py --out results/benchmark_cpu.json
+
+# On a machine with an NVIDIA GPU: the GPU tests, then Table 5's step at 32 x 1024 tokens per device into
+# results/benchmark_<gpu>.json (docs/gpu.md). It runs .venv's Python (pip install -e '.[cuda,test]' there) or, on an
+# image that has JAX with CUDA, the one PYTHON names (make gpu-check PYTHON=python3). PART=tests or bench: one half.
+gpu-check:
+	scripts/gpu_check.sh $(or $(PART),all)
+
+# The wheels an image with JAX, CUDA and Flax lacks (CPython 3.12, manylinux x86-64), into .whl/ (docs/gpu.md).
+gpu-wheels:
+	scripts/gpu_wheels.sh
 
 # The virtual environment; runs/ (checkpoints of trained models) stays: `make distclean` removes it too.
 clean:

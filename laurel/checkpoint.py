@@ -32,7 +32,7 @@ from laurel.step import validate_config
 # new `steps`), what it logs and when, and how it is laid out and fed. Anything else would train new settings on
 # the old state.
 RESUMABLE = ('steps', 'log_every', 'eval_every', 'eval_steps', 'checkpoint_every', 'keep_checkpoints', 'tensorboard',
-             'profile_steps', 'watchdog_factor', 'watchdog_min_s', 'watchdog_s', 'mesh', 'logical_axis_rules',
+             'wandb', 'profile_steps', 'watchdog_factor', 'watchdog_min_s', 'watchdog_s', 'mesh', 'logical_axis_rules',
              'optimizer.grad_accum_steps', 'model.remat', 'model.loss_chunk', 'data.num_workers',
              'data.prefetch')
 

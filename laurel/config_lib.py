@@ -181,6 +181,14 @@ def io_error_reason(error: Exception) -> str:
   return reason
 
 
+def optional_import(module: str, extra: str, what: str):
+  """`module`, which the optional extra `extra` installs; without it a one-line InputError naming `what`."""
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise InputError(f"{what}: needs the optional extra [{extra}]: pip install -e '.[{extra}]' ({e})") from None
+
+
 def fail(message: str, code: int = 2):
   """Ends the program with one line `error: <message>` on stderr; status 2 is bad input."""
   print(f'error: {message}', file=sys.stderr, flush=True)

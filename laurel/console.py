@@ -31,8 +31,8 @@ def has_accelerator() -> bool:
 def quiet_start() -> None:
   """On a machine with no accelerator, JAX would start libtpu (the TPU compiler, installed by the tpu and test
   extras) as a TPU runtime, which prints INVALID_ARGUMENT error lines before it finds no TPU: use the CPU, unless
-  JAX_PLATFORMS says otherwise. TensorFlow (clu's TensorBoard writer) logs INFO lines at import: warnings only, and
-  no oneDNN notice (its oneDNN kernels are off; TensorFlow computes nothing here)."""
+  JAX_PLATFORMS says otherwise. TensorFlow, where something installed loads it (the project itself never does),
+  logs INFO lines at import: warnings only, and no oneDNN notice (its oneDNN kernels are off; it computes nothing)."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   if os.environ.get('JAX_PLATFORMS') or importlib.util.find_spec('libtpu') is None or has_accelerator():

@@ -29,7 +29,7 @@ from grain import experimental as grain_exp
 import numpy as np
 
 from laurel.config_lib import (NON_NEGATIVE_INT, POSITIVE_INT, STRING, InputError, build, field, in_range,
-                               io_error_reason, one_of, require)
+                               io_error_reason, one_of, optional_import, require)
 
 BYTE_VOCAB_SIZE = 258  # ByteTokenizer's: 256 bytes, padding and end of document
 C4_VOCAB_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'  # T5's 32k SentencePiece model
@@ -212,7 +212,7 @@ def _source(data_cfg, train: bool) -> grain.MapDataset:
     if data_cfg.path:  # records are the documents' UTF-8 bytes
       return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
           c4_shards(data_cfg.path, split, data_cfg.name)))
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    tfds = optional_import('tensorflow_datasets', 'tfds', f'data.tfds_data_dir={data_cfg.tfds_data_dir!r}')
     # From the directory itself: any version, no builder code and never a download.
     builder = tfds.builder_from_directory(tfds_version_dir(data_cfg.tfds_data_dir, data_cfg.tfds_name),
                                           file_format='array_record')
@@ -326,7 +326,7 @@ def c4_shards(path: str, split: str, name: str = 'c4') -> list[str]:
 def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
   """<data_dir>/<name>/<version> of a prepared TFDS dataset: the version pinned in `name` ('c4/en:3.0.1'), else the
   newest there (3.1.0 before 3.0.1); None if there is none. data_dir '' is TFDS's default."""
-  from tensorflow_datasets.core import constants  # pylint: disable=g-import-not-at-top
+  constants = optional_import('tensorflow_datasets.core.constants', 'tfds', f'data.tfds_data_dir={data_dir!r}')
   name, _, version = name.partition(':')
   root = epath.Path(os.path.expanduser(data_dir or constants.DATA_DIR)) / name
   versions = [version] if version else sorted(

@@ -18,6 +18,7 @@ Each task prints one JSON object and writes DIR/eval_<task name>.json. Batched a
 """
 
 import glob
+import importlib
 import json
 import math
 import os
@@ -150,8 +151,12 @@ TFDS_TASKS = {
 
 
 def tfds_items(name: str, data_dir: str, max_items: int) -> list:
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  tfds = config_lib.optional_import('tensorflow_datasets', 'tfds', f'--task={name}')
   tfds_name, split, item = TFDS_TASKS[name]
+  try:  # builders of tensorflow_datasets.text register when that package loads, which needs TensorFlow; not alone
+    importlib.import_module(f'tensorflow_datasets.text.{tfds_name.split("/")[0]}')
+  except ImportError:
+    pass
   try:
     source = tfds.data_source(tfds_name, split=split, data_dir=data_dir or None, download=False)
   except Exception as e:  # pylint: disable=broad-except  # TFDS raises several types for data not prepared

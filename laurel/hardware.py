@@ -2,6 +2,7 @@
 
   TPUS[generation]       a Cloud TPU generation's chip (peak FLOP/s, HBM, bandwidth) and slices (cores, runtime)
   PEAK_FLOPS[kind]       dense bf16 peak FLOP/s per device of a jax device kind, for MFU (absent: e.g. CPU)
+  utilisation(...)       MFU or HFU: FLOPs per step over the step time and the devices' summed peak
   xla_costs(compiled)    XLA's (FLOPs, bytes accessed) of a lowered or compiled computation
   peak_memory_bytes(c)   peak bytes of a compiled computation
 
@@ -9,6 +10,7 @@ Standard library only: the launcher (scripts/launch_tpu.py, laurel.tpu_slices) r
 """
 
 import dataclasses
+import re
 
 SOURCE = ('per-chip dense bf16 peak FLOP/s, HBM capacity and bandwidth: the Cloud TPU system-architecture pages, '
           'cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e')
@@ -36,10 +38,21 @@ TPUS = {'v4': TPU(('TPU v4',), 275e12, 32 * 2**30, 1200e9, 3, 2, 'v4', 'tpu-ubun
         'v5e': TPU(('TPU v5 lite', 'TPU v5e'), 197e12, 16e9, 819e9, 2, 1, 'v5litepod', 'v2-alpha-tpuv5-lite', 256),
         'v5p': TPU(('TPU v5', 'TPU v5p'), 459e12, 95e9, 2765e9, 3, 2, 'v5p', 'v2-alpha-tpuv5', 4096),
         'v6e': TPU(('TPU v6 lite', 'TPU v6e'), 918e12, 32e9, 1638e9, 2, 1, 'v6e', 'v2-alpha-tpuv6e', 256)}
-# Dense bf16 peak FLOP/s per device of the other accelerators this code reports MFU on.
+# Dense bf16 peak FLOP/s per device of the other accelerators this code reports MFU on (NVIDIA's datasheets; the H100
+# SXM and the H200 share one, 1,979 being the figure with 2:4 sparsity; the A100's is 312).
 _OTHER_PEAK_FLOPS = {'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12,
                      'NVIDIA A100-SXM4-40GB': 312e12}
 PEAK_FLOPS = {**{kind: tpu.peak_flops for tpu in TPUS.values() for kind in tpu.device_kinds}, **_OTHER_PEAK_FLOPS}
+
+
+def utilisation(flops_per_step: float | None, step_time_s: float, peak_flops: float | None) -> float | None:
+  """FLOPs per step over the step time and the devices' summed peak FLOP/s (None where either is unknown)."""
+  return flops_per_step / step_time_s / peak_flops if peak_flops and flops_per_step else None
+
+
+def device_slug(kind: str) -> str:
+  """A device kind as part of a file name: 'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3'."""
+  return re.sub(r'[^a-z0-9]+', '_', kind.lower()).strip('_')
 
 
 def xla_costs(lowered_or_compiled) -> tuple[float, float]:

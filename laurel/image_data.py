@@ -20,7 +20,7 @@ import grain
 import numpy as np
 from PIL import Image  # TFDS's own numpy decoder uses pillow too
 
-from laurel import data
+from laurel import config_lib, data
 from laurel.config_lib import (BOOL, NON_EMPTY_STRING, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT, STRING, build,
                                field, in_range, is_int, is_number, one_of, require)
 
@@ -147,7 +147,7 @@ def _source(cfg: ImageDataConfig, train: bool) -> grain.MapDataset:
   if cfg.name == 'synthetic':
     n = cfg.synthetic_train_examples if train else cfg.synthetic_eval_examples
     return grain.MapDataset.range(n).map(SyntheticExample(cfg, 0 if train else 1))
-  import tensorflow_datasets as tfds
+  tfds = config_lib.optional_import('tensorflow_datasets', 'tfds', f'data.name={cfg.name!r}')
   split = cfg.train_split if train else cfg.eval_split
   return grain.MapDataset.source(tfds.data_source(cfg.tfds_name, split=split, data_dir=cfg.tfds_data_dir or None,
                                                   download=False))

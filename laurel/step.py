@@ -21,8 +21,8 @@ import ml_collections
 import optax
 
 from laurel import config_lib, cross_entropy, lm, sharding, tasks
-from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, InputError, field,
-                               in_range, is_int, one_of, require)
+from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, STRING, InputError,
+                               field, in_range, is_int, one_of, require)
 from laurel.designs import LOGICAL_AXIS_RULES, NO_DECAY  # assembled from the registry
 from laurel.hardware import xla_costs
 
@@ -59,6 +59,15 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbConfig:
+  """`config.wandb`: a Weights & Biases run beside TensorBoard (the extra [wandb]); '' project = none. What it
+  sends follows WANDB_MODE (offline: nothing); a resumed run continues the run whose id WORKDIR/wandb_run_id holds."""
+  project: str = field('', STRING)
+  entity: str = field('', STRING)  # '' = W&B's default for the logged-in user
+  name: str = field('', STRING)  # '' = W&B's generated name
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """The top level of a config: the train loop's fields; `model` and `data` are the task's sections."""
   task: str = field('lm', one_of(*tasks.TASKS))
@@ -85,6 +94,7 @@ class TrainConfig:
   watchdog_s: float = field(3600.0, NON_NEGATIVE)
   optimizer: OptimizerConfig = OptimizerConfig()
   mesh: MeshConfig = MeshConfig()
+  wandb: WandbConfig = WandbConfig()
   logical_axis_rules: tuple = LOGICAL_AXIS_RULES
   model: Any = None  # the task's typed section (LMConfig, ResNetConfig)
   data: Any = None  # the task's typed section (LMDataConfig, ImageDataConfig)

@@ -29,7 +29,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from laurel import checkpoint, config_lib, console, hardware, sharding
+from laurel import checkpoint, config_lib, console, hardware, metric_writers, sharding
 from laurel.checkpoint import guard_config, run_dir, utc_now
 from laurel.config_lib import InputError
 from laurel.stats import weighted_mean_se
@@ -73,9 +73,9 @@ def local_dataset(task, *, train: bool):
 
 
 class MetricsLog:
-  """WORKDIR/metrics.jsonl (one object per logged step, for scripts) beside clu's writers: the console and
-  TensorBoard. Process 0 writes files; the others only log. A local log grows by appends; one behind '://' (gcsfs
-  through etils.epath overwrites on 'a') is rewritten whole, which GCS does atomically."""
+  """WORKDIR/metrics.jsonl (one object per logged step, for scripts) beside laurel.metric_writers: the log,
+  TensorBoard and, where asked, W&B. Process 0 writes files; the others only log. A local log grows by appends; one
+  behind '://' (gcsfs through etils.epath overwrites on 'a') is rewritten whole, which GCS does atomically."""
 
   def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False):
     self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
@@ -89,13 +89,8 @@ class MetricsLog:
         self.lines = [l for l in self.lines if json.loads(l)['step'] <= resume_step]
       if ''.join(self.lines) != text:
         self.path.write_text(''.join(self.lines))
-    from clu import metric_writers  # imports TensorFlow (seconds): only where a run starts
-    tensorboard = workdir / 'tensorboard' if config.tensorboard and self.active else None
-    self.writer = metric_writers.create_default_writer(tensorboard, just_logging=not self.active,
-                                                       asynchronous=False)
-    if tensorboard and resume_step == 0:
-      flat = flax.traverse_util.flatten_dict(config.to_dict(), sep='.')
-      self.writer.write_hparams({k: v for k, v in flat.items() if isinstance(v, (bool, int, float, str))})
+    flat = flax.traverse_util.flatten_dict(config.to_dict(), sep='.')
+    self.writer = metric_writers.create(workdir, config, flat, self.active, resumed=resume_step > 0)
 
   def write(self, step: int, values: dict):
     values = {k: float(v) if isinstance(v, (float, np.floating, jax.Array)) else v for k, v in values.items()}
@@ -140,6 +135,7 @@ def check_inputs(task, workdir: epath.Path) -> None:
       except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
         raise InputError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
   task.check_data()
+  metric_writers.check_extras(task.config)
   probe = workdir / f'.write_test.{jax.process_index()}'
   try:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -302,14 +298,8 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     with console.deferred():  # it rewrites metrics.jsonl
       log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside))
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
-    from clu import periodic_actions  # pylint: disable=import-outside-toplevel
-    actions = [periodic_actions.ReportProgress(num_train_steps=cfg.steps, every_steps=cfg.log_every,
-                                               every_secs=None, writer=log.writer)]
-    if cfg.profile_steps:
-      first, stop = cfg.profile_steps
-      actions.append(periodic_actions.Profile(logdir=workdir / 'profile', first_profile=first,
-                                              num_profile_steps=stop - first, profile_duration_ms=None,
-                                              every_secs=None))
+    profiler = metric_writers.Profiler(workdir / 'profile', cfg.profile_steps)
+    actions = [metric_writers.Progress(log.writer, cfg.log_every, cfg.steps), profiler]
     devices_shown = f'{jax.device_count()} device{"s" * (jax.device_count() > 1)}'
     print(f'{num_params:,} params | {devices_shown}, mesh {dict(mesh.shape)} | peak memory of the compiled step '
           f'{peak_memory / 2**20:,.1f} MiB', flush=True)
@@ -354,7 +344,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
           check_finite(*pending)
         pending, done = (step + 1, metrics), step + 1
         for action in actions:
-          action(done)
+          action.after_step(done)
         last = done == cfg.steps
         stop = mngr.reached_preemption(done) if nproc > 1 else bool(preempted)
         if done % cfg.log_every == 0 or last or stop:
@@ -387,17 +377,19 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
       if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
         eval_metrics = evaluate()
       mngr.wait_until_finished()
+      final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
+               'peak_memory_bytes': peak_memory,
+               'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
+               'finished_at': utc_now()}
+      log.writer.write_summary(final)
     finally:
+      profiler.close()
       watchdog.stop()
       for signum, old in previous.items():
         signal.signal(signum, old)
       log.writer.close()
       mngr.close()
 
-  final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
-           'peak_memory_bytes': peak_memory,
-           'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
-           'finished_at': utc_now()}
   if pid == 0:
     with console.deferred():
       (workdir / 'final.json').write_text(json.dumps(final, indent=2) + '\n')

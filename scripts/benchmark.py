@@ -1,7 +1,7 @@
 """Step time, throughput, MFU and peak memory of every row of a table, measured in one process.
 
   python scripts/benchmark.py [--out=results/benchmark_cpu.json] [--table=c4_ablation|residual_designs]
-      [--rows=baseline_24,rw_lr] [--batch_size=N]
+      [--rows=baseline_24,rw_lr] [--variants=model.loss_chunk=0,model.attention=xla] [--batch_size=N]
       [--seq_len=N] [--steps=N] [--steps_per_round=N] [--nofull_shape_memory] [--set=<field>=<value> ...]
 
 The rows (Baseline-24 always) are compiled, warmed up and timed in rounds, the order rotating so that the machine's
@@ -12,9 +12,12 @@ would distort the ratios: see the shape notes in the README); else 32 x 1024 tok
 the task's model_flops (6·N·tokens + attention), hfu XLA's FLOPs of the step (flops_per_step, remat included),
 over the devices' peak (null where unknown). Full-shape memory: each row also compiled, not run, at Table 5's
 32 x 1024 tokens per device (on CPU compare ratios, not bytes). Pods: run on every host with --distributed.
+--variants adds Baseline-24 rows with one field changed, timed in the same rounds. --out may name the device:
+results/benchmark_{device}.json. The JSON records jax's, CUDA's and cuDNN's versions where they apply.
 """
 
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -24,6 +27,7 @@ import subprocess
 import time
 
 import common  # puts the repo root on sys.path
+import step_profile
 import flax.linen as nn
 import jax
 import numpy as np
@@ -48,6 +52,14 @@ _PER_ROUND = flags.DEFINE_integer('steps_per_round', None, 'Steps of a row per r
 _FULL = flags.DEFINE_bool('full_shape_memory', True, "Also compile each row at Table 5's per-device shape.")
 _FULL_BATCH = flags.DEFINE_integer('full_shape_batch_per_device', 32, 'Full-shape sequences per device.')
 _FULL_SEQ_LEN = flags.DEFINE_integer('full_shape_seq_len', 1024, 'Full-shape tokens per sequence.')
+_VARIANTS = flags.DEFINE_list('variants', [], 'Baseline-24 once more per <field>=<value>, timed with the rows '
+                               '(e.g. model.loss_chunk=0,model.attention=xla); named "baseline_24 <field>=<value>".')
+_PEAK = flags.DEFINE_float('peak_flops', None, "Dense bf16 peak FLOP/s per device for MFU and HFU (default: "
+                           "laurel.hardware's figure for the device; none for CPUs).", lower_bound=1)
+_PROFILE = flags.DEFINE_string('profile', '', 'Also trace a few steps of the --profile_rows into this folder and '
+                               'print their ops by time, grouped: attention, loss, residual (LAuReL), optimizer (step_profile).')
+_PROFILE_ROWS = flags.DEFINE_list('profile_rows', ['baseline_24', 'rw_lr'], 'The rows --profile traces.')
+PROFILE_STEPS = 3
 _SET = flags.DEFINE_multi_string('set', [], 'Config override <field>=<value> for all rows, e.g. model.remat=full.')
 _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (TPU pods).')
 _VARY = flags.DEFINE_string('vary', None, 'With --topology: <field>=<v1>,<v2>,...: compile Baseline-24 once per value '
@@ -57,11 +69,46 @@ _TOPOLOGY = flags.DEFINE_string('topology', None, 'Compile every row for this TP
                                 "roofline step time, at the preset's batch and length. Needs libtpu.")
 
 
-def row_config(row, batch_size, seq_len, *extra):
-  """The row's config at the benchmark's shape (None: the preset's), on synthetic data (nothing is read)."""
+def row_config(row, batch_size, seq_len, *extra, variant=()):
+  """The row's config at the benchmark's shape (None: the preset's), on synthetic data (nothing is read); a
+  variant's override comes after --set's."""
   shape = [f'{k}={v}' for k, v in (('batch_size', batch_size), ('data.seq_len', seq_len)) if v is not None]
   shape += ['data.name=synthetic', 'tensorboard=False']
-  return config_lib.load(f'configs/{_TABLE.value}.py:{row},preset={_PRESET.value}', [*shape, *extra, *_SET.value])
+  return config_lib.load(f'configs/{_TABLE.value}.py:{row},preset={_PRESET.value}',
+                         [*shape, *extra, *_SET.value, *variant])
+
+
+def variant_rows(batch_size, seq_len, *extra) -> dict:
+  """{'baseline_24 <field>=<value>': config} of each --variants override."""
+  out = {}
+  for override in _VARIANTS.value:
+    field, sep, value = override.partition('=')
+    if not sep or not field or not value:
+      raise InputError(f'--variants: {override!r} is not <field>=<value>')
+    out[f'{BASELINE} {field.removeprefix("model.")}={value}'] = row_config(BASELINE, batch_size, seq_len, *extra,
+                                                                           variant=[override])
+  return out
+
+
+def runtime_versions() -> dict:
+  """jax's and jaxlib's versions and, on a GPU, the CUDA plug-in's, CUDA's, cuDNN's and the driver's."""
+  out = {'jax_version': jax.__version__, 'jaxlib_version': importlib.metadata.version('jaxlib')}
+  if jax.default_backend() != 'gpu':
+    return out
+  plugins = [p for p in ('jax-cuda13-plugin', 'jax-cuda12-plugin') if importlib.util.find_spec(p.replace('-', '_'))]
+  out['cuda_plugin'] = [f'{p} {importlib.metadata.version(p)}' for p in plugins]
+  out['compute_capability'] = getattr(jax.devices()[0], 'compute_capability', None)
+  try:
+    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel  # private: best effort
+    out.update(cuda_runtime_version=cuda_versions.cuda_runtime_get_version(),
+               cuda_driver_version=cuda_versions.cuda_driver_get_version(),
+               cudnn_version=cuda_versions.cudnn_get_version())
+  except Exception as e:  # pylint: disable=broad-except  # the versions are a record, not a reason to stop
+    out['cuda_versions_error'] = repr(e)
+  smi = subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv,noheader'],
+                       capture_output=True, text=True, check=False)
+  out['nvidia_smi'] = smi.stdout.strip() if smi.returncode == 0 else None
+  return out
 
 
 def shape_of(configs: dict) -> dict:
@@ -132,8 +179,9 @@ def ratio(value, base):
   return round(value / base, 4) if value is not None and base else None
 
 
-def measure(configs, mesh, cpu: bool) -> list[dict]:
-  """Compiles, initialises and times the rows: a result row each."""
+def measure(configs, mesh, cpu: bool, profiles: dict) -> list[dict]:
+  """Compiles, initialises and times the rows: a result row each; with --profile, `profiles` gets the ops of the
+  --profile_rows by time (step_profile)."""
   rows, batch, n = {}, None, jax.device_count()
   for name, c in configs.items():
     compiled, init_state, task, facts = compile_row(c, mesh)
@@ -145,7 +193,14 @@ def measure(configs, mesh, cpu: bool) -> list[dict]:
     print(f"compiled {name}: {facts['compile_s']:.1f}s, {facts['params']:,} params, peak memory "
           f"{facts['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)
   time_rows(rows, batch, _STEPS.value or (3 if cpu else 30), _PER_ROUND.value or (1 if cpu else 5))
-  peak, base, c = (hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind) or 0) * n, rows[BASELINE], configs[BASELINE]
+  for name in [n for n in _PROFILE_ROWS.value if n in rows] if _PROFILE.value else []:
+    r, logdir = rows[name], os.path.join(_PROFILE.value, name.replace(' ', '_').replace('=', '-'))
+    r['state'], trace = step_profile.trace_steps(r['step'], r['state'], batch, logdir, PROFILE_STEPS)
+    text = r['step'].as_text()
+    profiles[name] = step_profile.op_times(trace, text, text.split()[1].rstrip(','), PROFILE_STEPS)
+    step_profile.print_profile(name, profiles[name])
+    profiles[name].update(trace=trace, ops=profiles[name]['ops'][:40])
+  peak, base, c = (peak_flops_per_device() or 0) * n, rows[BASELINE], configs[BASELINE]
   out = []
   for name, r in rows.items():
     loss, timing = float(jax.device_get(r['metrics']['loss'])), summarize('step_time', r['wall'], base['wall'])
@@ -154,8 +209,8 @@ def measure(configs, mesh, cpu: bool) -> list[dict]:
     step_time = timing['step_time_s']
     out.append({'name': name, **{k: v for k, v in r.items() if k not in ('step', 'state', 'metrics', 'wall', 'cpu')},
                 **timing, 'step_times_s': r['wall'], 'tokens_per_s': c.batch_size * c.data.seq_len / step_time,
-                'mfu': r['model_flops_per_step'] / step_time / peak if peak else None,
-                'hfu': r['flops_per_step'] / step_time / peak if peak and r['flops_per_step'] else None,
+                'mfu': hardware.utilisation(r['model_flops_per_step'], step_time, peak),
+                'hfu': hardware.utilisation(r['flops_per_step'], step_time, peak),
                 'final_loss': loss, **{f'{k}_ratio': ratio(r[key], base[key]) for k, key in (
                     ('params', 'params'), ('flops', 'flops_per_step'), ('peak_memory', 'peak_memory_bytes'))},
                 **paper_figures(name, ('step_time_ratio', 'peak_memory_ratio')),
@@ -300,6 +355,8 @@ def main():
   names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value or known) if r != BASELINE]
   if unknown := [r for r in names if r not in known]:
     raise InputError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(known)})')
+  if _TOPOLOGY.value and _VARIANTS.value:
+    raise InputError('--variants: not with --topology (--vary compiles Baseline-24 per value there)')
   if _TOPOLOGY.value:  # before anything starts a backend: the slice's compiler runs beside the CPU one
     aot.compile_only_process()
     write(measure_slice(names), start, print_slice_table)
@@ -307,18 +364,24 @@ def main():
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   cpu, n, kind = jax.default_backend() == 'cpu', jax.device_count(), jax.devices()[0].device_kind
-  configs = {r: row_config(r, _BATCH.value or (1 if cpu else 32 * n), _SEQ_LEN.value or (512 if cpu else 1024),
-                           *(['model.dtype=float32'] if cpu else [])) for r in names}
+  shape = (_BATCH.value or (1 if cpu else 32 * n), _SEQ_LEN.value or (512 if cpu else 1024),
+           *(['model.dtype=float32'] if cpu else []))
+  configs = {**{r: row_config(r, *shape) for r in names}, **variant_rows(*shape)}
   full = {r: row_config(r, _FULL_BATCH.value * n, _FULL_SEQ_LEN.value) for r in names} if _FULL.value else {}
   for c in [*configs.values(), *full.values()]:
     step.validate_config(c)
   result = {'device': {'platform': jax.default_backend(), 'device_kind': kind, 'device_count': n,
-                       'process_count': jax.process_count(), 'peak_flops_per_device': hardware.PEAK_FLOPS.get(kind),
-                       'host_cpus': os.cpu_count(), 'hostname': platform.node(), 'jax_version': jax.__version__},
+                       'process_count': jax.process_count(), 'peak_flops_per_device': peak_flops_per_device(),
+                       'host_cpus': os.cpu_count(), 'hostname': platform.node(), **runtime_versions()},
             'shape': shape_of(configs)}
   c, mesh = configs[BASELINE], sharding.make_mesh(configs[BASELINE].mesh)
   print(f'{kind} x{n}: {len(names)} rows, batch {c.batch_size} x {c.data.seq_len}, {c.model.dtype}', flush=True)
-  result['rows'] = measure(configs, mesh, cpu)  # their train states are freed before the full-shape compiles
+  profiles = result['profile'] = {}
+  result['rows'] = measure(configs, mesh, cpu, profiles)  # their states are freed before the full-shape compiles
+  if not profiles:
+    del result['profile']
+  stats = jax.local_devices()[0].memory_stats() or {}
+  result['device']['device_peak_bytes'] = stats.get('peak_bytes_in_use')  # of every row together, this process
   if full:
     result['full_shape'] = {**shape_of(full), 'batch_per_device': _FULL_BATCH.value, 'note': 'compiled, not run'}
     result['full_shape_memory'] = rows = []
@@ -331,13 +394,18 @@ def main():
   write(result, start, print_table)
 
 
+def peak_flops_per_device() -> float | None:
+  return _PEAK.value or hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)
+
+
 def write(result, start, table):
   result.update(command=common.command(), wall_s=round(time.time() - start, 1))
   if jax.process_index() == 0:
     table(result)
     if _OUT.value:
-      common.write_json(_OUT.value, result)
-      print(f'wrote {_OUT.value} ({result["wall_s"]:.0f}s)')
+      out = _OUT.value.replace('{device}', hardware.device_slug(result['device']['device_kind']))
+      common.write_json(out, result)
+      print(f'wrote {out} ({result["wall_s"]:.0f}s)')
 
 
 if __name__ == '__main__':

@@ -1,8 +1,10 @@
-"""Shared test helpers: tiny configs for the train loop, run in-process or through the CLI."""
+"""Shared test helpers: tiny configs for the train loop, run in-process or through the CLI; GPU tests."""
+import functools
 import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -69,3 +71,31 @@ def run_cli(spec, workdir, overrides, num_devices=1, timeout=300, extra=()):
 def losses(workdir) -> dict[int, float]:
   rows = [json.loads(l) for l in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines() if l]
   return {r['step']: r['loss'] for r in rows if 'loss' in r}
+
+
+def gpu_present() -> bool:
+  """An NVIDIA GPU that jax's CUDA plug-in can use (nvidia-smi lists one)."""
+  plugin = any(importlib.util.find_spec(p) for p in ('jax_cuda12_plugin', 'jax_cuda13_plugin'))
+  return plugin and shutil.which('nvidia-smi') is not None and subprocess.run(
+      ['nvidia-smi', '-L'], capture_output=True, check=False).returncode == 0
+
+
+def on_gpu(test):
+  """A GPU test (marker `gpu`). It runs where jax's default backend is a GPU (make gpu-check: JAX_PLATFORMS=cuda);
+  in the CPU suite (conftest) on a machine with a GPU it reruns itself in a process that sees the GPU; with no GPU
+  it skips."""
+  @functools.wraps(test)
+  def run(*args, **kwargs):
+    import jax  # pylint: disable=import-outside-toplevel
+    if jax.default_backend() == 'gpu':
+      return test(*args, **kwargs)
+    if not gpu_present():
+      pytest.skip('needs an NVIDIA GPU and jax[cuda]')
+    node = os.environ['PYTEST_CURRENT_TEST'].rsplit(' ', 1)[0]  # this test, parameters included
+    # Without preallocation: pytest's other workers may hold the same GPU.
+    env = dict(os.environ, JAX_PLATFORMS='cuda', PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE='false')
+    result = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-n', '0', '-p', 'no:cacheprovider', node],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return None
+  return pytest.mark.gpu(run)

@@ -8,12 +8,7 @@ contiguous runs of segment ids 1, 2, ... with padding (0) at the end, as laurel.
 """
 
 import functools
-import importlib.util
 import itertools
-import os
-import shutil
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -21,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, load_config
+from helpers import TINY_LM, load_config, on_gpu
 from laurel import hardware, lm, step, tasks, train
 
 LEN = 128  # splash attention's key tiles are 128 tokens
@@ -210,24 +205,9 @@ def test_the_loader_packs_at_most_max_segments_documents_per_row():
   assert most_documents(0) > 2 >= most_documents(2)
 
 
-def _gpu_present() -> bool:
-  plugin = any(importlib.util.find_spec(p) for p in ('jax_cuda12_plugin', 'jax_cuda13_plugin'))
-  return plugin and shutil.which('nvidia-smi') is not None and subprocess.run(
-      ['nvidia-smi', '-L'], capture_output=True, check=False).returncode == 0
-
-
+@on_gpu
 def test_cudnn_attention_matches_the_reference_on_gpu():
-  """cuDNN's kernel against xla_attention on packed rows with padding, forward and gradients, in bfloat16. The suite
-  runs on CPU (conftest), so where a GPU is this test reruns itself in a process that sees it."""
-  if jax.default_backend() != 'gpu':
-    if not _gpu_present():
-      pytest.skip('needs an NVIDIA GPU and jax[cuda]')
-    env = dict(os.environ, JAX_PLATFORMS='cuda', PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
-                          f'{__file__}::test_cudnn_attention_matches_the_reference_on_gpu'],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    return
+  """cuDNN's kernel against xla_attention on packed rows with padding, forward and gradients, in bfloat16."""
   max_segments, heads, width = 6, 4, 64
   cfg = lm.LMConfig(d_model=heads * width, num_heads=heads, dtype='bfloat16', max_segments=max_segments)
   if reason := lm.cudnn_unsupported(cfg, 'gpu'):
