@@ -167,13 +167,28 @@ class Lease:
 
 
 @contextlib.contextmanager
-def held(workdir, process_id: int, processes: int, **timing):
-  """Holds the workdir's lease for the block where this is process 0 of its run (the others hold none)."""
-  if process_id != 0:
-    yield None
-    return
-  lease = Lease(workdir, process_id, processes, **timing).acquire()
+def held(workdir, process_id: int, processes: int, agree=None, **timing):
+  """Holds the workdir's lease for the block where this is process 0 of its run (the others hold none). With several
+  processes, all of them raise Held where process 0 does, so that every one exits with HELD: `agree(flag)` returns
+  process 0's flag on every process (default: jax's multihost broadcast)."""
+  lease, refusal = None, None
+  if process_id == 0:
+    try:
+      lease = Lease(workdir, process_id, processes, **timing).acquire()
+    except Held as e:
+      refusal = e
+  if processes > 1 and (agree or _broadcast)(refusal is not None) and refusal is None:
+    refusal = Held(f'--workdir={os.fspath(workdir)!r}: held by another live run, as process 0 found (its log names '
+                   'the holder)')
+  if refusal is not None:
+    raise refusal
   try:
     yield lease
   finally:
-    lease.release()
+    if lease is not None:
+      lease.release()
+
+
+def _broadcast(flag: bool) -> bool:
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return bool(multihost_utils.broadcast_one_to_all(flag))
