@@ -129,16 +129,27 @@ def test_the_heartbeat_renews_the_lease_and_release_leaves_another_holder_alone(
   while json.loads((tmp_path / lease.NAME).read_text())['heartbeat'] == first:
     assert time.time() < deadline, 'no heartbeat'
     time.sleep(0.02)
-  _write_holder(tmp_path)  # taken over while this run was stopped: it stops renewing and leaves it
+  held.release()
+  assert not (tmp_path / lease.NAME).exists()
+  held = lease.Lease(tmp_path, heartbeat_s=3600).acquire()
+  _write_holder(tmp_path)  # taken over while this run was stopped for longer than the stale limit
   held.release()
   assert json.loads((tmp_path / lease.NAME).read_text())['token'] == 'other'
 
 
-def test_only_process_zero_holds_the_lease(tmp_path):
-  with lease.held(tmp_path, process_id=1, processes=2) as none:
-    assert none is None and not (tmp_path / lease.NAME).exists()
-  with lease.held(tmp_path, process_id=0, processes=2):
+def test_only_process_zero_holds_the_lease_and_every_process_is_refused_with_it(tmp_path):
+  told = []
+  with lease.held(tmp_path, process_id=1, processes=2, agree=lambda flag: told.append(flag) or False) as none:
+    assert none is None and not (tmp_path / lease.NAME).exists() and told == [False]
+  with lease.held(tmp_path, process_id=0, processes=2, agree=lambda flag: flag):
     assert json.loads((tmp_path / lease.NAME).read_text())['processes'] == 2
+    with pytest.raises(lease.Held, match='held by a live run'):  # process 0 of another run
+      with lease.held(tmp_path, process_id=0, processes=2, agree=told.append):
+        pass
+    assert told == [False, True]
+    with pytest.raises(lease.Held, match='as process 0 found'):  # process 1 of that run, told by process 0
+      with lease.held(tmp_path, process_id=1, processes=2, agree=lambda flag: True):
+        pass
   assert not (tmp_path / lease.NAME).exists()
 
 
