@@ -55,7 +55,9 @@ def detect(environ=None) -> Environment | None:
            "script's shell is one process (srun --ntasks=1 trains as one)")
     return Environment('Slurm', _count(env, tasks) if tasks in env else 1, f'{tasks}={env.get(tasks, "unset")}', fix)
   if on_tpu_vm():
-    return Environment('Cloud TPU VM', None, 'TPU_WORKER_HOSTNAMES', 'start every host together')
+    workers = next((f'{k}={env[k]}' for k in ('TPU_PROCESS_ADDRESSES', 'TPU_WORKER_HOSTNAMES') if k in env),
+                   "the VM's metadata")
+    return Environment('Cloud TPU VM', None, workers, 'start every host together')
   if 'JOB_COMPLETION_INDEX' in env and 'KUBERNETES_SERVICE_HOST' in env:
     fix = ("install the kubernetes package (pip install -e '.[k8s]'), let the pod's service account get and list "
            'pods and jobs, and start every pod of the Job together (docs/clusters.md)')
