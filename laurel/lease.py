@@ -120,9 +120,19 @@ class Lease:
   def _create(self) -> bool:
     """Writes the lease where there is none: False where another run's appeared first."""
     data = json.dumps(self.record, indent=1).encode()
-    if files.is_remote(self.path):
-      self.path.write_bytes(data)  # no exclusive create on an object store: the token check in acquire decides
-      return (self.read() or {}).get('token') == self.record['token']
+    if not files.is_remote(self.path):
+      try:
+        return self._link(data)
+      except FileExistsError:
+        return False
+      except OSError:
+        pass  # a filesystem without hard links (some FUSE mounts): as on an object store
+    # No exclusive create: the last writer within a second wins, and the other sees it.
+    files.write_bytes_atomic(self.path, data)
+    time.sleep(1.0)
+    return (self.read() or {}).get('token') == self.record['token']
+
+  def _link(self, data: bytes) -> bool:
     fd, tmp = tempfile.mkstemp(prefix=f'.{NAME}.', suffix='.tmp', dir=os.fspath(self.path.parent))
     try:
       with os.fdopen(fd, 'wb') as f:
@@ -131,8 +141,6 @@ class Lease:
         os.fsync(f.fileno())
       os.link(tmp, os.fspath(self.path))  # atomic, and fails where the lease exists
       return True
-    except FileExistsError:
-      return False
     finally:
       os.unlink(tmp)
 

@@ -112,6 +112,17 @@ def test_a_lease_is_taken_over_where_its_holder_is_gone(tmp_path, monkeypatch, c
   assert not (tmp_path / lease.NAME).exists()
 
 
+def test_without_hard_links_a_lease_is_written_and_read_back(tmp_path, monkeypatch):
+  def no_links(*_):
+    raise PermissionError('hard links not supported')
+  monkeypatch.setattr(lease.os, 'link', no_links)
+  held = lease.Lease(tmp_path).acquire()
+  with pytest.raises(lease.Held):
+    lease.Lease(tmp_path).acquire()
+  held.release()
+  assert not (tmp_path / lease.NAME).exists() and not list(tmp_path.iterdir())  # no temporary left
+
+
 def test_same_slurm_job_in_the_same_incarnation_is_refused(tmp_path, monkeypatch):
   """Two sruns of one job on one workdir are uncoordinated too; only a requeued job's later incarnation takes over."""
   monkeypatch.setenv('SLURM_JOB_ID', '9')
