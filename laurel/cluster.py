@@ -44,9 +44,8 @@ def detect(environ=None) -> Environment | None:
   """The environment this process runs in, read from its variables alone (nothing started, nothing asked)."""
   env = os.environ if environ is None else environ
   if 'OMPI_COMM_WORLD_SIZE' in env:
-    fix = ('start every rank with mpirun; Open MPI 5 sets no OMPI_MCA_orte_hnp_uri, which jax reads to find the '
-           'coordinator: there pass --coordinator_address=HOST0:PORT --num_processes=$OMPI_COMM_WORLD_SIZE '
-           '--process_id=$OMPI_COMM_WORLD_RANK')
+    fix = ('start every rank with mpirun; Open MPI 5 sets no OMPI_MCA_orte_hnp_uri, from which jax finds the '
+           'coordinator: there set JAX_COORDINATOR_ADDRESS=HOST:PORT, HOST being rank 0\'s (mpirun -x)')
     return Environment('Open MPI', _count(env, 'OMPI_COMM_WORLD_SIZE'),
                        f'OMPI_COMM_WORLD_SIZE={env["OMPI_COMM_WORLD_SIZE"]}', fix)
   if 'SLURM_JOB_ID' in env:
@@ -87,7 +86,10 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
     if found is None:
       return None
     if found.processes != 1:
-      _initialize(found, timeout_s, local_device_ids=local_device_ids())
+      arguments = {}
+      if found.name == 'Open MPI' and 'OMPI_MCA_orte_hnp_uri' not in os.environ:  # Open MPI 5: jax does not see it
+        arguments = {'num_processes': found.processes, 'process_id': int(os.environ['OMPI_COMM_WORLD_RANK'])}
+      _initialize(found, timeout_s, local_device_ids=local_device_ids(), **arguments)
   if found.processes is not None and jax.process_count() != found.processes:
     config_lib.fail(f'{found.source}: names {found.processes} processes, but jax joined {jax.process_count()} '
                     f'(it found another environment); {found.fix}', code=JOIN_FAILED)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, free_port, losses, run_cli
+from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, fake_gcs_env, free_port, losses, run_cli
 from laurel import cluster, lease
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
@@ -47,23 +47,32 @@ def test_local_device_ids_keep_every_gpu_of_a_process_that_drives_its_node(envir
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('step_variables', [True, False], ids=['srun', 'batch_shell'])
-def test_a_slurm_task_whose_peer_never_starts_fails_in_one_line(tmp_path, step_variables):
-  """Task 0 of 2 started alone: by srun with its step's variables, jax waits for task 1, and the run gives up after
-  --join_timeout; in a batch script's shell (no SLURM_STEP_NODELIST), jax finds no coordinator at once. Either way:
-  exit 4 and one line, before anything is compiled or written."""
-  env = cluster_env('slurm', 0, 2, free_port())
-  if not step_variables:
+@pytest.mark.parametrize('launcher, first_words, reason', [
+    ('srun', 'SLURM_NTASKS=2: Slurm names 2', 'did not all join within 5 s (coordinator localhost:'),
+    ('batch_shell', 'SLURM_NTASKS=2: Slurm names 2', 'could not join them'),
+    ('mpirun5', 'OMPI_COMM_WORLD_SIZE=2: Open MPI names 2', 'did not all join within 5 s (coordinator localhost:'),
+    ('mpirun5_without_address', 'OMPI_COMM_WORLD_SIZE=2: Open MPI names 2', 'JAX_COORDINATOR_ADDRESS=HOST:PORT')],
+    ids=['srun', 'batch_shell', 'mpirun5', 'mpirun5_without_address'])
+def test_a_process_whose_peer_never_starts_fails_in_one_line(tmp_path, launcher, first_words, reason):
+  """Process 0 of 2 started alone. srun's step and Open MPI 5 with JAX_COORDINATOR_ADDRESS: jax waits for process 1,
+  and the run gives up after --join_timeout. A Slurm batch script's shell (no SLURM_STEP_NODELIST) and Open MPI 5
+  without an address: jax finds no coordinator, at once. Either way: exit 4 and one line, before anything is compiled
+  or written."""
+  port = free_port()
+  env = cluster_env('slurm' if launcher in ('srun', 'batch_shell') else 'ompi', 0, 2, port)
+  if launcher == 'batch_shell':
     del env['SLURM_STEP_NODELIST']
+  if launcher.startswith('mpirun5'):  # Open MPI 5 (PMIx) sets no orte URI
+    del env['OMPI_MCA_orte_hnp_uri']
+  if launcher == 'mpirun5':
+    env['JAX_COORDINATOR_ADDRESS'] = f'localhost:{port}'
   # jax alone would wait its 300 s, then abort with a C++ stack
   result = subprocess.run(cli_args(SPEC, tmp_path / 'run', TINY_LM) + ['--join_timeout=5'], env=env,
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == cluster.JOIN_FAILED, result.stderr[-2000:]
   errors = [l for l in result.stderr.splitlines() if l.startswith('error:')]
-  assert len(errors) == 1 and errors[0].startswith('error: SLURM_NTASKS=2: Slurm names 2 processes'), errors
-  assert 'srun' in errors[0] and 'Traceback' not in result.stderr and 'Check failure' not in result.stderr
-  if step_variables:
-    assert 'did not all join within 5 s (coordinator localhost:' in errors[0]
+  assert len(errors) == 1 and errors[0].startswith(f'error: {first_words} processes') and reason in errors[0], errors
+  assert 'Traceback' not in result.stderr and 'Check failure' not in result.stderr
   assert not (tmp_path / 'run').exists()
 
 
@@ -121,6 +130,22 @@ def test_without_hard_links_a_lease_is_written_and_read_back(tmp_path, monkeypat
     lease.Lease(tmp_path).acquire()
   held.release()
   assert not (tmp_path / lease.NAME).exists() and not list(tmp_path.iterdir())  # no temporary left
+
+
+@pytest.mark.slow
+def test_a_lease_on_gs_is_held_refused_and_released(tmp_path):
+  """gs:// through the tests' local fake (tests/fake_gcs): no exclusive create, so the lease is read back."""
+  code = ('from etils import epath\nfrom laurel import lease\n'
+          'workdir = epath.Path("gs://bucket/run")\n'
+          'held = lease.Lease(workdir).acquire()\n'
+          'try:\n  lease.Lease(workdir).acquire()\nexcept lease.Held as e:\n  print(e)\n'
+          'held.release()\nprint("released", (workdir / lease.NAME).exists())\n')
+  (tmp_path / 'bucket' / 'run').mkdir(parents=True)
+  result = subprocess.run([sys.executable, '-c', code], env=fake_gcs_env(tmp_path), capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "--workdir='gs://bucket/run': held by a live run: process 0 of 1" in result.stdout
+  assert result.stdout.endswith('released False\n') and not list((tmp_path / 'bucket' / 'run').iterdir())
 
 
 def test_same_slurm_job_in_the_same_incarnation_is_refused(tmp_path, monkeypatch):
