@@ -28,7 +28,8 @@ SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
     ({'JOB_COMPLETION_INDEX': '2'}, None, None, None),  # not in a pod
     ({}, None, None, None),
 ])
-def test_detect_names_the_environment_and_its_process_count(environ, name, processes, source):
+def test_detect_names_the_environment_and_its_process_count(monkeypatch, environ, name, processes, source):
+  monkeypatch.setattr(cluster, 'on_tpu_vm', lambda: False)  # also where the tests run on a TPU VM
   found = cluster.detect(environ)
   assert (found and (found.name, found.processes, found.source)) == (name and (name, processes, source))
 
