@@ -6,11 +6,12 @@
 --config is a config file (relative to the working directory) with its argument, or a shipped config by name
 (c4_ablation, imagenet_resnet50, llm, residual_designs). Bad input exits with status 2 and one line on stderr,
 before anything is traced or any checkpoint touched; so does resuming a workdir with another config, unless
---allow_config_change. In the train loop SIGTERM and Ctrl-C save a checkpoint and exit 0; elsewhere (start-up,
-compiling) Ctrl-C exits at once with status 130. Rerun the same command to resume.
+--allow_config_change. In the train loop SIGTERM and Ctrl-C save a checkpoint and exit 0 (or --preempted_exit);
+elsewhere (start-up, compiling) Ctrl-C exits at once with status 130. Rerun the same command to resume.
 --config=WORKDIR (or WORKDIR/config.json) is the config a run saved. Any other failure keeps its traceback and exits
-with status 1; a training loss that is not finite exits with 3, a failed start on a TPU slice with 4, a process whose
-loop hung (the watchdog: config.watchdog_*) with 75.
+with status 1; a training loss that is not finite exits with 3, a multi-process run whose processes did not all join
+(docs/clusters.md) with 4, a workdir that another live run holds with 5, a process whose loop hung (the watchdog:
+config.watchdog_*) with 75.
 """
 
 from laurel import console  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
@@ -19,23 +20,24 @@ INTERRUPTED = 'interrupted: exited; nothing was lost (rerun the same command to 
 if __name__ == '__main__':
   console.exit_on_interrupt(INTERRUPTED)
 
-import glob  # pylint: disable=g-import-not-at-top,wrong-import-position
-import logging as logging_std
-import os
+import logging as logging_std  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
-import urllib.request
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import aot, checkpoint, config_lib, step, train
+from laurel import aot, checkpoint, cluster, config_lib, lease, step, train
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 (multi-process).')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of processes (multi-process).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process (multi-process).')
+_JOIN_TIMEOUT = flags.DEFINE_float('join_timeout', cluster.JOIN_TIMEOUT_S, 'Seconds for every process of a '
+                                   'multi-process run to join before each exits with status 4 (docs/clusters.md).')
+_PREEMPTED_EXIT = flags.DEFINE_integer('preempted_exit', 0, 'Exit status of a run that SIGTERM or Ctrl-C stopped, '
+                                      'with a checkpoint, before its last step: 42 has xpk, JobSet and '
+                                      'scripts/slurm_train.sbatch restart it (docs/clusters.md).')
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     'allow_config_change', False, 'Resume checkpoints trained with another config: fields other than steps, the '
     'log/eval/checkpoint cadence, the mesh and input workers (laurel.checkpoint.RESUMABLE), which always may change. '
@@ -79,60 +81,23 @@ def main(argv):
     config_lib.fail('--workdir is required')
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_console_filter)
-  if _COORDINATOR.value or _NUM_PROCESSES.value:
-    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  elif _on_tpu_vm():  # jax finds its peers (before any backend starts)
-    _initialize_tpu_processes()
+  # Joins the run's other processes where the flags or the environment name them (before any backend starts).
+  cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _JOIN_TIMEOUT.value)
   # Only bad input is one line (exit 2); anything else from jax, flax, orbax or this code is a bug or an environment
   # failure and keeps its traceback (exit 1).
   try:  # train.train checks the config, the data and the workdir before it compiles anything
-    train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    final = train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
+                        hold_lease=True)
+  except lease.Held as e:  # another run trains in this workdir
+    config_lib.fail(str(e), code=lease.HELD)
   except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
     config_lib.fail(str(e))
   except train.TrainingDiverged as e:
     config_lib.fail(str(e), code=3)
   except KeyboardInterrupt:  # Ctrl-C before the first step (in the loop it saves a checkpoint)
     config_lib.fail('interrupted before training started; nothing was saved', code=130)
-
-
-def _initialize_tpu_processes():
-  """jax.distributed on a Cloud TPU VM. Where it fails, one process trains alone only if the TPU runtime lists one
-  host: on a multi-host slice every host would train alone into the same workdir, so that ends the run (exit 4)."""
-  try:
-    jax.distributed.initialize()
-  except (RuntimeError, ValueError) as e:
-    hosts = _tpu_host_count()
-    reason = f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
-    if hosts != 1:
-      config_lib.fail(f'jax.distributed.initialize() failed ({reason}) on a TPU VM of a slice with '
-                      f'{"an unknown number of" if hosts is None else hosts} hosts; not training alone, as every '
-                      'host would train into the same workdir on its own. Start every host together, or pass '
-                      '--coordinator_address, --num_processes and --process_id', code=4)
-    logging.warning('jax.distributed.initialize() failed (%s) on a single-host TPU VM; running as one process', reason)
-
-
-def _tpu_host_count() -> int | None:
-  """Hosts in this TPU VM's slice (times its slices), as the TPU runtime lists them (the environment on GKE, else the
-  VM's metadata server); None where neither says."""
-  workers = os.environ.get('TPU_PROCESS_ADDRESSES') or os.environ.get('TPU_WORKER_HOSTNAMES')
-  if workers is None:
-    host = os.environ.get('GCE_METADATA_IP', 'metadata.google.internal')
-    request = urllib.request.Request(f'http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints',
-                                     headers={'Metadata-Flavor': 'Google'})
-    try:
-      with urllib.request.urlopen(request, timeout=5) as response:
-        workers = response.read().decode()
-    except OSError:
-      return None
-  slices = os.environ.get('MEGASCALE_NUM_SLICES', '1')
-  hosts = [w for w in workers.split(',') if w.strip()]
-  return len(hosts) * int(slices) if hosts and slices.isdigit() else None
-
-
-def _on_tpu_vm() -> bool:
-  """A Cloud TPU VM's chips are device files (/dev/accel* up to v4, /dev/vfio/<n> from v5e); libtpu alone is not
-  enough, since the TPU compiler is installed on CPU machines too."""
-  return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
+  if final.get('preempted'):
+    sys.exit(_PREEMPTED_EXIT.value)
 
 
 def _console_filter(record: logging_std.LogRecord) -> bool:

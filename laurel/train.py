@@ -29,7 +29,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from laurel import checkpoint, config_lib, console, hardware, metric_writers, sharding
+from laurel import checkpoint, config_lib, console, hardware, lease, metric_writers, sharding
 from laurel.checkpoint import guard_config, run_dir, utc_now
 from laurel.config_lib import InputError
 from laurel.stats import weighted_mean_se
@@ -252,15 +252,21 @@ class Watchdog:
 
 
 
-def train(config, workdir: str, devices=None, allow_config_change: bool = False) -> dict:
+def train(config, workdir: str, devices=None, allow_config_change: bool = False, hold_lease: bool = False) -> dict:
   """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Everything that can fail on
-  bad input is checked before anything is compiled (validate_config, check_inputs, guard_config)."""
+  bad input is checked before anything is compiled (validate_config, check_inputs, guard_config). With hold_lease,
+  process 0 holds WORKDIR/lease.json throughout, and another live run's lease raises lease.Held."""
   started = time.perf_counter()
   devices = jax.devices() if devices is None else devices
   task = validate_config(config, num_devices=len(devices))
-  cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
   workdir = run_dir(workdir)
   check_inputs(task, workdir)
+  with lease.held(workdir, jax.process_index(), jax.process_count()) if hold_lease else contextlib.nullcontext():
+    return _train_checked(config, task, workdir, devices, allow_config_change, started)
+
+
+def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, started: float) -> dict:
+  cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
   with console.deferred():
     guard_config(config, workdir, allow_config_change)
   print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '

@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -47,12 +48,40 @@ def cli_args(spec: str, workdir, overrides: dict) -> list[str]:
   return args + [f'--config.{k}={v}' for k, v in overrides.items()]
 
 
+# Variables by which laurel.cluster finds a cluster: the tests simulate their own, not the one they may run in.
+CLUSTER_VARIABLES = ('SLURM_', 'OMPI_', 'PMIX_', 'JOB_COMPLETION_INDEX', 'KUBERNETES_SERVICE_HOST', 'JAX_COORDINATOR')
+
+
 def cli_env(num_devices: int = 1) -> dict:
-  env = dict(os.environ)
+  env = {k: v for k, v in os.environ.items() if not k.startswith(CLUSTER_VARIABLES)}
   env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={num_devices} {TEST_XLA_FLAGS}'
   env['JAX_PLATFORMS'] = 'cpu'
   env['PYTHONPATH'] = str(ROOT)
   return env
+
+
+def cluster_env(scheduler: str, process: int, processes: int, port: int, num_devices: int = 1) -> dict:
+  """cli_env for process `process` of `processes` on this host, with the variables `scheduler` (slurm, ompi) sets and
+  a localhost coordinator on `port`, where jax.distributed.initialize() finds them."""
+  env = cli_env(num_devices)
+  if scheduler == 'slurm':  # srun --ntasks=N on one node
+    env.update(SLURM_JOB_ID='4242', SLURM_STEP_NODELIST='localhost', SLURM_NTASKS=str(processes),
+               SLURM_PROCID=str(process), SLURM_LOCALID=str(process), SLURM_NODEID='0',
+               SLURM_STEP_TASKS_PER_NODE=str(processes))
+  elif scheduler == 'ompi':  # mpirun -np N (Open MPI 4) on one host
+    env.update(OMPI_MCA_orte_hnp_uri='278003712.0;tcp://127.0.0.1:1', OMPI_COMM_WORLD_SIZE=str(processes),
+               OMPI_COMM_WORLD_RANK=str(process), OMPI_COMM_WORLD_LOCAL_RANK=str(process),
+               OMPI_COMM_WORLD_LOCAL_SIZE=str(processes))
+  else:
+    raise ValueError(scheduler)
+  env['JAX_COORDINATOR_PORT'] = str(port)  # instead of the port jax derives from the job id
+  return env
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
 
 
 def fake_gcs_env(root, num_devices: int = 1) -> dict:

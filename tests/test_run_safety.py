@@ -42,11 +42,11 @@ def run_with_three_checkpoints(tmp_path_factory):
 # 1. A TPU VM trains alone only where its slice provably has one host.
 
 TPU_START = ('import jax, sys\n'
-             'from laurel import main, train\n'
+             'from laurel import cluster, main, train\n'
              'def refuse(*a, **k): raise RuntimeError("no coordinator answered")\n'
              'jax.distributed.initialize = refuse\n'
-             'main._on_tpu_vm = lambda: True\n'
-             'train.train = lambda *a, **k: print("TRAINED ALONE")\n'
+             'cluster.on_tpu_vm = lambda: True\n'
+             'train.train = lambda *a, **k: print("TRAINED ALONE") or {}\n'
              f'sys.argv = ["laurel", "--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny", "--workdir=unused"]\n'
              'main.run()\n')
 

@@ -5,7 +5,6 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, losses, run_cli
+from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, free_port, load_config, losses, run_cli
 from laurel import hardware, step, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
@@ -50,9 +49,12 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
   proc.wait()
   killed_at = max(losses(workdir))
   assert killed_at < 60, 'the run finished before it could be killed'
+  assert json.loads((workdir / 'lease.json').read_text())['pid'] == proc.pid  # left behind, its heartbeat fresh
 
   again = run_cli(SPEC, workdir, overrides)
   assert again.returncode == 0, again.stderr[-2000:]
+  assert f'its pid {proc.pid} is gone from this host' in again.stderr  # taken over at once, not once stale
+  assert not (workdir / 'lease.json').exists()
   assert 'restoring the latest checkpoint...' in again.stdout and 'resumed from checkpoint' in again.stdout
   assert losses(workdir) == losses(tmp_path / 'ref')  # every step, bit for bit
   assert json.loads((workdir / 'final.json').read_text())['eval_loss'] == pytest.approx(
@@ -105,20 +107,30 @@ def test_sharded_meshes_match_one_device(tmp_path, mesh, one_device_losses):
   np.testing.assert_allclose([many[s] for s in sorted(many)], [one[s] for s in sorted(one)], rtol=2e-5)
 
 
+@pytest.fixture(scope='module')
+def eight_device_losses(tmp_path_factory):
+  return _in_process_losses(tmp_path_factory.mktemp('eight'), jax.devices(), (4, 2, 1), data_shards=2)
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_process_with_eight_devices(tmp_path):
+@pytest.mark.parametrize('launcher', ['flags', 'slurm', 'ompi'])
+def test_two_processes_match_one_process_with_eight_devices(tmp_path, launcher, eight_device_losses):
+  """Joined by flags, or as srun and mpirun start them (their variables, a localhost coordinator): laurel.cluster."""
   overrides = {**TINY_LM, 'data_shards': 2, 'mesh.data': 4, 'mesh.fsdp': 2}
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    port = s.getsockname()[1]
-  procs = [subprocess.Popen(cli_args(SPEC, tmp_path / 'two', overrides) + [
-      f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
-      env=cli_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  for p in procs:
-    _, err = p.communicate(timeout=300)
+  port = free_port()
+  flags = lambda i: [f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}']
+  procs = [subprocess.Popen(cli_args(SPEC, tmp_path / 'two', overrides) + (flags(i) if launcher == 'flags' else []),
+                            env=cli_env(4) if launcher == 'flags' else cluster_env(launcher, i, 2, port, 4),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  for i, p in enumerate(procs):
+    out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
-  one = _in_process_losses(tmp_path / 'one', jax.devices(), (4, 2, 1), data_shards=2)
+    found = {'flags': 'flags (--num_processes=2)', 'slurm': 'Slurm (SLURM_NTASKS=2)',
+             'ompi': 'Open MPI (OMPI_COMM_WORLD_SIZE=2)'}[launcher]
+    assert out.startswith(f'cluster: {found}: process {i} of 2 on '), out[:500]
+    assert '4 of 8 cpu devices' in out.splitlines()[0]
   two = losses(tmp_path / 'two')
+  one = eight_device_losses
   assert one.keys() == two.keys()
   np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
 

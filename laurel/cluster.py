@@ -1,0 +1,189 @@
+"""Joins this process to the other processes of its run where the environment says there are others, through JAX's
+own cluster detection (`jax.distributed.initialize()` with no arguments), or refuses to train alone.
+
+  Open MPI      OMPI_COMM_WORLD_SIZE processes (mpirun); jax finds the coordinator in OMPI_MCA_orte_hnp_uri (4.x)
+  Slurm         SLURM_NTASKS processes (srun); jax takes the first host of SLURM_STEP_NODELIST as the coordinator
+  Cloud TPU VM  the slice's hosts (TPU_WORKER_HOSTNAMES on GKE and xpk, else the VM's metadata)
+  Kubernetes    an Indexed Job or JobSet pod (JOB_COMPLETION_INDEX); jax reads the Job through the Kubernetes API
+                (needs the `kubernetes` package: pip install -e '.[k8s]', and a service account that may read pods)
+
+They are checked in that order, jax's own. Where the environment names one process, nothing is joined. Where it names
+several and joining fails or times out, the run ends before compiling with one line and JOIN_FAILED: every process
+would otherwise train alone into the same workdir. A TPU VM whose runtime lists one host still trains alone then.
+"""
+
+import dataclasses
+import glob
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import urllib.request
+
+import jax
+from absl import logging
+
+from laurel import config_lib
+
+JOIN_FAILED = 4  # the launchers' retry policies know it: restart every process together
+JOIN_TIMEOUT_S = 300  # jax's own default
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+  """A cluster environment as its variables describe this process."""
+  name: str
+  processes: int | None  # as the environment names them; None where only jax can tell (Kubernetes)
+  source: str  # the variable read, as NAME=value
+  fix: str  # what to do where joining fails
+
+
+def detect(environ=None) -> Environment | None:
+  """The environment this process runs in, read from its variables alone (nothing started, nothing asked)."""
+  env = os.environ if environ is None else environ
+  if 'OMPI_COMM_WORLD_SIZE' in env:
+    fix = ('start every rank with mpirun; Open MPI 5 sets no OMPI_MCA_orte_hnp_uri, from which jax finds the '
+           'coordinator: there set JAX_COORDINATOR_ADDRESS=HOST:PORT, HOST being rank 0\'s (mpirun -x)')
+    return Environment('Open MPI', _count(env, 'OMPI_COMM_WORLD_SIZE'),
+                       f'OMPI_COMM_WORLD_SIZE={env["OMPI_COMM_WORLD_SIZE"]}', fix)
+  if 'SLURM_JOB_ID' in env:
+    tasks = 'SLURM_NTASKS' if 'SLURM_NTASKS' in env else 'SLURM_NPROCS'
+    fix = ('start one process per task with srun (srun python -m laurel.main ...), all tasks at once; a batch '
+           "script's shell is one process (srun --ntasks=1 trains as one)")
+    return Environment('Slurm', _count(env, tasks) if tasks in env else 1, f'{tasks}={env.get(tasks, "unset")}', fix)
+  if on_tpu_vm():
+    workers = next((f'{k}={env[k]}' for k in ('TPU_PROCESS_ADDRESSES', 'TPU_WORKER_HOSTNAMES') if k in env),
+                   "the VM's metadata")
+    return Environment('Cloud TPU VM', None, workers, 'start every host together')
+  if 'JOB_COMPLETION_INDEX' in env and 'KUBERNETES_SERVICE_HOST' in env:
+    fix = ("install the kubernetes package (pip install -e '.[k8s]'), let the pod's service account get and list "
+           'pods and jobs, and start every pod of the Job together (docs/clusters.md)')
+    return Environment('Kubernetes Indexed Job', None, f'JOB_COMPLETION_INDEX={env["JOB_COMPLETION_INDEX"]}', fix)
+  return None
+
+
+def _count(env, name: str) -> int:
+  value = env[name]
+  if not value.isdigit() or int(value) < 1:
+    config_lib.fail(f'{name}={value!r}: the environment names no number of processes; unset it or fix the launcher')
+  return int(value)
+
+
+def join(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
+         timeout_s: float = JOIN_TIMEOUT_S) -> Environment | None:
+  """Joins the run's processes (explicit flags first, else the environment's), then says so in one line; exits
+  with JOIN_FAILED where the environment names several processes and they do not all join within timeout_s."""
+  if coordinator_address or num_processes:
+    found = Environment('flags', num_processes, f'--num_processes={num_processes}',
+                        'start every process with the same --coordinator_address and --num_processes, each with its '
+                        'own --process_id')
+    _initialize(found, timeout_s, coordinator_address=coordinator_address, num_processes=num_processes,
+                process_id=process_id)
+  else:
+    found = detect()
+    if found is None:
+      return None
+    if found.processes != 1:
+      arguments = {}
+      if found.name == 'Open MPI' and 'OMPI_MCA_orte_hnp_uri' not in os.environ:  # Open MPI 5: jax does not see it
+        arguments = {'num_processes': found.processes, 'process_id': int(os.environ['OMPI_COMM_WORLD_RANK'])}
+      _initialize(found, timeout_s, local_device_ids=local_device_ids(), **arguments)
+  if found.processes is not None and jax.process_count() != found.processes:
+    config_lib.fail(f'{found.source}: names {found.processes} processes, but jax joined {jax.process_count()} '
+                    f'(it found another environment); {found.fix}', code=JOIN_FAILED)
+  devices = jax.devices()
+  print(f'cluster: {found.name} ({found.source}): process {jax.process_index()} of {jax.process_count()} on '
+        f'{socket.gethostname()}, {jax.local_device_count()} of {len(devices)} {devices[0].platform} devices',
+        flush=True)
+  return found
+
+
+def _initialize(found: Environment, timeout_s: float, **arguments):
+  """jax.distributed.initialize, bounded: jax aborts the process (SIGABRT and a C++ stack) where a peer never
+  registers, so a timer ends it first with one line."""
+  started = time.monotonic()
+
+  def give_up():
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel  # where jax keeps the address
+    address = getattr(distributed.global_state, 'coordinator_address', None) or 'unknown'
+    print(f'error: {found.source}: {found.name} names {found.processes or "several"} processes, but they did not '
+          f'all join within {timeout_s:g} s (coordinator {address}, waited {time.monotonic() - started:.0f} s); '
+          f'{found.fix}', file=sys.stderr, flush=True)
+    os._exit(JOIN_FAILED)  # pylint: disable=protected-access  # the main thread is blocked in jax
+
+  timer = threading.Timer(timeout_s, give_up)
+  timer.daemon = True
+  timer.start()
+  try:
+    jax.distributed.initialize(**arguments, initialization_timeout=int(timeout_s) + 60)
+  except (RuntimeError, ValueError) as e:
+    timer.cancel()
+    reason = f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
+    if found.name == 'Cloud TPU VM':
+      hosts = _tpu_host_count()
+      if hosts == 1:
+        logging.warning('jax.distributed.initialize() failed (%s) on a single-host TPU VM; running as one process',
+                        reason)
+        return
+      config_lib.fail(f'jax.distributed.initialize() failed ({reason}) on a TPU VM of a slice with '
+                      f'{"an unknown number of" if hosts is None else hosts} hosts; not training alone, as every '
+                      'host would train into the same workdir on its own. Start every host together, or pass '
+                      '--coordinator_address, --num_processes and --process_id', code=JOIN_FAILED)
+    config_lib.fail(f'{found.source}: {found.name} names {found.processes or "several"} processes, but '
+                    f'jax.distributed.initialize() could not join them ({reason}); {found.fix}', code=JOIN_FAILED)
+  timer.cancel()
+
+
+def local_device_ids(environ=None) -> list[int] | None:
+  """The devices this process uses: None lets jax keep one GPU per process (the local rank's) where several
+  processes share a node; [] keeps every visible device, where one process drives the whole node or the scheduler
+  already gave each process its own GPU (CUDA_VISIBLE_DEVICES names one)."""
+  env = os.environ if environ is None else environ
+  if 'OMPI_COMM_WORLD_LOCAL_SIZE' in env:
+    local = int(env['OMPI_COMM_WORLD_LOCAL_SIZE'])
+  elif 'SLURM_JOB_ID' in env:
+    local = _slurm_tasks_on_node(env.get('SLURM_STEP_TASKS_PER_NODE') or env.get('SLURM_TASKS_PER_NODE', ''),
+                                 int(env.get('SLURM_NODEID', '0')))
+  else:
+    local = None
+  visible = env.get('CUDA_VISIBLE_DEVICES')
+  if local == 1 or (visible is not None and len(visible.split(',')) == 1):
+    return []
+  return None
+
+
+def _slurm_tasks_on_node(tasks_per_node: str, node: int) -> int | None:
+  """Tasks on node `node` from Slurm's compressed list, e.g. '2(x3),1' (2 on nodes 0-2, 1 on node 3)."""
+  counts = []
+  for part in filter(None, tasks_per_node.split(',')):
+    match = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', part)
+    if match is None:
+      return None
+    counts += [int(match[1])] * int(match[2] or 1)
+  return counts[node] if node < len(counts) else None
+
+
+def _tpu_host_count() -> int | None:
+  """Hosts in this TPU VM's slice (times its slices), as the TPU runtime lists them (the environment on GKE, else the
+  VM's metadata server); None where neither says."""
+  workers = os.environ.get('TPU_PROCESS_ADDRESSES') or os.environ.get('TPU_WORKER_HOSTNAMES')
+  if workers is None:
+    host = os.environ.get('GCE_METADATA_IP', 'metadata.google.internal')
+    request = urllib.request.Request(f'http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints',
+                                     headers={'Metadata-Flavor': 'Google'})
+    try:
+      with urllib.request.urlopen(request, timeout=5) as response:
+        workers = response.read().decode()
+    except OSError:
+      return None
+  slices = os.environ.get('MEGASCALE_NUM_SLICES', '1')
+  hosts = [w for w in workers.split(',') if w.strip()]
+  return len(hosts) * int(slices) if hosts and slices.isdigit() else None
+
+
+def on_tpu_vm() -> bool:
+  """A Cloud TPU VM's chips are device files (/dev/accel* up to v4, /dev/vfio/<n> from v5e); libtpu alone is not
+  enough, since the TPU compiler is installed on CPU machines too."""
+  return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))

@@ -1,0 +1,202 @@
+"""WORKDIR/lease.json: the run that holds a workdir, so that a second, uncoordinated run on it is refused at start.
+
+A lease, not a lock, since a run killed with SIGKILL must not block its own rerun. Process 0 of a run writes it (host,
+pid, process id and count, start time, Slurm job, a heartbeat) and a thread rewrites it every HEARTBEAT_S; it is
+removed when the run ends. A run starting on a workdir takes a lease over, with one line saying why, where
+  - its heartbeat is older than STALE_S (a host that died or lost the workdir's storage),
+  - its pid is gone from this very host (a run killed with SIGKILL or by the OOM killer: the rerun starts at once),
+  - it is an earlier incarnation of this Slurm job (requeued: Slurm ended that one first),
+and is refused otherwise (Held, naming the holder). The file is written atomically (laurel.files); a lease is created
+with a hard link, which fails where another run created one first. Clocks of different hosts are compared, so they
+should agree within a fraction of STALE_S (NTP).
+"""
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+from etils import epath
+
+from laurel import files
+
+NAME = 'lease.json'
+HEARTBEAT_S = 10.0
+STALE_S = 60.0
+HELD = 5  # exit status: another live run holds the workdir; a rerun is refused again while it lives
+
+
+class Held(Exception):
+  """The workdir is held by another live run; the message names it."""
+
+
+def _utc(seconds: float) -> str:
+  return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec='seconds')
+
+
+def describe(holder: dict) -> str:
+  return (f'process {holder.get("process_id")} of {holder.get("processes")} (pid {holder.get("pid")}) on host '
+          f'{holder.get("host")}, started {holder.get("started_at")}'
+          + (f', Slurm job {holder["slurm_job"]}' if holder.get('slurm_job') else ''))
+
+
+def _pid_alive(pid) -> bool:
+  try:
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, ValueError, TypeError, OverflowError):
+    return True  # another user's process, or a record we cannot read: assume it lives
+  return True
+
+
+def why_free(holder: dict, me: dict, now: float, stale_s: float = STALE_S) -> str | None:
+  """Why the lease `holder` no longer holds the workdir, or None where it still does."""
+  age = now - float(holder.get('heartbeat', 0))
+  if age > stale_s:
+    return f'its last heartbeat is {age:.0f} s old (stale after {stale_s:.0f} s)'
+  if holder.get('host') == me['host'] and not _pid_alive(holder.get('pid')):
+    return f'its pid {holder.get("pid")} is gone from this host'
+  if (me.get('slurm_job') and holder.get('slurm_job') == me['slurm_job']
+      and int(holder.get('slurm_restart', 0)) < int(me.get('slurm_restart', 0))):
+    return f'it is an earlier run of Slurm job {me["slurm_job"]} (requeued)'
+  return None
+
+
+class Lease:
+  """The lease on one workdir, held by this process from acquire() to release()."""
+
+  def __init__(self, workdir, process_id: int = 0, processes: int = 1, heartbeat_s: float = HEARTBEAT_S,
+               stale_s: float = STALE_S):
+    self.path = epath.Path(workdir) / NAME
+    self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+    now = time.time()
+    self.record = {'host': socket.gethostname(), 'pid': os.getpid(), 'process_id': process_id,
+                   'processes': processes, 'started_at': _utc(now), 'heartbeat': now, 'heartbeat_at': _utc(now),
+                   'slurm_job': os.environ.get('SLURM_JOB_ID'),
+                   'slurm_restart': int(os.environ.get('SLURM_RESTART_COUNT') or 0), 'token': uuid.uuid4().hex}
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._beat, name='laurel-lease', daemon=True)
+
+  def read(self) -> dict | None:
+    """The lease as written, None where there is none; {} where it cannot be parsed (never written by a run)."""
+    try:
+      text = self.path.read_text()
+    except FileNotFoundError:
+      return None
+    try:
+      holder = json.loads(text)
+    except ValueError:
+      return {}
+    return holder if isinstance(holder, dict) else {}
+
+  def acquire(self) -> 'Lease':
+    holder = self.read()
+    if holder is None and self._create():
+      return self._started()
+    holder = self.read() or {}  # created by another run a moment ago, or taken over below
+    reason = why_free(holder, self.record, time.time(), self.stale_s) if holder else 'it is unreadable'
+    if reason is None:
+      raise Held(self._held_message(holder))
+    print(f'lease: taking over {self.path} from {describe(holder)}: {reason}', file=sys.stderr, flush=True)
+    self._write()
+    time.sleep(0.05)  # two runs taking over at once: the later rename wins, and the other sees it below
+    if (now := self.read() or {}).get('token') != self.record['token']:
+      raise Held(self._held_message(now))
+    return self._started()
+
+  def _held_message(self, holder: dict) -> str:
+    age = time.time() - float(holder.get('heartbeat', 0))
+    return (f'--workdir={os.fspath(self.path.parent)!r}: held by a live run: {describe(holder)}, last heartbeat '
+            f'{age:.0f} s ago ({NAME}); wait for it to end or stop it (its lease is free {self.stale_s:.0f} s after '
+            'its last heartbeat); two runs in one workdir overwrite each other')
+
+  def _create(self) -> bool:
+    """Writes the lease where there is none: False where another run's appeared first."""
+    data = json.dumps(self.record, indent=1).encode()
+    if not files.is_remote(self.path):
+      try:
+        return self._link(data)
+      except FileExistsError:
+        return False
+      except OSError:
+        pass  # a filesystem without hard links (some FUSE mounts): as on an object store
+    # No exclusive create: the last writer within a second wins, and the other sees it.
+    files.write_bytes_atomic(self.path, data)
+    time.sleep(1.0)
+    return (self.read() or {}).get('token') == self.record['token']
+
+  def _link(self, data: bytes) -> bool:
+    fd, tmp = tempfile.mkstemp(prefix=f'.{NAME}.', suffix='.tmp', dir=os.fspath(self.path.parent))
+    try:
+      with os.fdopen(fd, 'wb') as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+      os.link(tmp, os.fspath(self.path))  # atomic, and fails where the lease exists
+      return True
+    finally:
+      os.unlink(tmp)
+
+  def _write(self):
+    now = time.time()
+    self.record.update(heartbeat=now, heartbeat_at=_utc(now))
+    files.write_text_atomic(self.path, json.dumps(self.record, indent=1))
+
+  def _started(self) -> 'Lease':
+    self._thread.start()
+    return self
+
+  def _beat(self):
+    while not self._stop.wait(self.heartbeat_s):
+      try:
+        holder = self.read()
+        if (holder or {}).get('token') != self.record['token']:
+          print(f'warning: {self.path}: now held by {describe(holder or {})}; this run no longer renews it (was '
+                'it stopped for longer than the stale limit?)', file=sys.stderr, flush=True)
+          return
+        self._write()
+      except Exception as e:  # pylint: disable=broad-except  # a storage hiccup: try again at the next beat
+        print(f'warning: {self.path}: heartbeat failed: {e!r}', file=sys.stderr, flush=True)
+
+  def release(self):
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join()
+    with contextlib.suppress(FileNotFoundError):
+      if (self.read() or {}).get('token') == self.record['token']:
+        self.path.unlink()
+
+
+@contextlib.contextmanager
+def held(workdir, process_id: int, processes: int, agree=None, **timing):
+  """Holds the workdir's lease for the block where this is process 0 of its run (the others hold none). With several
+  processes, all of them raise Held where process 0 does, so that every one exits with HELD: `agree(flag)` returns
+  process 0's flag on every process (default: jax's multihost broadcast)."""
+  lease, refusal = None, None
+  if process_id == 0:
+    try:
+      lease = Lease(workdir, process_id, processes, **timing).acquire()
+    except Held as e:
+      refusal = e
+  if processes > 1 and (agree or _broadcast)(refusal is not None) and refusal is None:
+    refusal = Held(f'--workdir={os.fspath(workdir)!r}: held by another live run, as process 0 found (its log names '
+                   'the holder)')
+  if refusal is not None:
+    raise refusal
+  try:
+    yield lease
+  finally:
+    if lease is not None:
+      lease.release()
+
+
+def _broadcast(flag: bool) -> bool:
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return bool(multihost_utils.broadcast_one_to_all(flag))
