@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 
 from laurel import config_lib, sharding, step, tasks
 from laurel.config_lib import InputError
+from laurel.files import write_text_atomic
 from laurel.step import validate_config
 
 # What a resumed run may change without --allow_config_change: how long it runs (the cosine decay stretches to the
@@ -235,8 +236,8 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False) -> Non
              'allowed_by_flag': bool(unsafe and step), 'config': json.loads(new)}
     history = workdir / 'config_history.jsonl'
     # read + write, not append: not every filesystem appends
-    history.write_text((history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
-    path.write_text(config.to_json_best_effort(indent=2))
+    write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
+    write_text_atomic(path, config.to_json_best_effort(indent=2))
 
 
 def utc_now() -> str:

@@ -7,7 +7,8 @@
 (c4_ablation, imagenet_resnet50, llm, residual_designs). Bad input exits with status 2 and one line on stderr,
 before anything is traced or any checkpoint touched; so does resuming a workdir with another config, unless
 --allow_config_change. In the train loop SIGTERM and Ctrl-C save a checkpoint and exit 0; elsewhere (start-up,
-compiling) Ctrl-C exits at once with status 130. Rerun the same command to resume.
+compiling) Ctrl-C exits at once with status 130, SIGTERM with 143, each with one line. Rerun the same command to
+resume.
 --config=WORKDIR (or WORKDIR/config.json) is the config a run saved. Any other failure keeps its traceback and exits
 with status 1; a training loss that is not finite exits with 3, a failed start on a TPU slice with 4, a process whose
 loop hung (the watchdog: config.watchdog_*) with 75.

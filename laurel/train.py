@@ -32,6 +32,7 @@ from etils import epath
 from laurel import checkpoint, config_lib, console, hardware, sharding
 from laurel.checkpoint import guard_config, run_dir, utc_now
 from laurel.config_lib import InputError
+from laurel.files import write_text_atomic
 # LOGICAL_AXIS_RULES and NO_DECAY stay importable from here.
 from laurel.step import (LOGICAL_AXIS_RULES, NO_DECAY, compile_step, num_data_shards, step_flops,  # noqa: F401
                          validate_config)
@@ -87,7 +88,7 @@ class MetricsLog:
       if not keep_later_steps:  # drop lines a killed run logged past the checkpoint we resume from
         self.lines = [l for l in self.lines if json.loads(l)['step'] <= resume_step]
       if ''.join(self.lines) != text:
-        self.path.write_text(''.join(self.lines))
+        write_text_atomic(self.path, ''.join(self.lines))
     from clu import metric_writers  # imports TensorFlow (seconds): only where a run starts
     tensorboard = workdir / 'tensorboard' if config.tensorboard and self.active else None
     self.writer = metric_writers.create_default_writer(tensorboard, just_logging=not self.active,
@@ -393,7 +394,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
            'finished_at': utc_now()}
   if pid == 0:
     with console.deferred():
-      (workdir / 'final.json').write_text(json.dumps(final, indent=2) + '\n')
+      write_text_atomic(workdir / 'final.json', json.dumps(final, indent=2) + '\n')
     print(summary(cfg, workdir, final, time.perf_counter() - started), flush=True)
   return final
 

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path
 from laurel import config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 from laurel.tpu_slices import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.files import write_bytes_atomic, write_text_atomic  # pylint: disable=wrong-import-position  # noqa: E402
 
 
 def main(body):
@@ -50,12 +51,12 @@ TABLES = ('c4_ablation', 'residual_designs')  # the LM tables: configs/<table>.p
 def write_json(path: str, result: dict):
   """`result` as indented JSON at `path` (local or gs://), its directory made as needed."""
   epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
-  epath.Path(path).write_text(json.dumps(result, indent=2) + '\n')
+  write_text_atomic(path, json.dumps(result, indent=2) + '\n')
 
 
 def write_json_lines(path, rows: list[dict]):
   """`rows` as JSON lines at `path`, written whole (not every filesystem appends)."""
-  epath.Path(path).write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  write_text_atomic(path, ''.join(json.dumps(r) + '\n' for r in rows))
 
 
 def command() -> str:
@@ -137,8 +138,8 @@ def write_results(directory, stem: str, result: dict, rows: list[dict], markdown
   figure.savefig(png, format='png', dpi=120)
   plt.close(figure)
   for suffix, text in (('json', json.dumps(result, indent=2) + '\n'), ('csv', table.getvalue()), ('md', markdown)):
-    (directory / f'{stem}.{suffix}').write_text(text)
-  (directory / f'{stem}.png').write_bytes(png.getvalue())
+    write_text_atomic(directory / f'{stem}.{suffix}', text)
+  write_bytes_atomic(directory / f'{stem}.png', png.getvalue())
 
 
 def run_points(points: list[dict], log_name: str, command, after=lambda: None) -> list[str]:
@@ -169,10 +170,11 @@ def run_points(points: list[dict], log_name: str, command, after=lambda: None) -
           print(f'{tag} {line}', end='', flush=True)
       running.clear()
       log = point_dir / log_name  # written whole: not every filesystem appends
-      log.write_text((log.read_text() if log.exists() else '') + ''.join(output))
+      write_text_atomic(log, (log.read_text() if log.exists() else '') + ''.join(output))
       if proc.returncode and not stop:
         print(f'{tag} failed (exit {proc.returncode}); see {log}', flush=True)
-        (point_dir / 'failed.json').write_text(json.dumps({'exit': proc.returncode, 'command': typed(cmd)}) + '\n')
+        write_text_atomic(point_dir / 'failed.json',
+                          json.dumps({'exit': proc.returncode, 'command': typed(cmd)}) + '\n')
         failed.append(point['name'])
       after()
   finally:

@@ -1,0 +1,132 @@
+"""Nothing lost and nothing wrong accepted (issue 40): run files written atomically, SIGTERM before the loop, only
+finite checkpoints called good, no silent restart from zero, the config signature in every checkpoint, the bad
+inputs refused before compiling, interrupted sweeps that keep their point, and checksummed array files."""
+import builtins
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, TINY_LM, cli_env, load_config, losses
+from laurel import checkpoint, train
+
+SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
+sys.path.insert(0, str(ROOT / 'scripts'))
+
+
+@pytest.fixture
+def torn_writes(monkeypatch):
+  """torn_writes(*names): from now on every write to a file whose name contains one of `names` writes half its
+  data, then raises KeyboardInterrupt, as a kill in the middle of the write would; torn_writes() ends it."""
+  names = []
+
+  class Torn:
+    def __init__(self, file):
+      self.file = file
+
+    def write(self, data):
+      self.file.write(data[:len(data) // 2])
+      self.file.flush()
+      raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+      return getattr(self.file, name)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.file.close()
+
+  def torn(opener, name_of):
+    def open_(file, mode='r', *args, **kwargs):
+      opened = opener(file, mode, *args, **kwargs)
+      writes = any(c in mode for c in 'wax+')
+      return Torn(opened) if writes and any(n in os.path.basename(name_of(file)) for n in names) else opened
+    return open_
+
+  monkeypatch.setattr(builtins, 'open', torn(builtins.open, os.fspath))
+  monkeypatch.setattr(os, 'fdopen', torn(os.fdopen, lambda fd: os.readlink(f'/proc/self/fd/{fd}')))
+  return lambda *tearing: names.__setitem__(slice(None), tearing)
+
+
+def _files(folder) -> dict:
+  return {p.name: p.read_bytes().decode(errors="replace") for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+# 1. Every file the project rewrites is written atomically; SIGTERM before the loop is one line and a status.
+
+def test_a_kill_inside_the_config_writes_keeps_both_files(tmp_path, torn_writes):
+  config = load_config(SPEC, TINY_LM)
+  checkpoint.guard_config(config, tmp_path)
+  (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
+  before = _files(tmp_path)
+  config.steps = 12  # a longer run: config.json and its history are rewritten
+  for name in ('config_history.jsonl', 'config.json'):
+    torn_writes(name)
+    with pytest.raises(KeyboardInterrupt):
+      checkpoint.guard_config(config, tmp_path)
+    after = _files(tmp_path)  # the old files whole (the history may have one whole line more), no temporary
+    assert sorted(after) == sorted(before) and after['config.json'] == before['config.json']
+    assert after['config_history.jsonl'].startswith(before['config_history.jsonl'])
+    assert [json.loads(l)['step'] for l in after['config_history.jsonl'].splitlines()] in ([0], [0, 6])
+
+
+def test_a_kill_inside_the_metrics_rewrite_keeps_every_line(tmp_path, torn_writes):
+  text = ''.join(json.dumps({'step': s, 'loss': 1.0 / s}) + '\n' for s in (1, 2, 3))
+  (tmp_path / 'metrics.jsonl').write_text(text)
+  torn_writes('metrics.jsonl')
+  with pytest.raises(KeyboardInterrupt):  # a resume from checkpoint 2 drops line 3
+    train.MetricsLog(tmp_path, load_config(SPEC, TINY_LM), resume_step=2, info={})
+  assert _files(tmp_path) == {'metrics.jsonl': text}
+
+
+@pytest.mark.slow
+def test_a_kill_inside_the_final_write_leaves_a_run_that_finishes(tmp_path, torn_writes):
+  config = load_config(SPEC, {**TINY_LM, 'steps': 2})
+  torn_writes('final.json')
+  with pytest.raises(KeyboardInterrupt):
+    train.train(config, str(tmp_path))
+  assert not (tmp_path / 'final.json').exists() and not list(tmp_path.glob('.final.json*'))
+  torn_writes()
+  final = train.train(config, str(tmp_path))
+  assert json.loads((tmp_path / 'final.json').read_text())['step'] == final['step'] == 2
+
+
+def test_a_kill_inside_a_table_write_keeps_the_old_table(tmp_path, torn_writes):
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import common  # pylint: disable=import-outside-toplevel
+  rows = [{'row': 'rw', 'loss': 3.0}]
+  common.write_results(tmp_path, 'sweep', {'rows': rows}, rows, '| rw | 3.0 |\n', plt.figure())
+  common.write_json(tmp_path / 'bench.json', {'rows': rows})
+  before = _files(tmp_path)
+  torn_writes('sweep.json', 'sweep.csv', 'sweep.md', 'bench.json')
+  with pytest.raises(KeyboardInterrupt):
+    common.write_results(tmp_path, 'sweep', {'rows': []}, [], '', plt.figure())
+  with pytest.raises(KeyboardInterrupt):
+    common.write_json(tmp_path / 'bench.json', {'rows': []})
+  assert _files(tmp_path) == before
+
+
+TERM_WHILE_COMPILING = (
+    'import os, signal, sys, time\n'
+    'from laurel import main, step, train\n'
+    'def compile_step(*a):\n'
+    '  os.kill(os.getpid(), signal.SIGTERM)\n'
+    '  time.sleep(60)\n'
+    'train.compile_step = compile_step\n'
+    f'sys.argv = ["laurel", "--config={ROOT / SPEC}", "--workdir=" + sys.argv[1], "--config.steps=2",\n'
+    '            "--config.optimizer.warmup_steps=1"]\n'
+    'main.run()\n')
+
+
+@pytest.mark.slow
+def test_sigterm_while_compiling_is_one_line_and_status_143(tmp_path):
+  result = subprocess.run([sys.executable, '-c', TERM_WHILE_COMPILING, str(tmp_path / 'run')], env=cli_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines() == [
+      'terminated (SIGTERM): exited; nothing was lost (rerun the same command to start or resume)']
