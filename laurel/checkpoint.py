@@ -17,6 +17,7 @@ import flax
 import flax.linen as nn
 import grain
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -109,8 +110,11 @@ def _restore_step(mngr, step, workdir, config, abstract_state, train_iter):
     if (difference := _tree_difference(tree, abstract_state)) is not None:
       raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} does not match the model: {difference} (a '
                        'code change?); nothing was moved: resume with the code that wrote it, or use a new workdir')
-    return 'ok', mngr.restore(step, args=ocp.args.Composite(
+    restored = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
+    if not is_finite(restored['state']):  # saved by code that did not check: resuming it would diverge again
+      return 'damaged', 'its state is not finite'
+    return 'ok', restored
   except Exception as e:  # pylint: disable=broad-except
     if isinstance(e, InputError) or (why := _damage(e)) is None:
       raise
@@ -150,6 +154,18 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter):
     mngr.reload()
     moved.append(step)
   return None, 0, moved
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+
+
+def is_finite(state) -> bool:
+  """Whether every floating-point value of `state` is finite (one reduction on the devices; the same answer on
+  every host)."""
+  return bool(jax.device_get(_all_finite(state).addressable_data(0)))
 
 
 def read_config(workdir) -> ml_collections.ConfigDict:

@@ -325,12 +325,18 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
           watchdog.beat()
       return {f'eval_{k}': s / max(w, 1.0) for k, (s, w) in totals.items()}
 
-    def check_finite(step, metrics):
+    def check_finite(step, metrics, saving=None):
+      """The loss; before a save, also the state `saving`: only a finite state becomes a checkpoint."""
       loss = float(metrics['loss'])
       if not math.isfinite(loss):
-        raise TrainingDiverged(f'loss is {loss} at step {step}; last good checkpoint: '
-                               f'{mngr.latest_step() if mngr.latest_step() is not None else "none"} in '
-                               f'{workdir / "checkpoints"}')
+        diverged = f'loss is {loss}'
+      elif saving is not None and not checkpoint.is_finite(saving):
+        diverged = f'the state (parameters or optimizer state) is not finite (loss {loss:.4f})'
+      else:
+        return
+      raise TrainingDiverged(f'{diverged} at step {step}; not saved; last good checkpoint: '
+                             f'{mngr.latest_step() if mngr.latest_step() is not None else "none"} in '
+                             f'{workdir / "checkpoints"}')
 
     # One process: our own flag. Several: only orbax's reached_preemption, which every host agrees on (JAX's
     # preemption service catches SIGTERM), so no host starts a collective save alone.
@@ -370,7 +376,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
           log.write(done, eval_metrics)
           print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
         if done % cfg.checkpoint_every == 0 or last or stop:
-          check_finite(*pending)
+          check_finite(*pending, saving=state)
           checkpoint.save(mngr, done, state, train_iter, config)
         if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
           t0, interval_start = time.time(), done

@@ -4,10 +4,13 @@ inputs refused before compiling, interrupted sweeps that keep their point, and c
 import builtins
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, losses
@@ -130,3 +133,57 @@ def test_sigterm_while_compiling_is_one_line_and_status_143(tmp_path):
   assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
   assert result.stderr.strip().splitlines() == [
       'terminated (SIGTERM): exited; nothing was lost (rerun the same command to start or resume)']
+
+
+# 2. A checkpoint is good only if its state is.
+
+def _poisoning_compile_step(monkeypatch, at_call: int):
+  """train.compile_step whose compiled step returns a NaN state at its `at_call`th call, with the finite loss of the
+  state it was given (as a learning rate of inf does: the update is NaN, the loss before it is not)."""
+  compile_step = train.compile_step
+
+  class Poisoning:
+    def __init__(self, compiled):
+      self.compiled, self.calls = compiled, 0
+
+    def __getattr__(self, name):
+      return getattr(self.compiled, name)
+
+    def __call__(self, state, batch):
+      self.calls += 1
+      state, metrics = self.compiled(state, batch)
+      if self.calls == at_call:
+        state = state.replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
+      return state, metrics
+
+  def poisoning(*args):
+    compiled, *rest = compile_step(*args)
+    return (Poisoning(compiled), *rest)
+
+  monkeypatch.setattr(train, 'compile_step', poisoning)
+
+
+@pytest.mark.slow
+def test_a_non_finite_state_is_never_saved_nor_named_good(tmp_path, monkeypatch):
+  _poisoning_compile_step(monkeypatch, at_call=3)
+  config = load_config(SPEC, {**TINY_LM, 'steps': 5, 'checkpoint_every': 1})
+  with pytest.raises(train.TrainingDiverged, match=re.escape(
+      'the state (parameters or optimizer state) is not finite (loss ') + r'[\d.]+\) at step 3; not saved; last good '
+      'checkpoint: 2 in '):
+    train.train(config, str(tmp_path))
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [1, 2]
+  monkeypatch.undo()
+  final = train.train(config, str(tmp_path))  # the rerun resumes from checkpoint 2
+  assert final['step'] == 5 and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_a_non_finite_checkpoint_of_older_code_is_moved_aside(tmp_path, monkeypatch):
+  config = load_config(SPEC, {**TINY_LM, 'steps': 3, 'checkpoint_every': 1})
+  monkeypatch.setattr(checkpoint, 'is_finite', lambda state: True, raising=False)  # the old code checked nothing
+  _poisoning_compile_step(monkeypatch, at_call=3)
+  train.train(config, str(tmp_path))
+  monkeypatch.undo()
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [1, 2, 3]
+  final = train.train(config, str(tmp_path))
+  assert final['step'] == 3 and [p.name.split('.')[0] for p in (tmp_path / 'unreadable_checkpoints').iterdir()] == ['3']
