@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import sys
 import time
 
@@ -77,6 +78,8 @@ def _damage(error: BaseException) -> str | None:
     if isinstance(error, (FileNotFoundError, EOFError, json.JSONDecodeError)):
       return line
     if isinstance(error, KeyError) and 'not found in the checkpoint' in str(error):  # an item's directory is gone
+      return line
+    if isinstance(error, ValueError) and re.fullmatch(r'File .+ does not exist\.', str(error)):  # grain's file
       return line
     if any(f'{status}: ' in str(error) for status in DAMAGE_STATUS):
       return line
@@ -166,6 +169,13 @@ def is_finite(state) -> bool:
   """Whether every floating-point value of `state` is finite (one reduction on the devices; the same answer on
   every host)."""
   return bool(jax.device_get(_all_finite(state).addressable_data(0)))
+
+
+def quarantined_steps(workdir) -> list[int]:
+  """The steps of the checkpoints restore_latest has moved aside in `workdir`, in order."""
+  aside = epath.Path(workdir) / 'unreadable_checkpoints'
+  return sorted({int(p.name.split('.')[0]) for p in aside.iterdir() if p.name.split('.')[0].isdigit()}
+                if aside.is_dir() else ())
 
 
 def read_config(workdir) -> ml_collections.ConfigDict:

@@ -41,6 +41,9 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     'allow_config_change', False, 'Resume checkpoints trained with another config: fields other than steps, the '
     'log/eval/checkpoint cadence, the mesh and input workers (laurel.checkpoint.RESUMABLE), which always may change. '
     'The change is recorded in WORKDIR/config_history.jsonl.')
+_ALLOW_FRESH_START = flags.DEFINE_bool(
+    'allow_fresh_start', False, 'Train from step 0 in a workdir whose every checkpoint was unreadable (moved to '
+    'WORKDIR/unreadable_checkpoints); without it such a run stops.')
 _PRINT_CONFIG = flags.DEFINE_bool('print_config', False, 'Print the resolved config (row and overrides, checked) as '
                                   'JSON and exit.')
 _COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, "Compile the step for --topology's TPU slice on this "
@@ -87,7 +90,8 @@ def main(argv):
   # Only bad input is one line (exit 2); anything else from jax, flax, orbax or this code is a bug or an environment
   # failure and keeps its traceback (exit 1).
   try:  # train.train checks the config, the data and the workdir before it compiles anything
-    train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
+                allow_fresh_start=_ALLOW_FRESH_START.value)
   except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
     config_lib.fail(str(e))
   except train.TrainingDiverged as e:

@@ -256,9 +256,11 @@ class Watchdog:
 
 
 
-def train(config, workdir: str, devices=None, allow_config_change: bool = False) -> dict:
+def train(config, workdir: str, devices=None, allow_config_change: bool = False,
+          allow_fresh_start: bool = False) -> dict:
   """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Everything that can fail on
-  bad input is checked before anything is compiled (validate_config, check_inputs, guard_config)."""
+  bad input is checked before anything is compiled (validate_config, check_inputs, guard_config). Where every
+  checkpoint was unreadable (moved aside) it starts from step 0 only if `allow_fresh_start`."""
   started = time.perf_counter()
   devices = jax.devices() if devices is None else devices
   task = validate_config(config, num_devices=len(devices))
@@ -282,7 +284,15 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
     with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
       state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter)
+    if state is None and (quarantined := checkpoint.quarantined_steps(workdir)) and not allow_fresh_start:
+      mngr.close()
+      raise InputError(f'--workdir={os.fspath(workdir)!r}: no readable checkpoint: step'
+                       f'{"s" * (len(quarantined) > 1)} {", ".join(map(str, quarantined))} moved to '
+                       f'{workdir / "unreadable_checkpoints"}; pass --allow_fresh_start to train from step 0')
     if state is None:
+      if quarantined:  # a fresh start is fresh: a failed restore may have moved the input's position
+        train_iter = iter(local_dataset(task, train=True))
+        info = {**info, 'fresh_start_after': quarantined}
       with console.phase('initialising the model'):
         state = init_state(jax.random.key(cfg.seed))
     elif start >= cfg.steps and (workdir / 'final.json').exists():
@@ -300,7 +310,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False)
     if moved_aside:  # the log keeps the steps logged after `start`, and says why they come again
       info = {**info, 'moved_aside': moved_aside}
     with console.deferred():  # it rewrites metrics.jsonl
-      log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside))
+      log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside or 'fresh_start_after' in info))
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
     from clu import periodic_actions  # pylint: disable=import-outside-toplevel
     actions = [periodic_actions.ReportProgress(num_train_steps=cfg.steps, every_steps=cfg.log_every,

@@ -5,6 +5,7 @@ import builtins
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, losses
-from laurel import checkpoint, train
+from laurel import checkpoint, config_lib, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 sys.path.insert(0, str(ROOT / 'scripts'))
@@ -187,3 +188,55 @@ def test_a_non_finite_checkpoint_of_older_code_is_moved_aside(tmp_path, monkeypa
   assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [1, 2, 3]
   final = train.train(config, str(tmp_path))
   assert final['step'] == 3 and [p.name.split('.')[0] for p in (tmp_path / 'unreadable_checkpoints').iterdir()] == ['3']
+
+
+# 3. No silent restart, no half-fresh start; a missing data-iterator file is damage.
+
+@pytest.fixture(scope='module')
+def two_checkpoints(tmp_path_factory):
+  """A run of 6 steps with checkpoints 3 and 6, and its losses."""
+  workdir = tmp_path_factory.mktemp('two') / 'run'
+  train.train(load_config(SPEC, {**TINY_LM, 'checkpoint_every': 3}), str(workdir))
+  return workdir, losses(workdir)
+
+
+def _truncate_arrays(checkpoint_dir):
+  for path in (checkpoint_dir / 'state').rglob('d/*'):
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+@pytest.mark.slow
+def test_no_silent_restart_when_every_checkpoint_is_unreadable(two_checkpoints, tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  (workdir / 'final.json').unlink()
+  for step in (3, 6):
+    _truncate_arrays(workdir / 'checkpoints' / str(step))
+  config = load_config(SPEC, {**TINY_LM, 'checkpoint_every': 3})
+  refused = (f"--workdir={str(workdir)!r}: no readable checkpoint: steps 3, 6 moved to "
+             f"{workdir / 'unreadable_checkpoints'}; pass --allow_fresh_start to train from step 0")
+  for _ in range(2):  # the rerun too: nothing is left to restore, and it still stops
+    with pytest.raises(config_lib.InputError, match=re.escape(refused)):
+      train.train(config, str(workdir))
+  assert not list((workdir / 'checkpoints').iterdir()) and losses(workdir) == two_checkpoints[1]
+  logged = (workdir / 'metrics.jsonl').read_text()
+  train.train(config, str(workdir), allow_fresh_start=True)
+  text = (workdir / 'metrics.jsonl').read_text()
+  assert text.startswith(logged)  # the old lines kept, then the new ones with why
+  assert json.loads(text[len(logged):].splitlines()[0]) | {'fresh_start_after': [3, 6], 'step': 1} == \
+      json.loads(text[len(logged):].splitlines()[0])
+  assert losses(workdir) == two_checkpoints[1]  # fresh, the input's position included: the same losses again
+
+
+@pytest.mark.slow
+def test_a_missing_data_iterator_file_is_damage(two_checkpoints, tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  for path in (workdir / 'checkpoints' / '6' / 'data').glob('process_*'):
+    path.unlink()
+  train.train(load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3}), str(workdir))
+  out = capsys.readouterr()
+  assert 'checkpoint 6 is unreadable (ValueError: File ' in out.err and 'resumed from checkpoint 3' in out.out
+  assert checkpoint.quarantined_steps(workdir) == [6] and max(losses(workdir)) == 7
+  same = lambda run: {s: l for s, l in run.items() if s <= 4}  # 7 steps: the cosine decays on from step 5
+  assert same(losses(workdir)) == same(two_checkpoints[1])
