@@ -1,6 +1,6 @@
 """Checkpoints: the orbax manager, resuming with a damage quarantine, the config guard, parameters for inference.
 
-  WORKDIR/checkpoints/<step>   state (TrainState), data (grain iterator), config (the model's signature)
+  WORKDIR/checkpoints/<step>   state (TrainState), data (grain iterator), config (the config, RESUMABLE fields left out)
   restore_latest               the latest checkpoint every host can read; a damaged one is moved aside, never deleted
   guard_config                 refuses to resume with another config (RESUMABLE fields excepted); config.json, history
   restore_params, lm_run_on_mesh   a run's parameters only, for sampling and evaluation
@@ -45,6 +45,17 @@ def _model_signature(config) -> dict:
   signature = json.loads(ml_collections.ConfigDict({'task': config['task'], 'model': config['model']}).to_json())
   signature['model'] = {k: v for k, v in signature['model'].items() if f'model.{k}' not in RESUMABLE}
   return signature
+
+
+def _run_signature(config) -> dict:
+  """What a checkpoint records of its run's config: every field but the RESUMABLE ones (a checkpoint of older code
+  recorded _model_signature only)."""
+  flat = _flat(config.to_json_best_effort())
+  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if not _resumable(k)}, sep='.')
+
+
+def _resumable(key: str) -> bool:
+  return any(key == f or key.startswith(f + '.') for f in RESUMABLE)
 
 
 def _flat(config_json: str) -> dict:
@@ -101,14 +112,20 @@ def _tree_difference(saved_tree, abstract_state) -> str | None:
   return None if extra is None else f'{extra} is in the checkpoint, not in the model'
 
 
-def _restore_step(mngr, step, workdir, config, abstract_state, train_iter):
+def _restore_step(mngr, step, workdir, config, abstract_state, train_iter, allow_change):
   """('ok', restored), ('damaged', why), or raises: InputError for a checkpoint of another model or parameter
-  tree, any error that is not damage as it is."""
+  tree, or of another config unless `allow_change`; any error that is not damage as it is."""
   try:
     saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
     if not _same_model(saved, config):
       raise InputError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use '
                        'a new workdir or the original config')
+    now = _flat(config.to_json_best_effort())
+    changed = [f'{k}={v!r} (now {now.get(k)!r})' for k, v in _flat(json.dumps(saved)).items()
+               if not _resumable(k) and now.get(k) != v and k != 'task' and not k.startswith('model.')]
+    if changed and not allow_change:  # the checkpoint's own record: config.json may be gone or replaced
+      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} was trained with {", ".join(changed)}; '
+                       'resume with that config, or pass --allow_config_change to go on with the new values')
     tree = ocp.StandardCheckpointHandler().metadata(epath.Path(mngr.directory) / str(step) / 'state').tree
     if (difference := _tree_difference(tree, abstract_state)) is not None:
       raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} does not match the model: {difference} (a '
@@ -124,7 +141,7 @@ def _restore_step(mngr, step, workdir, config, abstract_state, train_iter):
     return 'damaged', why
 
 
-def restore_latest(mngr, workdir, config, abstract_state, train_iter):
+def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_change: bool = False):
   """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). A
   checkpoint whose own data is missing or corrupt is moved aside with a warning, never deleted; a checkpoint of
   another model or parameter tree is an InputError, and any other failure is raised: nothing in the workdir
@@ -133,7 +150,7 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter):
   for step in sorted(mngr.all_steps(), reverse=True):
     failure = None
     try:
-      outcome, result = _restore_step(mngr, step, workdir, config, abstract_state, train_iter)
+      outcome, result = _restore_step(mngr, step, workdir, config, abstract_state, train_iter, allow_change)
     except Exception as e:  # pylint: disable=broad-except  # raised below, once every host knows
       outcome, failure = 'failed', e
     if jax.process_count() > 1:  # all hosts restore the same checkpoint, or all stop
@@ -239,16 +256,17 @@ def _checkpoint_steps(workdir: epath.Path) -> list[int]:
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
-def guard_config(config, workdir: epath.Path, allow_change: bool = False) -> None:
+def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   """Refuses to resume checkpoints with a config that differs from the workdir's config.json in anything but the
-  RESUMABLE fields, unless `allow_change`. Process 0 then writes the config to config.json and, when it is new or
-  changed, a line to config_history.jsonl: every config the workdir has trained with, and from which step."""
+  RESUMABLE fields, unless `allow_change`. Returns `record()`, which writes (on process 0) the config to config.json
+  and, when it is new or changed, a line to config_history.jsonl (every config the workdir has trained with, and
+  from which step): called once the checkpoint is restored, so that a refused one leaves both as they were."""
   path, new = workdir / 'config.json', config.to_json_best_effort()
   now = _flat(new)
   saved = _with_new_fields(_flat(path.read_text()), config, now) if path.exists() else None
   changes = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
              if saved.get(k) != now.get(k)} if saved is not None else {}
-  unsafe = [k for k in changes if not any(k == f or k.startswith(f + '.') for f in RESUMABLE)]
+  unsafe = [k for k in changes if not _resumable(k)]
   step = max(_checkpoint_steps(workdir), default=0)
   listed = lambda keys: ', '.join(f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys)
   if unsafe and step and not allow_change:
@@ -257,13 +275,16 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False) -> Non
                      '--allow_config_change to go on with the new values')
   if step and changes and jax.process_index() == 0:  # e.g. a longer run: said on the console, not only recorded
     print(f'resuming checkpoint {step} with a changed config: {listed(changes)}', flush=True)
-  if jax.process_index() == 0 and (saved is None or changes):
-    entry = {'time': utc_now(), 'step': step, 'changes': {k: list(v) for k, v in changes.items()},
-             'allowed_by_flag': bool(unsafe and step), 'config': json.loads(new)}
-    history = workdir / 'config_history.jsonl'
-    # read + write, not append: not every filesystem appends
-    write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
-    write_text_atomic(path, config.to_json_best_effort(indent=2))
+
+  def record():
+    if jax.process_index() == 0 and (saved is None or changes):
+      entry = {'time': utc_now(), 'step': step, 'changes': {k: list(v) for k, v in changes.items()},
+               'allowed_by_flag': bool(unsafe and step), 'config': json.loads(new)}
+      history = workdir / 'config_history.jsonl'
+      # read + write, not append: not every filesystem appends
+      write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
+      write_text_atomic(path, config.to_json_best_effort(indent=2))
+  return record
 
 
 def utc_now() -> str:
@@ -277,7 +298,7 @@ def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
 
 
 def save(mngr, step_number: int, state, train_iter, config) -> None:
-  """Checkpoint `step_number`: the state, the input iterator's position and the model's signature (async)."""
+  """Checkpoint `step_number`: the state, the input iterator's position and the run's config signature (async)."""
   mngr.save(step_number, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
-      config=ocp.args.JsonSave(_model_signature(config))))
+      config=ocp.args.JsonSave(_run_signature(config))))

@@ -267,8 +267,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
   cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
   workdir = run_dir(workdir)
   check_inputs(task, workdir)
-  with console.deferred():
-    guard_config(config, workdir, allow_config_change)
+  record_config = guard_config(config, workdir, allow_config_change)
   print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '
         f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)
   info = run_info(config)
@@ -283,12 +282,15 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
     train_iter = iter(local_dataset(task, train=True))
     mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
     with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
-      state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter)
+      state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter,
+                                                            allow_change=allow_config_change)
     if state is None and (quarantined := checkpoint.quarantined_steps(workdir)) and not allow_fresh_start:
       mngr.close()
       raise InputError(f'--workdir={os.fspath(workdir)!r}: no readable checkpoint: step'
                        f'{"s" * (len(quarantined) > 1)} {", ".join(map(str, quarantined))} moved to '
                        f'{workdir / "unreadable_checkpoints"}; pass --allow_fresh_start to train from step 0')
+    with console.deferred():  # only now: a refused checkpoint leaves config.json and its history as they were
+      record_config()
     if state is None:
       if quarantined:  # a fresh start is fresh: a failed restore may have moved the input's position
         train_iter = iter(local_dataset(task, train=True))

@@ -240,3 +240,31 @@ def test_a_missing_data_iterator_file_is_damage(two_checkpoints, tmp_path, capsy
   assert checkpoint.quarantined_steps(workdir) == [6] and max(losses(workdir)) == 7
   same = lambda run: {s: l for s, l in run.items() if s <= 4}  # 7 steps: the cosine decays on from step 5
   assert same(losses(workdir)) == same(two_checkpoints[1])
+
+
+# 4. A checkpoint carries its config signature; a refused --allow_config_change changes nothing.
+
+@pytest.mark.slow
+def test_a_checkpoint_refuses_another_learning_rate_without_config_json(two_checkpoints, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  (workdir / 'config.json').unlink()
+  config = load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3})
+  config.optimizer.learning_rate /= 2
+  with pytest.raises(config_lib.InputError, match=re.escape(
+      f'checkpoint 6 was trained with optimizer.learning_rate={2 * config.optimizer.learning_rate!r} (now '
+      f'{config.optimizer.learning_rate!r}); resume with that config, or pass --allow_config_change')):
+    train.train(config, str(workdir))
+  assert not (workdir / 'config.json').exists()
+  assert train.train(config, str(workdir), allow_config_change=True)['step'] == 7
+
+
+@pytest.mark.slow
+def test_a_refused_allow_config_change_leaves_the_config_files_as_they_were(two_checkpoints, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  before = _files(workdir)
+  config = load_config(SPEC, {**TINY_LM, 'steps': 7, 'model.d_model': 64})
+  with pytest.raises(config_lib.InputError, match='holds checkpoints of a different task/model'):
+    train.train(config, str(workdir), allow_config_change=True)
+  assert _files(workdir) == before
