@@ -34,8 +34,8 @@ from laurel.checkpoint import guard_config, run_dir, utc_now
 from laurel.config_lib import InputError
 from laurel.files import write_text_atomic
 # LOGICAL_AXIS_RULES and NO_DECAY stay importable from here.
-from laurel.step import (LOGICAL_AXIS_RULES, NO_DECAY, compile_step, num_data_shards, step_flops,  # noqa: F401
-                         validate_config)
+from laurel.step import (LOGICAL_AXIS_RULES, NO_DECAY, check_fits_host, compile_step, num_data_shards,  # noqa: F401
+                         step_flops, validate_config)
 
 
 class TrainingDiverged(RuntimeError):
@@ -277,6 +277,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
   with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules):
     with console.phase(f'compiling the train step for {len(devices)} device{"s" * (len(devices) > 1)}'):
       compiled, init_state, abstract_state, state_shardings = compile_step(task, mesh)
+    check_fits_host(task, compiled)
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
     train_iter = iter(local_dataset(task, train=True))

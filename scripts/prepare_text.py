@@ -172,6 +172,11 @@ def prepare():
   import grain  # pylint: disable=import-outside-toplevel
   shards = {split: [os.fspath(out / name) for name in names[split]] for split in SPLITS}
   counts = {split: len(grain.sources.ArrayRecordDataSource(paths)) for split, paths in shards.items()}
+  if not sum(counts.values()):  # empty shards would be taken as done by a rerun on good input
+    for path in [*(p for paths in shards.values() for p in paths), os.fspath(out / 'prepare.json')]:
+      epath.Path(path).unlink(missing_ok=True)
+    raise InputError(f'--input={",".join(_INPUT.value)}: its {len(files)} file{"s" * (len(files) > 1)} hold no '
+                     'documents; nothing was kept')
   for split, count in counts.items():
     if not count:
       raise InputError(f'--input: no document went to the {split} split; '

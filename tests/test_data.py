@@ -181,7 +181,7 @@ def test_default_corpus_is_the_standard_library():
 
 @pytest.mark.parametrize('name,field,value,message', [
     ('text', 'name', 'foo', "data.name='foo': must be one of c4, corpus, text, synthetic"),
-    ('text', 'seq_len', 0, 'data.seq_len=0: must be a positive integer'),
+    ('text', 'seq_len', 0, 'data.seq_len=0: must be an integer >= 2'),
     ('text', 'seq_len', 1.5, 'data.seq_len=1.5'),
     ('text', 'path', '/nope/*.txt', "data.path='/nope/*.txt': matches no files"),
     ('text', 'validation_fraction', 1.0, 'data.validation_fraction=1.0'),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, losses
-from laurel import checkpoint, config_lib, train
+from laurel import checkpoint, config_lib, step, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 sys.path.insert(0, str(ROOT / 'scripts'))
@@ -268,3 +268,72 @@ def test_a_refused_allow_config_change_leaves_the_config_files_as_they_were(two_
   with pytest.raises(config_lib.InputError, match='holds checkpoints of a different task/model'):
     train.train(config, str(workdir), allow_config_change=True)
   assert _files(workdir) == before
+
+
+# 6. The inputs that got through, each refused in one line before compiling (the host's memory: before running).
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'data.seq_len': 1}, 'data.seq_len=1: must be an integer >= 2'),
+    ({'model.positional': 'learned', 'model.max_len': 16},
+     'model.max_len=16: shorter than data.seq_len=32; learned positions need one embedding per position'),
+    ({'optimizer.learning_rate': float('inf')}, 'optimizer.learning_rate=inf: must be a positive number'),
+    ({'optimizer.learning_rate': float('nan')}, 'optimizer.learning_rate=nan: must be a positive number'),
+    ({'model.laurel.rw_scale': float('inf')}, 'model.laurel.rw_scale=inf: '),
+    ({'model.rope_base': float('inf')}, 'model.rope_base=inf: must be a number > 1'),
+    ({'steps': 10**22}, 'steps=10000000000000000000000: must be a positive integer below 2**31'),
+])
+def test_bad_numbers_and_shapes_are_refused(overrides, message):
+  with pytest.raises(config_lib.InputError, match=re.escape(message)):
+    step.validate_config(load_config(SPEC, {**TINY_LM, **overrides}), num_devices=1)
+
+
+def test_a_text_corpus_of_empty_files_is_refused(tmp_path):
+  for i in range(4):
+    (tmp_path / f'{i}.txt').write_text('')
+  with pytest.raises(config_lib.InputError, match=r"data\.path='.*': its \d+ train files? (is|are) empty: nothing to "
+                     'train on'):
+    step.validate_config(load_config(SPEC, {**TINY_LM, 'data.name': 'text', 'data.path': f'{tmp_path}/*.txt'}),
+                         num_devices=1)
+
+
+@pytest.mark.slow
+def test_a_flag_with_no_value_names_it():
+  result = subprocess.run([sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=tiny',
+                           '--print_config', '--config.steps'], env=cli_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      'error: --config.steps: no value; write --config.steps=<value>'], result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_step_larger_than_the_host_is_refused_before_it_runs(tmp_path, monkeypatch):
+  monkeypatch.setattr(step, 'available_host_bytes', lambda: 2**20)
+  with pytest.raises(config_lib.InputError, match=r'batch_size=8, data\.seq_len=32: the compiled step needs [\d.]+ '
+                     r'GiB, more than the 0\.0 GiB of memory available on this host'):
+    train.train(load_config(SPEC, TINY_LM), str(tmp_path / 'run'))
+  assert not (tmp_path / 'run' / 'checkpoints').exists() or not list((tmp_path / 'run' / 'checkpoints').iterdir())
+
+
+@pytest.mark.slow
+def test_generating_past_the_context_is_refused(two_checkpoints):
+  result = subprocess.run([sys.executable, '-m', 'laurel.generate', f'--workdir={two_checkpoints[0]}',
+                           '--prompt=ab', '--max_new_tokens=31'], env=cli_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      'error: --max_new_tokens=31: the longest prompt and the new tokens make 33, past the context the model '
+      'trained on (data.seq_len=32)'], result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_prepare_text_on_an_empty_input_keeps_nothing(tmp_path, sp_model):
+  (tmp_path / 'in').mkdir()
+  (tmp_path / 'in' / 'a.txt').write_text('')
+  prepare = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={tmp_path}/in/*.txt',
+             f'--output={tmp_path / "out"}', f'--vocab_path={sp_model}', '--text_unit=line', '--validation_fraction=0.3']
+  result = subprocess.run(prepare, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+      f'error: --input={tmp_path}/in/*.txt: its 1 file hold no documents; nothing was kept'), result.stderr[-2000:]
+  assert not list((tmp_path / 'out').iterdir())
+  (tmp_path / 'in' / 'a.txt').write_text(''.join(f'document {i}\n' for i in range(40)))
+  result = subprocess.run(prepare, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0 and 'documents in 1 shards' in result.stdout, result.stderr[-2000:]
