@@ -145,10 +145,17 @@ def write_results(directory, stem: str, result: dict, rows: list[dict], markdown
 def run_points(points: list[dict], log_name: str, command, after=lambda: None) -> list[str]:
   """`command(point)` for each point ({'name', 'dir': an epath.Path, ...}) without a final.json, in turn, its output
   echoed and added to <dir>/<log_name>, then `after()`. A point that fails gets <dir>/failed.json and the rest go on.
-  Returns the names of the points that failed."""
+  Returns the names of the points that failed. SIGTERM and Ctrl-C are passed on to the running point (in a process
+  group of its own, so that a terminal's Ctrl-C reaches it once, from here), which saves a checkpoint and exits; no
+  further point starts; after Ctrl-C this exits 130 with one line. A second Ctrl-C passes on too: the point exits
+  at once."""
   failed, running, stop = [], [], []
-  # The running point saves a checkpoint and exits; no further point starts.
-  previous = signal.signal(signal.SIGTERM, lambda *_: [stop.append(True), *(p.terminate() for p in running)])
+
+  def stop_running(signum, _):
+    stop.append(signum)
+    for proc in running:
+      proc.send_signal(signum)
+  previous = {s: signal.signal(s, stop_running) for s in (signal.SIGTERM, signal.SIGINT)}
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get('PYTHONPATH')))))
   try:
     for i, point in enumerate(points):
@@ -163,7 +170,8 @@ def run_points(points: list[dict], log_name: str, command, after=lambda: None) -
       cmd = command(point)
       print(f'{tag} + {shell_line(typed(cmd))}', flush=True)
       output = []
-      with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+      with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            process_group=0) as proc:
         running[:] = [proc]
         for line in proc.stdout:
           output.append(line)
@@ -178,7 +186,12 @@ def run_points(points: list[dict], log_name: str, command, after=lambda: None) -
         failed.append(point['name'])
       after()
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+  if signal.SIGINT in stop:
+    print('interrupted: the running point saved what it had (see its log); rerun the same command to resume',
+          file=sys.stderr, flush=True)
+    sys.exit(130)
   if stop:
     print('stopped by SIGTERM; rerun the same command to resume', flush=True)
   return failed

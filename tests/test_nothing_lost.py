@@ -337,3 +337,28 @@ def test_prepare_text_on_an_empty_input_keeps_nothing(tmp_path, sp_model):
   (tmp_path / 'in' / 'a.txt').write_text(''.join(f'document {i}\n' for i in range(40)))
   result = subprocess.run(prepare, cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0 and 'documents in 1 shards' in result.stdout, result.stderr[-2000:]
+
+
+# 5. Ctrl-C on a sweep keeps the point in progress: passed on to it, it saves; the sweep exits 130; a rerun resumes.
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_sweep_saves_the_running_point_and_a_rerun_resumes_it(tmp_path):
+  sweep = [sys.executable, str(ROOT / 'scripts' / 'sweep.py'), f'--config={ROOT / SPEC}', '--field=model.laurel.rank',
+           '--values=4', f'--workdir={tmp_path}', *[f'--set={k}={v}' for k, v in {**TINY_LM, 'steps': 60}.items()]]
+  proc = subprocess.Popen(sweep, env=cli_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  for line in proc.stdout:
+    if ' step 3/60 ' in line:  # the point trains
+      proc.send_signal(signal.SIGINT)  # the sweep's process only, as a terminal's Ctrl-C now reaches it
+      break
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130, err[-2000:]
+  assert err.strip().splitlines()[-1] == ('interrupted: the running point saved what it had (see its log); rerun the '
+                                          'same command to resume')
+  point = tmp_path / 'rank=4'
+  saved = [int(p.name) for p in (point / 'checkpoints').iterdir()]
+  assert len(saved) == 1 and 3 <= saved[0] < 60 and 'preempted: saved checkpoint' in out
+  assert not (point / 'failed.json').exists() and not (point / 'final.json').exists()
+  rerun = subprocess.run(sweep, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  assert f'resumed from checkpoint {saved[0]}' in rerun.stdout and json.loads((point / 'final.json').read_text())[
+      'step'] == 60
