@@ -293,8 +293,9 @@ def utc_now() -> str:
 
 
 def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                                                                             create=True))
+  """The run's checkpoints, `keep` of them; the temporary folders of a save that a kill cut short are removed."""
+  return ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=True, cleanup_tmp_directories=True))
 
 
 def save(mngr, step_number: int, state, train_iter, config) -> None:

@@ -12,6 +12,7 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, losses
@@ -362,3 +363,18 @@ def test_ctrl_c_on_a_sweep_saves_the_running_point_and_a_rerun_resumes_it(tmp_pa
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert f'resumed from checkpoint {saved[0]}' in rerun.stdout and json.loads((point / 'final.json').read_text())[
       'step'] == 60
+
+
+# 7. Litter and noise.
+
+@pytest.mark.slow
+def test_a_save_cut_by_a_kill_leaves_no_temporary_folder(two_checkpoints, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  litter = workdir / 'checkpoints' / f'9{ocp.path.atomicity_types.TMP_DIR_SUFFIX}'
+  shutil.copytree(workdir / 'checkpoints' / '6', litter)  # a save of step 9 killed before its rename
+  for done in litter.rglob('commit_success.txt'):
+    done.unlink()
+  train.train(load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3}), str(workdir))
+  assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == ['3', '6', '7']
+
