@@ -1,6 +1,7 @@
 """Checkpoints: the orbax manager, resuming with a damage quarantine, the config guard, parameters for inference.
 
-  WORKDIR/checkpoints/<step>   state (TrainState), data (grain iterator), config (the config, RESUMABLE fields left out)
+  WORKDIR/checkpoints/<step>   state (TrainState), data (grain iterator), config (the config, RESUMABLE fields left
+                               out), checksums.process_<i>.json (laurel.checksums)
   restore_latest               the latest checkpoint every host can read; a damaged one is moved aside, never deleted
   guard_config                 refuses to resume with another config (RESUMABLE fields excepted); config.json, history
   restore_params, lm_run_on_mesh   a run's parameters only, for sampling and evaluation
@@ -12,7 +13,9 @@ import json
 import os
 import re
 import sys
+import threading
 import time
+import weakref
 
 import flax
 import flax.linen as nn
@@ -26,7 +29,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import config_lib, sharding, step, tasks
+from laurel import checksums, config_lib, sharding, step, tasks
 from laurel.config_lib import InputError
 from laurel.files import write_text_atomic
 from laurel.step import validate_config
@@ -130,6 +133,8 @@ def _restore_step(mngr, step, workdir, config, abstract_state, train_iter, allow
     if (difference := _tree_difference(tree, abstract_state)) is not None:
       raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} does not match the model: {difference} (a '
                        'code change?); nothing was moved: resume with the code that wrote it, or use a new workdir')
+    if (why := checksums.mismatch(epath.Path(mngr.directory) / str(step))) is not None:
+      return 'damaged', why
     restored = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
     if not is_finite(restored['state']):  # saved by code that did not check: resuming it would diverge again
@@ -228,6 +233,9 @@ def restore_params(workdir, task, shardings=None):
     step = mngr.latest_step()
     if step is None:
       raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
+    if (why := checksums.mismatch(epath.Path(mngr.directory) / str(step))) is not None:
+      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} is damaged ({why}); resuming the run moves it '
+                       'aside and goes on from the one before')
     restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
   finally:
@@ -298,8 +306,38 @@ def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
       max_to_keep=keep, create=True, cleanup_tmp_directories=True))
 
 
+_unrecorded = weakref.WeakKeyDictionary()  # manager -> the step of its save whose checksums are not written yet
+_recording = weakref.WeakKeyDictionary()  # manager -> the thread writing a finished save's checksums
+
+
+def finish(mngr, background: bool = False) -> None:
+  """Waits for the save in flight, then records its files' checksums (laurel.checksums); with `background` in a
+  thread that the next call joins, so that the train loop goes on meanwhile."""
+  mngr.wait_until_finished()
+  if (thread := _recording.pop(mngr, None)) is not None:
+    thread.join()
+  step_number = _unrecorded.pop(mngr, None)
+  if step_number is None or step_number not in mngr.all_steps():
+    return
+  step_dir = epath.Path(mngr.directory) / str(step_number)
+  if not background:
+    checksums.record(step_dir)
+    return
+
+  def record():
+    try:
+      checksums.record(step_dir)
+    except FileNotFoundError:  # max_to_keep removed the checkpoint meanwhile
+      pass
+  _recording[mngr] = threading.Thread(target=record, name=f'laurel-checksums-{step_number}')
+  _recording[mngr].start()
+
+
 def save(mngr, step_number: int, state, train_iter, config) -> None:
-  """Checkpoint `step_number`: the state, the input iterator's position and the run's config signature (async)."""
+  """Checkpoint `step_number`: the state, the input iterator's position and the run's config signature (async).
+  Orbax waits for the previous save first; its checksums are then written while this one is."""
+  finish(mngr, background=True)
+  _unrecorded[mngr] = step_number
   mngr.save(step_number, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
       config=ocp.args.JsonSave(_run_signature(config))))

@@ -395,12 +395,12 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
           t0, interval_start = time.time(), done
         watchdog.beat(done)
         if stop:
-          mngr.wait_until_finished()
+          checkpoint.finish(mngr)
           print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
           return {'step': done, 'preempted': True}
       if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
         eval_metrics = evaluate()
-      mngr.wait_until_finished()
+      checkpoint.finish(mngr)
     finally:
       watchdog.stop()
       for signum, old in previous.items():

@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, losses
-from laurel import checkpoint, config_lib, step, train
+from laurel import checkpoint, checksums, config_lib, step, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 sys.path.insert(0, str(ROOT / 'scripts'))
@@ -330,7 +330,8 @@ def test_prepare_text_on_an_empty_input_keeps_nothing(tmp_path, sp_model):
   (tmp_path / 'in').mkdir()
   (tmp_path / 'in' / 'a.txt').write_text('')
   prepare = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={tmp_path}/in/*.txt',
-             f'--output={tmp_path / "out"}', f'--vocab_path={sp_model}', '--text_unit=line', '--validation_fraction=0.3']
+             f'--output={tmp_path / "out"}', f'--vocab_path={sp_model}', '--text_unit=line',
+             '--validation_fraction=0.3']
   result = subprocess.run(prepare, cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
       f'error: --input={tmp_path}/in/*.txt: its 1 file hold no documents; nothing was kept'), result.stderr[-2000:]
@@ -378,3 +379,42 @@ def test_a_save_cut_by_a_kill_leaves_no_temporary_folder(two_checkpoints, tmp_pa
   train.train(load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3}), str(workdir))
   assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == ['3', '6', '7']
 
+
+# 8. A content checksum per saved file, verified on restore: a flipped byte is damage.
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_an_array_file_is_damage(two_checkpoints, tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  array_file = max((workdir / 'checkpoints' / '6' / 'state').rglob('d/*'), key=lambda p: p.stat().st_size)
+  data = bytearray(array_file.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  array_file.write_bytes(bytes(data))
+  config = load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3})
+  with pytest.raises(config_lib.InputError, match=r'checkpoint 6 is damaged \(state/\S+: content checksum mismatch'):
+    checkpoint.restore_params(workdir, step.validate_config(config, num_devices=1))  # what generate and evaluate read
+  train.train(config, str(workdir))
+  out = capsys.readouterr()
+  assert re.search(r'checkpoint 6 is unreadable \(state/\S+: content checksum mismatch', out.err), out.err[-2000:]
+  assert 'resumed from checkpoint 3' in out.out and checkpoint.quarantined_steps(workdir) == [6]
+  assert [p.name for p in (workdir / 'checkpoints' / '3').glob('checksums.*')] == ['checksums.process_0.json']
+
+
+def test_checksums_name_the_changed_missing_or_cut_file(tmp_path, monkeypatch):
+  state = tmp_path / 'state'
+  (state / 'ocdbt.process_1' / 'd').mkdir(parents=True)
+  (state / 'd').mkdir()
+  (state / 'd' / 'a').write_bytes(b'abcd' * 1000)
+  (state / 'ocdbt.process_1' / 'd' / 'b').write_bytes(b'written by process 1')
+  monkeypatch.setattr(checksums.jax, 'process_count', lambda: 2)
+  checksums.record(tmp_path)
+  assert json.loads((tmp_path / 'checksums.process_0.json').read_text()).keys() == {'state/d/a'}  # its own files
+  assert checksums.mismatch(tmp_path) is None
+  (state / 'd' / 'a').write_bytes(b'abce' + b'abcd' * 999)
+  assert checksums.mismatch(tmp_path).startswith('state/d/a: content checksum mismatch (CRC-32 ')
+  (state / 'd' / 'a').write_bytes(b'abcd')
+  assert checksums.mismatch(tmp_path) == 'state/d/a has 4 bytes, 4000 when saved'
+  (state / 'd' / 'a').unlink()
+  assert checksums.mismatch(tmp_path) == 'state/d/a is missing'
+  (tmp_path / 'checksums.process_0.json').unlink()
+  assert checksums.mismatch(tmp_path) is None  # a checkpoint saved before checksums: taken as it is
