@@ -66,14 +66,14 @@ def _files(folder) -> dict:
 
 def test_a_kill_inside_the_config_writes_keeps_both_files(tmp_path, torn_writes):
   config = load_config(SPEC, TINY_LM)
-  checkpoint.guard_config(config, tmp_path)
+  checkpoint.guard_config(config, tmp_path)()  # checked, then written (once the checkpoint is restored)
   (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
   before = _files(tmp_path)
   config.steps = 12  # a longer run: config.json and its history are rewritten
   for name in ('config_history.jsonl', 'config.json'):
     torn_writes(name)
     with pytest.raises(KeyboardInterrupt):
-      checkpoint.guard_config(config, tmp_path)
+      checkpoint.guard_config(config, tmp_path)()
     after = _files(tmp_path)  # the old files whole (the history may have one whole line more), no temporary
     assert sorted(after) == sorted(before) and after['config.json'] == before['config.json']
     assert after['config_history.jsonl'].startswith(before['config_history.jsonl'])
