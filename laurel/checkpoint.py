@@ -268,7 +268,8 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   """Refuses to resume checkpoints with a config that differs from the workdir's config.json in anything but the
   RESUMABLE fields, unless `allow_change`. Returns `record()`, which writes (on process 0) the config to config.json
   and, when it is new or changed, a line to config_history.jsonl (every config the workdir has trained with, and
-  from which step): called once the checkpoint is restored, so that a refused one leaves both as they were."""
+  from which step): called once the checkpoint is restored, so that a refused one leaves both as they were. In a
+  workdir without checkpoints they are written at once."""
   path, new = workdir / 'config.json', config.to_json_best_effort()
   now = _flat(new)
   saved = _with_new_fields(_flat(path.read_text()), config, now) if path.exists() else None
@@ -292,6 +293,9 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
       # read + write, not append: not every filesystem appends
       write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
       write_text_atomic(path, config.to_json_best_effort(indent=2))
+  if not step:  # no checkpoint that a restore could refuse: written now, before anything compiles
+    record()
+    return lambda: None
   return record
 
 
