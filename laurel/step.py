@@ -240,13 +240,14 @@ def compile_step(task, mesh):
   return compiled, init, abstract, state_shardings
 
 
-def check_fits_host(task, compiled) -> None:
+def check_fits_host(task, compiled, num_devices: int = 1) -> None:
   """On the CPU, where a step too large for the host is killed by the kernel with no message: an InputError where
-  the compiled step needs more memory than the host has available, both said."""
+  the compiled step (on `num_devices` CPU devices, all of them this host's) needs more memory than the host has
+  available, both said."""
   available = available_host_bytes()
   if jax.devices()[0].platform != 'cpu' or available is None:
     return
-  need = peak_memory_bytes(compiled)
+  need = peak_memory_bytes(compiled) * num_devices  # XLA's figure is per device
   if need > available:
     config = task.config
     shape = f'batch_size={config.batch_size}' + (f', data.seq_len={config.data.seq_len}' if config.task == 'lm' else '')

@@ -277,7 +277,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
   with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules):
     with console.phase(f'compiling the train step for {len(devices)} device{"s" * (len(devices) > 1)}'):
       compiled, init_state, abstract_state, state_shardings = compile_step(task, mesh)
-    check_fits_host(task, compiled)
+    check_fits_host(task, compiled, len(devices))
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
     train_iter = iter(local_dataset(task, train=True))
