@@ -1,6 +1,7 @@
 """Checkpoints: the orbax manager, resuming with a damage quarantine, the config guard, parameters for inference.
 
-  WORKDIR/checkpoints/<step>   state (TrainState), data (grain iterator), config (the model's signature)
+  WORKDIR/checkpoints/<step>   state (TrainState), data (grain iterator), config (the config, RESUMABLE fields left
+                               out), checksums.process_<i>.json (laurel.checksums)
   restore_latest               the latest checkpoint every host can read; a damaged one is moved aside, never deleted
   guard_config                 refuses to resume with another config (RESUMABLE fields excepted); config.json, history
   restore_params, lm_run_on_mesh   a run's parameters only, for sampling and evaluation
@@ -10,13 +11,17 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import sys
+import threading
 import time
+import weakref
 
 import flax
 import flax.linen as nn
 import grain
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -24,8 +29,9 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import config_lib, sharding, step, tasks
+from laurel import checksums, config_lib, sharding, step, tasks
 from laurel.config_lib import InputError
+from laurel.files import write_text_atomic
 from laurel.step import validate_config
 
 # What a resumed run may change without --allow_config_change: how long it runs (the cosine decay stretches to the
@@ -42,6 +48,17 @@ def _model_signature(config) -> dict:
   signature = json.loads(ml_collections.ConfigDict({'task': config['task'], 'model': config['model']}).to_json())
   signature['model'] = {k: v for k, v in signature['model'].items() if f'model.{k}' not in RESUMABLE}
   return signature
+
+
+def _run_signature(config) -> dict:
+  """What a checkpoint records of its run's config: every field but the RESUMABLE ones (a checkpoint of older code
+  recorded _model_signature only)."""
+  flat = _flat(config.to_json_best_effort())
+  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if not _resumable(k)}, sep='.')
+
+
+def _resumable(key: str) -> bool:
+  return any(key == f or key.startswith(f + '.') for f in RESUMABLE)
 
 
 def _flat(config_json: str) -> dict:
@@ -76,6 +93,8 @@ def _damage(error: BaseException) -> str | None:
       return line
     if isinstance(error, KeyError) and 'not found in the checkpoint' in str(error):  # an item's directory is gone
       return line
+    if isinstance(error, ValueError) and re.fullmatch(r'File .+ does not exist\.', str(error)):  # grain's file
+      return line
     if any(f'{status}: ' in str(error) for status in DAMAGE_STATUS):
       return line
     error = error.__cause__ or error.__context__
@@ -96,27 +115,38 @@ def _tree_difference(saved_tree, abstract_state) -> str | None:
   return None if extra is None else f'{extra} is in the checkpoint, not in the model'
 
 
-def _restore_step(mngr, step, workdir, config, abstract_state, train_iter):
+def _restore_step(mngr, step, workdir, config, abstract_state, train_iter, allow_change):
   """('ok', restored), ('damaged', why), or raises: InputError for a checkpoint of another model or parameter
-  tree, any error that is not damage as it is."""
+  tree, or of another config unless `allow_change`; any error that is not damage as it is."""
   try:
     saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
     if not _same_model(saved, config):
       raise InputError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use '
                        'a new workdir or the original config')
+    now = _flat(config.to_json_best_effort())
+    changed = [f'{k}={v!r} (now {now.get(k)!r})' for k, v in _flat(json.dumps(saved)).items()
+               if not _resumable(k) and now.get(k) != v and k != 'task' and not k.startswith('model.')]
+    if changed and not allow_change:  # the checkpoint's own record: config.json may be gone or replaced
+      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} was trained with {", ".join(changed)}; '
+                       'resume with that config, or pass --allow_config_change to go on with the new values')
     tree = ocp.StandardCheckpointHandler().metadata(epath.Path(mngr.directory) / str(step) / 'state').tree
     if (difference := _tree_difference(tree, abstract_state)) is not None:
       raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} does not match the model: {difference} (a '
                        'code change?); nothing was moved: resume with the code that wrote it, or use a new workdir')
-    return 'ok', mngr.restore(step, args=ocp.args.Composite(
+    if (why := checksums.mismatch(epath.Path(mngr.directory) / str(step))) is not None:
+      return 'damaged', why
+    restored = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
+    if not is_finite(restored['state']):  # saved by code that did not check: resuming it would diverge again
+      return 'damaged', 'its state is not finite'
+    return 'ok', restored
   except Exception as e:  # pylint: disable=broad-except
     if isinstance(e, InputError) or (why := _damage(e)) is None:
       raise
     return 'damaged', why
 
 
-def restore_latest(mngr, workdir, config, abstract_state, train_iter):
+def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_change: bool = False):
   """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). A
   checkpoint whose own data is missing or corrupt is moved aside with a warning, never deleted; a checkpoint of
   another model or parameter tree is an InputError, and any other failure is raised: nothing in the workdir
@@ -125,7 +155,7 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter):
   for step in sorted(mngr.all_steps(), reverse=True):
     failure = None
     try:
-      outcome, result = _restore_step(mngr, step, workdir, config, abstract_state, train_iter)
+      outcome, result = _restore_step(mngr, step, workdir, config, abstract_state, train_iter, allow_change)
     except Exception as e:  # pylint: disable=broad-except  # raised below, once every host knows
       outcome, failure = 'failed', e
     if jax.process_count() > 1:  # all hosts restore the same checkpoint, or all stop
@@ -149,6 +179,25 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter):
     mngr.reload()
     moved.append(step)
   return None, 0, moved
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+
+
+def is_finite(state) -> bool:
+  """Whether every floating-point value of `state` is finite (one reduction on the devices; the same answer on
+  every host)."""
+  return bool(jax.device_get(_all_finite(state).addressable_data(0)))
+
+
+def quarantined_steps(workdir) -> list[int]:
+  """The steps of the checkpoints restore_latest has moved aside in `workdir`, in order."""
+  aside = epath.Path(workdir) / 'unreadable_checkpoints'
+  return sorted({int(p.name.split('.')[0]) for p in aside.iterdir() if p.name.split('.')[0].isdigit()}
+                if aside.is_dir() else ())
 
 
 def read_config(workdir) -> ml_collections.ConfigDict:
@@ -184,6 +233,9 @@ def restore_params(workdir, task, shardings=None):
     step = mngr.latest_step()
     if step is None:
       raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
+    if (why := checksums.mismatch(epath.Path(mngr.directory) / str(step))) is not None:
+      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} is damaged ({why}); resuming the run moves it '
+                       'aside and goes on from the one before')
     restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
   finally:
@@ -212,16 +264,18 @@ def _checkpoint_steps(workdir: epath.Path) -> list[int]:
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
-def guard_config(config, workdir: epath.Path, allow_change: bool = False) -> None:
+def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   """Refuses to resume checkpoints with a config that differs from the workdir's config.json in anything but the
-  RESUMABLE fields, unless `allow_change`. Process 0 then writes the config to config.json and, when it is new or
-  changed, a line to config_history.jsonl: every config the workdir has trained with, and from which step."""
+  RESUMABLE fields, unless `allow_change`. Returns `record()`, which writes (on process 0) the config to config.json
+  and, when it is new or changed, a line to config_history.jsonl (every config the workdir has trained with, and
+  from which step): called once the checkpoint is restored, so that a refused one leaves both as they were. In a
+  workdir without checkpoints they are written at once."""
   path, new = workdir / 'config.json', config.to_json_best_effort()
   now = _flat(new)
   saved = _with_new_fields(_flat(path.read_text()), config, now) if path.exists() else None
   changes = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
              if saved.get(k) != now.get(k)} if saved is not None else {}
-  unsafe = [k for k in changes if not any(k == f or k.startswith(f + '.') for f in RESUMABLE)]
+  unsafe = [k for k in changes if not _resumable(k)]
   step = max(_checkpoint_steps(workdir), default=0)
   listed = lambda keys: ', '.join(f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys)
   if unsafe and step and not allow_change:
@@ -230,13 +284,19 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False) -> Non
                      '--allow_config_change to go on with the new values')
   if step and changes and jax.process_index() == 0:  # e.g. a longer run: said on the console, not only recorded
     print(f'resuming checkpoint {step} with a changed config: {listed(changes)}', flush=True)
-  if jax.process_index() == 0 and (saved is None or changes):
-    entry = {'time': utc_now(), 'step': step, 'changes': {k: list(v) for k, v in changes.items()},
-             'allowed_by_flag': bool(unsafe and step), 'config': json.loads(new)}
-    history = workdir / 'config_history.jsonl'
-    # read + write, not append: not every filesystem appends
-    history.write_text((history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
-    path.write_text(config.to_json_best_effort(indent=2))
+
+  def record():
+    if jax.process_index() == 0 and (saved is None or changes):
+      entry = {'time': utc_now(), 'step': step, 'changes': {k: list(v) for k, v in changes.items()},
+               'allowed_by_flag': bool(unsafe and step), 'config': json.loads(new)}
+      history = workdir / 'config_history.jsonl'
+      # read + write, not append: not every filesystem appends
+      write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
+      write_text_atomic(path, config.to_json_best_effort(indent=2))
+  if not step:  # no checkpoint that a restore could refuse: written now, before anything compiles
+    record()
+    return lambda: None
+  return record
 
 
 def utc_now() -> str:
@@ -245,12 +305,43 @@ def utc_now() -> str:
 
 
 def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                                                                             create=True))
+  """The run's checkpoints, `keep` of them; the temporary folders of a save that a kill cut short are removed."""
+  return ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+
+
+_unrecorded = weakref.WeakKeyDictionary()  # manager -> the step of its save whose checksums are not written yet
+_recording = weakref.WeakKeyDictionary()  # manager -> the thread writing a finished save's checksums
+
+
+def finish(mngr, background: bool = False) -> None:
+  """Waits for the save in flight, then records its files' checksums (laurel.checksums); with `background` in a
+  thread that the next call joins, so that the train loop goes on meanwhile."""
+  mngr.wait_until_finished()
+  if (thread := _recording.pop(mngr, None)) is not None:
+    thread.join()
+  step_number = _unrecorded.pop(mngr, None)
+  if step_number is None or step_number not in mngr.all_steps():
+    return
+  step_dir = epath.Path(mngr.directory) / str(step_number)
+  if not background:
+    checksums.record(step_dir)
+    return
+
+  def record():
+    try:
+      checksums.record(step_dir)
+    except FileNotFoundError:  # max_to_keep removed the checkpoint meanwhile
+      pass
+  _recording[mngr] = threading.Thread(target=record, name=f'laurel-checksums-{step_number}')
+  _recording[mngr].start()
 
 
 def save(mngr, step_number: int, state, train_iter, config) -> None:
-  """Checkpoint `step_number`: the state, the input iterator's position and the model's signature (async)."""
+  """Checkpoint `step_number`: the state, the input iterator's position and the run's config signature (async).
+  Orbax waits for the previous save first; its checksums are then written while this one is."""
+  finish(mngr, background=True)
+  _unrecorded[mngr] = step_number
   mngr.save(step_number, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
-      config=ocp.args.JsonSave(_model_signature(config))))
+      config=ocp.args.JsonSave(_run_signature(config))))

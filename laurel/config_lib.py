@@ -9,6 +9,7 @@ raising a one-line InputError (a ValueError) naming field and value. `load('conf
 
 import dataclasses
 import importlib.util
+import math
 import pathlib
 import re
 import sys
@@ -32,7 +33,9 @@ def is_int(value) -> bool:
 
 
 def is_number(value) -> bool:
-  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+  """A finite number, not a bool: inf and nan are no setting (they fail only after compiling, or train NaN)."""
+  return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+          and math.isfinite(value))
 
 
 # Checks: (predicate, why). `field(default, check)` attaches one to a dataclass field.
@@ -159,9 +162,11 @@ def _saved_run(spec: str) -> str | None:
 def flag_error_message(error: Exception, argv: Sequence[str]) -> str:
   """absl's or ml_collections' error for a bad --config or --config.<field> flag, as one line."""
   root = error
-  while root.__cause__ or root.__context__:  # the config file's own ValueError, if there is one
-    root = root.__cause__ or root.__context__
+  while (cause := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None:
+    root = cause  # the config file's own ValueError, if there is one
   message = ' '.join(str(root).replace('\\n', ' ').split())
+  if missing := re.fullmatch(r'Missing value for flag (-[-\w.]+)', message):
+    return f'{missing.group(1)}: no value; write {missing.group(1)}=<value>'
   if isinstance(root, (AttributeError, KeyError)):  # a locked config rejects unknown fields this way
     name = re.search(r"'(\w+)'", message)
     bad = [a.split('=')[0][2:] for a in argv if a.startswith('--config.') and name

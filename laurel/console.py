@@ -1,7 +1,7 @@
 """What the command-line programs print, and how Ctrl-C stops them.
 
   quiet_start()            before JAX starts a backend: no libtpu error lines on a machine without an accelerator
-  exit_on_interrupt(line)  Ctrl-C prints `line` and exits 130 at once, also while XLA compiles
+  exit_on_interrupt(line)  Ctrl-C prints `line` and exits 130 at once (SIGTERM: 143), also while XLA compiles
   deferred()               a section (a file being written) that Ctrl-C lets finish first
   phase(what)              `what...`, a line every 30 s while it lasts, then how long it took
   step_line, eval_line     one line per logged step and per evaluation
@@ -43,36 +43,42 @@ def quiet_start() -> None:
     jax.config.update('jax_platforms', 'cpu')
 
 
-_interrupt = {'line': 'interrupted', 'deferred': 0, 'pending': False}
+_interrupt = {'line': 'interrupted', 'deferred': 0, 'pending': None}
 _interrupt_lock = threading.RLock()  # re-entered when the handler runs in the main thread inside deferred()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; a scheduler's or `kill`'s stop
 
 
-def _exit_interrupted(*_):
+def _exit_interrupted(signum=signal.SIGINT, _=None):
   with _interrupt_lock:
     if _interrupt['deferred']:
-      _interrupt['pending'] = True
+      _interrupt['pending'] = signum
       return
-    os.write(2, f'{_interrupt["line"]}\n'.encode())  # no buffered stream: the main thread may be inside print()
-    os._exit(130)  # pylint: disable=protected-access  # no unwinding through XLA's and TensorFlow's threads
+    line = _interrupt['line']
+    if signum == signal.SIGTERM:  # the same line, naming the signal
+      line = f'terminated (SIGTERM){line[line.index(":"):] if ":" in line else ""}'
+    os.write(2, f'{line}\n'.encode())  # no buffered stream: the main thread may be inside print()
+    os._exit(128 + signum)  # pylint: disable=protected-access  # no unwinding through XLA's and TensorFlow's threads
 
 
 def _watch_wakeups(reader: socket.socket, writer: socket.socket):
   del writer  # kept alive with this thread: Python writes each caught signal's number to it
   while received := reader.recv(64):
-    if signal.SIGINT in received and signal.getsignal(signal.SIGINT) is _exit_interrupted:
-      _exit_interrupted()
+    for signum in STOP_SIGNALS:
+      if signum in received and signal.getsignal(signum) is _exit_interrupted:
+        _exit_interrupted(signum)
 
 
 def exit_on_interrupt(line: str) -> None:
-  """From now on Ctrl-C prints `line` on stderr and exits with status 130 at once, until a handler of its own
-  replaces this one (the train loop's, which saves a checkpoint first). Python runs a signal handler only between
-  bytecodes, so during a long XLA compile it would wait for the compile; a thread woken through
-  signal.set_wakeup_fd exits instead. Unwinding a KeyboardInterrupt through JAX and TensorFlow crashed at exit
-  (status 139). Call it from the main thread."""
+  """From now on Ctrl-C prints `line` on stderr and exits with status 130 at once, and SIGTERM the same line
+  naming it with status 143, until a handler of its own replaces this one (the train loop's, which saves a
+  checkpoint first). Python runs a signal handler only between bytecodes, so during a long XLA compile it would
+  wait for the compile; a thread woken through signal.set_wakeup_fd exits instead. Unwinding a KeyboardInterrupt
+  through JAX and TensorFlow crashed at exit (status 139). Call it from the main thread."""
   _interrupt['line'] = line
   if signal.getsignal(signal.SIGINT) is _exit_interrupted:
     return
-  signal.signal(signal.SIGINT, _exit_interrupted)
+  for signum in STOP_SIGNALS:
+    signal.signal(signum, _exit_interrupted)
   reader, writer = socket.socketpair()
   writer.setblocking(False)
   signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
@@ -81,7 +87,7 @@ def exit_on_interrupt(line: str) -> None:
 
 @contextlib.contextmanager
 def deferred():
-  """A Ctrl-C (exit_on_interrupt) during this section exits when it ends, so that a file is never half written."""
+  """A Ctrl-C or SIGTERM (exit_on_interrupt) during this section exits when it ends: a file is never half written."""
   with _interrupt_lock:
     _interrupt['deferred'] += 1
   try:
@@ -89,8 +95,8 @@ def deferred():
   finally:
     with _interrupt_lock:
       _interrupt['deferred'] -= 1
-      if _interrupt['pending'] and not _interrupt['deferred']:
-        _exit_interrupted()
+      if _interrupt['pending'] is not None and not _interrupt['deferred']:
+        _exit_interrupted(_interrupt['pending'])
 
 
 def duration(seconds: float) -> str:

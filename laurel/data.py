@@ -28,8 +28,8 @@ import grain
 from grain import experimental as grain_exp
 import numpy as np
 
-from laurel.config_lib import (NON_NEGATIVE_INT, POSITIVE_INT, STRING, InputError, build, field, in_range,
-                               io_error_reason, one_of, optional_import, require)
+from laurel.config_lib import (NON_NEGATIVE_INT, STRING, InputError, build, field, in_range,
+                               io_error_reason, is_int, one_of, optional_import, require)
 
 BYTE_VOCAB_SIZE = 258  # ByteTokenizer's: 256 bytes, padding and end of document
 C4_VOCAB_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'  # T5's 32k SentencePiece model
@@ -46,7 +46,8 @@ MIN_PACKING_BINS = 16  # more open bins pack tighter (less padding) at the cost 
 class LMDataConfig:
   """`config.data` of an LM run."""
   name: str = field('synthetic', one_of('c4', 'corpus', 'text', 'synthetic'))
-  seq_len: int = field(128, POSITIVE_INT)
+  seq_len: int = field(128, (lambda v: is_int(v) and v >= 2, 'must be an integer >= 2 (a row of one token has '
+                                                              'no next token to predict)'))
   # text: a glob of files, '' = the running interpreter's standard library (*.py), '<installed>' = it and every
   # site-packages on sys.path (INSTALLED); c4: the directory of
   # scripts/prepare_c4.py's shards, '' = a TFDS C4 in tfds_data_dir; corpus: scripts/prepare_text.py's output.
@@ -283,6 +284,10 @@ def validate(data_cfg, vocab_size: int, field: str = 'data') -> LMDataConfig:
     if num_files < 2:
       fail('path', 'matches no files' if not num_files else 'matches 1 file; need at least 2 to split train and '
            'validation')
+    for split, split_files_ in zip(('train', 'validation'), split_files(cfg.path, cfg.validation_fraction)):
+      if not any(os.path.getsize(f) for f in split_files_):
+        fail('path', f'its {len(split_files_)} {split} file{"s" * (len(split_files_) > 1)} are empty: nothing to '
+             f'{"train" if split == "train" else "evaluate"} on')
   tokenizer_vocab = BYTE_VOCAB_SIZE
   if cfg.name == 'corpus' and not cfg.path:
     fail('path', "corpus reads the directory that scripts/prepare_text.py wrote (its closing line names every flag)")
@@ -354,8 +359,11 @@ def check_available(data_cfg, vocab_size: int | None = None) -> None:
              "python scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
   if cfg.path:
     for split in splits:
-      require(bool(c4_shards(cfg.path, split, cfg.name)), 'data.path', cfg.path,
+      shards = c4_shards(cfg.path, split, cfg.name)
+      require(bool(shards), 'data.path', cfg.path,
               f'no {cfg.name}-{split}.*{C4_SHARD_SUFFIX} shards; write them with {prepare.format(cfg.path)}')
+      require(len(grain.sources.ArrayRecordDataSource(shards)) > 0, 'data.path', cfg.path,  # reads their footers
+              f'its {cfg.name}-{split} shards hold no documents: nothing to train or evaluate on')
   else:
     found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
     where = cfg.tfds_data_dir or '$TFDS_DATA_DIR or ~/tensorflow_datasets'

@@ -33,6 +33,7 @@ from etils import epath
 
 from laurel import checkpoint, config_lib, console, data, sharding
 from laurel.config_lib import InputError
+from laurel.files import write_text_atomic
 
 FLAGS = flags.FLAGS
 
@@ -232,7 +233,7 @@ def _score(scorer, tokenizer, workdir, tasks, step, max_items, tfds_data_dir):
       result = choice_task(scorer, tokenizer, jsonl_items(spec, max_items))
     result = {'task': task_name(spec), 'spec': spec, 'checkpoint': step, **result}
     with console.deferred():  # Ctrl-C never leaves half a file
-      (epath.Path(workdir) / f'eval_{result["task"]}.json').write_text(json.dumps(result, indent=2) + '\n')
+      write_text_atomic(epath.Path(workdir) / f'eval_{result["task"]}.json', json.dumps(result, indent=2) + '\n')
     yield result
 
 

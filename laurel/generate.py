@@ -136,6 +136,10 @@ def main(argv):
   try:
     with checkpoint.lm_run_on_mesh(FLAGS.workdir) as (task, params, step, _):
       tokenizer = data.make_tokenizer(task.config.data)
+      longest = max(len(tokenizer.encode(p)) for p in FLAGS.prompt) + FLAGS.max_new_tokens
+      if longest > task.config.data.seq_len:  # positions it never trained on: seconds a token, text of no use
+        raise InputError(f'--max_new_tokens={FLAGS.max_new_tokens}: the longest prompt and the new tokens make '
+                         f'{longest}, past the context the model trained on (data.seq_len={task.config.data.seq_len})')
       new_BxN, _ = generate(task.model_cfg, params, [tokenizer.encode(p) for p in FLAGS.prompt], FLAGS.max_new_tokens,
                             temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                             seed=FLAGS.seed, use_cache=FLAGS.cache, pad_id=tokenizer.pad_id)

@@ -5,6 +5,7 @@
   utilisation(...)       MFU or HFU: FLOPs per step over the step time and the devices' summed peak
   xla_costs(compiled)    XLA's (FLOPs, bytes accessed) of a lowered or compiled computation
   peak_memory_bytes(c)   peak bytes of a compiled computation
+  available_host_bytes() the memory this host can still give
 
 Standard library only: the launcher (scripts/launch_tpu.py, laurel.tpu_slices) reads it without loading jax.
 """
@@ -64,6 +65,15 @@ def xla_costs(lowered_or_compiled) -> tuple[float, float]:
 
 def xla_flops(lowered_or_compiled) -> float:
   return xla_costs(lowered_or_compiled)[0]
+
+
+def available_host_bytes() -> int | None:
+  """The memory this host can still give a process (Linux's MemAvailable), or None where it does not say."""
+  try:
+    with open('/proc/meminfo', encoding='ascii') as f:
+      return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+  except (OSError, StopIteration, ValueError):
+    return None
 
 
 def peak_memory_bytes(compiled) -> int:

@@ -7,7 +7,8 @@
 (c4_ablation, imagenet_resnet50, llm, residual_designs). Bad input exits with status 2 and one line on stderr,
 before anything is traced or any checkpoint touched; so does resuming a workdir with another config, unless
 --allow_config_change. In the train loop SIGTERM and Ctrl-C save a checkpoint and exit 0 (or --preempted_exit);
-elsewhere (start-up, compiling) Ctrl-C exits at once with status 130. Rerun the same command to resume.
+elsewhere (start-up, compiling) Ctrl-C exits at once with status 130, SIGTERM with 143, each with one line. Rerun
+the same command to resume.
 --config=WORKDIR (or WORKDIR/config.json) is the config a run saved. Any other failure keeps its traceback and exits
 with status 1; a training loss that is not finite exits with 3, a multi-process run whose processes did not all join
 (docs/clusters.md) with 4, a workdir that another live run holds with 5, a process whose loop hung (the watchdog:
@@ -42,6 +43,9 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     'allow_config_change', False, 'Resume checkpoints trained with another config: fields other than steps, the '
     'log/eval/checkpoint cadence, the mesh and input workers (laurel.checkpoint.RESUMABLE), which always may change. '
     'The change is recorded in WORKDIR/config_history.jsonl.')
+_ALLOW_FRESH_START = flags.DEFINE_bool(
+    'allow_fresh_start', False, 'Train from step 0 in a workdir whose every checkpoint was unreadable (moved to '
+    'WORKDIR/unreadable_checkpoints); without it such a run stops.')
 _PRINT_CONFIG = flags.DEFINE_bool('print_config', False, 'Print the resolved config (row and overrides, checked) as '
                                   'JSON and exit.')
 _COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, "Compile the step for --topology's TPU slice on this "
@@ -87,7 +91,7 @@ def main(argv):
   # failure and keeps its traceback (exit 1).
   try:  # train.train checks the config, the data and the workdir before it compiles anything
     final = train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
-                        hold_lease=True)
+                        allow_fresh_start=_ALLOW_FRESH_START.value, hold_lease=True)
   except lease.Held as e:  # another run trains in this workdir
     config_lib.fail(str(e), code=lease.HELD)
   except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints

@@ -24,7 +24,7 @@ from laurel import config_lib, cross_entropy, lm, sharding, tasks
 from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, STRING, InputError,
                                field, in_range, is_int, one_of, require)
 from laurel.designs import LOGICAL_AXIS_RULES, NO_DECAY  # assembled from the registry
-from laurel.hardware import xla_costs
+from laurel.hardware import available_host_bytes, peak_memory_bytes, xla_costs
 
 UNIT_INTERVAL = in_range(0, 1, closed=(True, False))
 MESH_AXIS = (lambda v: is_int(v) and (v >= 1 or v == -1), 'must be a positive integer or -1')
@@ -75,7 +75,8 @@ class TrainConfig:
   preset: str = ''
   baseline_row: str = ''  # the row this one is compared with
   seed: int = field(0, (is_int, 'must be an integer'))
-  steps: int = field(1000, POSITIVE_INT)
+  steps: int = field(1000, (lambda v: is_int(v) and 1 <= v < 2**31,  # TrainState.step is an int32
+                             'must be a positive integer below 2**31'))
   batch_size: int = field(16, POSITIVE_INT)  # global, in sequences (LM) or images
   log_every: int = field(50, POSITIVE_INT)
   eval_every: int = field(500, POSITIVE_INT)
@@ -247,6 +248,22 @@ def compile_step(task, mesh):
   init = jax.jit(init_state, out_shardings=state_shardings,
                  compiler_options={'xla_backend_optimization_level': 0})
   return compiled, init, abstract, state_shardings
+
+
+def check_fits_host(task, compiled, num_devices: int = 1) -> None:
+  """On the CPU, where a step too large for the host is killed by the kernel with no message: an InputError where
+  the compiled step (on `num_devices` CPU devices, all of them this host's) needs more memory than the host has
+  available, both said."""
+  available = available_host_bytes()
+  if jax.devices()[0].platform != 'cpu' or available is None:
+    return
+  need = peak_memory_bytes(compiled) * num_devices  # XLA's figure is per device
+  if need > available:
+    config = task.config
+    shape = f'batch_size={config.batch_size}' + (f', data.seq_len={config.data.seq_len}' if config.task == 'lm' else '')
+    raise InputError(f'{shape}: the compiled step needs {need / 2**30:,.1f} GiB, more than the '
+                     f'{available / 2**30:,.1f} GiB of memory available on this host; use a smaller batch, sequence '
+                     'or model')
 
 
 def step_costs(task, costs_of, mesh=None) -> tuple[float, float]:

@@ -51,6 +51,9 @@ class LMTask:
     seq_len = self.data_cfg.seq_len
     if cfg.attention == 'splash' and not lm.splash_block(seq_len):
       raise InputError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
+    if cfg.positional == 'learned' and cfg.max_len < seq_len:  # the lookup clamps: later positions would share one
+      raise InputError(f'model.max_len={cfg.max_len}: shorter than data.seq_len={seq_len}; learned positions need one '
+                       'embedding per position')
     if cfg.max_segments > seq_len:
       raise InputError(f'model.max_segments={cfg.max_segments}: a row of data.seq_len={seq_len} tokens holds at most '
                        f'{seq_len} documents')

@@ -32,10 +32,11 @@ from etils import epath
 from laurel import checkpoint, config_lib, console, hardware, lease, metric_writers, sharding
 from laurel.checkpoint import guard_config, run_dir, utc_now
 from laurel.config_lib import InputError
+from laurel.files import write_text_atomic
 from laurel.stats import weighted_mean_se
 # LOGICAL_AXIS_RULES and NO_DECAY stay importable from here.
-from laurel.step import (LOGICAL_AXIS_RULES, NO_DECAY, compile_step, num_data_shards, step_flops,  # noqa: F401
-                         validate_config)
+from laurel.step import (LOGICAL_AXIS_RULES, NO_DECAY, check_fits_host, compile_step, num_data_shards,  # noqa: F401
+                         step_flops, validate_config)
 
 
 class TrainingDiverged(RuntimeError):
@@ -88,7 +89,7 @@ class MetricsLog:
       if not keep_later_steps:  # drop lines a killed run logged past the checkpoint we resume from
         self.lines = [l for l in self.lines if json.loads(l)['step'] <= resume_step]
       if ''.join(self.lines) != text:
-        self.path.write_text(''.join(self.lines))
+        write_text_atomic(self.path, ''.join(self.lines))
     flat = flax.traverse_util.flatten_dict(config.to_dict(), sep='.')
     self.writer = metric_writers.create(workdir, config, flat, self.active, resumed=resume_step > 0)
 
@@ -252,9 +253,11 @@ class Watchdog:
 
 
 
-def train(config, workdir: str, devices=None, allow_config_change: bool = False, hold_lease: bool = False) -> dict:
+def train(config, workdir: str, devices=None, allow_config_change: bool = False, allow_fresh_start: bool = False,
+          hold_lease: bool = False) -> dict:
   """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Everything that can fail on
-  bad input is checked before anything is compiled (validate_config, check_inputs, guard_config). With hold_lease,
+  bad input is checked before anything is compiled (validate_config, check_inputs, guard_config). Where every
+  checkpoint was unreadable (moved aside) it starts from step 0 only if `allow_fresh_start`. With hold_lease,
   process 0 holds WORKDIR/lease.json throughout, and another live run's lease raises lease.Held."""
   started = time.perf_counter()
   devices = jax.devices() if devices is None else devices
@@ -262,13 +265,13 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
   workdir = run_dir(workdir)
   check_inputs(task, workdir)
   with lease.held(workdir, jax.process_index(), jax.process_count()) if hold_lease else contextlib.nullcontext():
-    return _train_checked(config, task, workdir, devices, allow_config_change, started)
+    return _train_checked(config, task, workdir, devices, allow_config_change, allow_fresh_start, started)
 
 
-def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, started: float) -> dict:
+def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
+                   started: float) -> dict:
   cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
-  with console.deferred():
-    guard_config(config, workdir, allow_config_change)
+  record_config = guard_config(config, workdir, allow_config_change)
   print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '
         f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)
   info = run_info(config)
@@ -278,13 +281,25 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
   with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules):
     with console.phase(f'compiling the train step for {len(devices)} device{"s" * (len(devices) > 1)}'):
       compiled, init_state, abstract_state, state_shardings = compile_step(task, mesh)
+    check_fits_host(task, compiled, len(devices))
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
     train_iter = iter(local_dataset(task, train=True))
     mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
     with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
-      state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter)
+      state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter,
+                                                            allow_change=allow_config_change)
+    if state is None and (quarantined := checkpoint.quarantined_steps(workdir)) and not allow_fresh_start:
+      mngr.close()
+      raise InputError(f'--workdir={os.fspath(workdir)!r}: no readable checkpoint: step'
+                       f'{"s" * (len(quarantined) > 1)} {", ".join(map(str, quarantined))} moved to '
+                       f'{workdir / "unreadable_checkpoints"}; pass --allow_fresh_start to train from step 0')
+    with console.deferred():  # only now: a refused checkpoint leaves config.json and its history as they were
+      record_config()
     if state is None:
+      if quarantined:  # a fresh start is fresh: a failed restore may have moved the input's position
+        train_iter = iter(local_dataset(task, train=True))
+        info = {**info, 'fresh_start_after': quarantined}
       with console.phase('initialising the model'):
         state = init_state(jax.random.key(cfg.seed))
     elif start >= cfg.steps and (workdir / 'final.json').exists():
@@ -302,7 +317,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     if moved_aside:  # the log keeps the steps logged after `start`, and says why they come again
       info = {**info, 'moved_aside': moved_aside}
     with console.deferred():  # it rewrites metrics.jsonl
-      log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside))
+      log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside or 'fresh_start_after' in info))
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
     profiler = metric_writers.Profiler(workdir / 'profile', cfg.profile_steps)
     actions = [metric_writers.Progress(log.writer, cfg.log_every, cfg.steps), profiler]
@@ -326,12 +341,18 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
                         **{task.unit: int(totals['loss'][1])})
       return {f'eval_{k}': s / max(w, 1.0) for k, (s, w) in totals.items()}
 
-    def check_finite(step, metrics):
+    def check_finite(step, metrics, saving=None):
+      """The loss; before a save, also the state `saving`: only a finite state becomes a checkpoint."""
       loss = float(metrics['loss'])
       if not math.isfinite(loss):
-        raise TrainingDiverged(f'loss is {loss} at step {step}; last good checkpoint: '
-                               f'{mngr.latest_step() if mngr.latest_step() is not None else "none"} in '
-                               f'{workdir / "checkpoints"}')
+        diverged = f'loss is {loss}'
+      elif saving is not None and not checkpoint.is_finite(saving):
+        diverged = f'the state (parameters or optimizer state) is not finite (loss {loss:.4f})'
+      else:
+        return
+      raise TrainingDiverged(f'{diverged} at step {step}; not saved; last good checkpoint: '
+                             f'{mngr.latest_step() if mngr.latest_step() is not None else "none"} in '
+                             f'{workdir / "checkpoints"}')
 
     # One process: our own flag. Several: only orbax's reached_preemption, which every host agrees on (JAX's
     # preemption service catches SIGTERM), so no host starts a collective save alone.
@@ -371,18 +392,18 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
           log.write(done, eval_metrics)
           print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
         if done % cfg.checkpoint_every == 0 or last or stop:
-          check_finite(*pending)
+          check_finite(*pending, saving=state)
           checkpoint.save(mngr, done, state, train_iter, config)
         if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
           t0, interval_start = time.time(), done
         watchdog.beat(done)
         if stop:
-          mngr.wait_until_finished()
+          checkpoint.finish(mngr)
           print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
           return {'step': done, 'preempted': True}
       if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
         eval_metrics = evaluate()
-      mngr.wait_until_finished()
+      checkpoint.finish(mngr)
       final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
                'peak_memory_bytes': peak_memory,
                'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
@@ -398,7 +419,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
 
   if pid == 0:
     with console.deferred():
-      (workdir / 'final.json').write_text(json.dumps(final, indent=2) + '\n')
+      write_text_atomic(workdir / 'final.json', json.dumps(final, indent=2) + '\n')
     print(summary(cfg, workdir, final, time.perf_counter() - started), flush=True)
   return final
 

@@ -52,12 +52,12 @@ TABLES = ('c4_ablation', 'residual_designs')  # the LM tables: configs/<table>.p
 def write_json(path: str, result: dict):
   """`result` as indented JSON at `path` (local or gs://), its directory made as needed."""
   epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
-  epath.Path(path).write_text(json.dumps(result, indent=2) + '\n')
+  files.write_text_atomic(path, json.dumps(result, indent=2) + '\n')
 
 
 def write_json_lines(path, rows: list[dict]):
   """`rows` as JSON lines at `path`, written whole (not every filesystem appends)."""
-  epath.Path(path).write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  files.write_text_atomic(path, ''.join(json.dumps(r) + '\n' for r in rows))
 
 
 def command() -> str:
@@ -205,10 +205,17 @@ def fit_title(ax, title: str, fontsize: float = 10):
 def run_points(points: list[dict], log_name: str, command, after=lambda: None) -> list[str]:
   """`command(point)` for each point ({'name', 'dir': an epath.Path, ...}) without a final.json, in turn, its output
   echoed and added to <dir>/<log_name>, then `after()`. A point that fails gets <dir>/failed.json and the rest go on.
-  Returns the names of the points that failed."""
+  Returns the names of the points that failed. SIGTERM and Ctrl-C are passed on to the running point (in a process
+  group of its own, so that a terminal's Ctrl-C reaches it once, from here), which saves a checkpoint and exits; no
+  further point starts; after Ctrl-C this exits 130 with one line. A second Ctrl-C passes on too: the point exits
+  at once."""
   failed, running, stop = [], [], []
-  # The running point saves a checkpoint and exits; no further point starts.
-  previous = signal.signal(signal.SIGTERM, lambda *_: [stop.append(True), *(p.terminate() for p in running)])
+
+  def stop_running(signum, _):
+    stop.append(signum)
+    for proc in running:
+      proc.send_signal(signum)
+  previous = {s: signal.signal(s, stop_running) for s in (signal.SIGTERM, signal.SIGINT)}
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get('PYTHONPATH')))))
   try:
     for i, point in enumerate(points):
@@ -223,21 +230,28 @@ def run_points(points: list[dict], log_name: str, command, after=lambda: None) -
       cmd = command(point)
       print(f'{tag} + {shell_line(typed(cmd))}', flush=True)
       output = []
-      with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+      with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            process_group=0) as proc:
         running[:] = [proc]
         for line in proc.stdout:
           output.append(line)
           print(f'{tag} {line}', end='', flush=True)
       running.clear()
       log = point_dir / log_name  # written whole: not every filesystem appends
-      log.write_text((log.read_text() if log.exists() else '') + ''.join(output))
+      files.write_text_atomic(log, (log.read_text() if log.exists() else '') + ''.join(output))
       if proc.returncode and not stop:
         print(f'{tag} failed (exit {proc.returncode}); see {log}', flush=True)
-        (point_dir / 'failed.json').write_text(json.dumps({'exit': proc.returncode, 'command': typed(cmd)}) + '\n')
+        files.write_text_atomic(point_dir / 'failed.json',
+                          json.dumps({'exit': proc.returncode, 'command': typed(cmd)}) + '\n')
         failed.append(point['name'])
       after()
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+  if signal.SIGINT in stop:
+    print('interrupted: the running point saved what it had (see its log); rerun the same command to resume',
+          file=sys.stderr, flush=True)
+    sys.exit(130)
   if stop:
     print('stopped by SIGTERM; rerun the same command to resume', flush=True)
   return failed

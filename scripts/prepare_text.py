@@ -33,6 +33,7 @@ from etils import epath
 
 from laurel import data
 from laurel.config_lib import InputError
+from laurel.files import write_bytes_atomic, write_text_atomic
 
 PREFIX = 'corpus'  # the loader's data.name for these shards
 SPLITS = ('train', 'validation')
@@ -128,14 +129,14 @@ def train_vocab(train_shards: list[str], dest: epath.Path, vocab_size: int, mode
       remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, character_coverage=0.9995,
       input_sentence_size=2_000_000, shuffle_input_sentence=True, hard_vocab_limit=False,
       num_threads=os.cpu_count(), minloglevel=2)
-  dest.write_bytes(model.getvalue())
+  write_bytes_atomic(dest, model.getvalue())
 
 
 def check_resumable(manifest: epath.Path, options: dict):
   if manifest.exists() and (saved := json.loads(manifest.read_text())) != options:
     changed = ', '.join(f'{k}={saved.get(k)!r} (now {v!r})' for k, v in options.items() if saved.get(k) != v)
     raise InputError(f'--output={_OUTPUT.value!r}: was prepared with {changed}; use another --output')
-  manifest.write_text(json.dumps(options, indent=2) + '\n')
+  write_text_atomic(manifest, json.dumps(options, indent=2) + '\n')
 
 
 def prepare():
@@ -171,6 +172,11 @@ def prepare():
   import grain  # pylint: disable=import-outside-toplevel
   shards = {split: [os.fspath(out / name) for name in names[split]] for split in SPLITS}
   counts = {split: len(grain.sources.ArrayRecordDataSource(paths)) for split, paths in shards.items()}
+  if not sum(counts.values()):  # empty shards would be taken as done by a rerun on good input
+    for path in [*(p for paths in shards.values() for p in paths), os.fspath(out / 'prepare.json')]:
+      epath.Path(path).unlink(missing_ok=True)
+    raise InputError(f'--input={",".join(_INPUT.value)}: its {len(files)} file{"s" * (len(files) > 1)} hold no '
+                     'documents; nothing was kept')
   for split, count in counts.items():
     if not count:
       raise InputError(f'--input: no document went to the {split} split; '

@@ -253,7 +253,7 @@ def test_installed_roots_are_the_stdlib_and_each_site_packages_on_sys_path_once(
 
 @pytest.mark.parametrize('name,field,value,message', [
     ('text', 'name', 'foo', "data.name='foo': must be one of c4, corpus, text, synthetic"),
-    ('text', 'seq_len', 0, 'data.seq_len=0: must be a positive integer'),
+    ('text', 'seq_len', 0, 'data.seq_len=0: must be an integer >= 2'),
     ('text', 'seq_len', 1.5, 'data.seq_len=1.5'),
     ('text', 'path', '/nope/*.txt', "data.path='/nope/*.txt': matches no files"),
     ('text', 'validation_fraction', 1.0, 'data.validation_fraction=1.0'),

@@ -1,0 +1,420 @@
+"""Nothing lost and nothing wrong accepted (issue 40): run files written atomically, SIGTERM before the loop, only
+finite checkpoints called good, no silent restart from zero, the config signature in every checkpoint, the bad
+inputs refused before compiling, interrupted sweeps that keep their point, and checksummed array files."""
+import builtins
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from helpers import ROOT, TINY_LM, cli_env, load_config, losses
+from laurel import checkpoint, checksums, config_lib, step, train
+
+SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
+sys.path.insert(0, str(ROOT / 'scripts'))
+
+
+@pytest.fixture
+def torn_writes(monkeypatch):
+  """torn_writes(*names): from now on every write to a file whose name contains one of `names` writes half its
+  data, then raises KeyboardInterrupt, as a kill in the middle of the write would; torn_writes() ends it."""
+  names = []
+
+  class Torn:
+    def __init__(self, file):
+      self.file = file
+
+    def write(self, data):
+      self.file.write(data[:len(data) // 2])
+      self.file.flush()
+      raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+      return getattr(self.file, name)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.file.close()
+
+  def torn(opener, name_of):
+    def open_(file, mode='r', *args, **kwargs):
+      opened = opener(file, mode, *args, **kwargs)
+      writes = any(c in mode for c in 'wax+')
+      return Torn(opened) if writes and any(n in os.path.basename(name_of(file)) for n in names) else opened
+    return open_
+
+  monkeypatch.setattr(builtins, 'open', torn(builtins.open, os.fspath))
+  monkeypatch.setattr(os, 'fdopen', torn(os.fdopen, lambda fd: os.readlink(f'/proc/self/fd/{fd}')))
+  return lambda *tearing: names.__setitem__(slice(None), tearing)
+
+
+def _files(folder) -> dict:
+  return {p.name: p.read_bytes().decode(errors="replace") for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+# 1. Every file the project rewrites is written atomically; SIGTERM before the loop is one line and a status.
+
+def test_a_kill_inside_the_config_writes_keeps_both_files(tmp_path, torn_writes):
+  config = load_config(SPEC, TINY_LM)
+  checkpoint.guard_config(config, tmp_path)()  # checked, then written (once the checkpoint is restored)
+  (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
+  before = _files(tmp_path)
+  config.steps = 12  # a longer run: config.json and its history are rewritten
+  for name in ('config_history.jsonl', 'config.json'):
+    torn_writes(name)
+    with pytest.raises(KeyboardInterrupt):
+      checkpoint.guard_config(config, tmp_path)()
+    after = _files(tmp_path)  # the old files whole (the history may have one whole line more), no temporary
+    assert sorted(after) == sorted(before) and after['config.json'] == before['config.json']
+    assert after['config_history.jsonl'].startswith(before['config_history.jsonl'])
+    assert [json.loads(l)['step'] for l in after['config_history.jsonl'].splitlines()] in ([0], [0, 6])
+
+
+def test_a_kill_inside_the_metrics_rewrite_keeps_every_line(tmp_path, torn_writes):
+  text = ''.join(json.dumps({'step': s, 'loss': 1.0 / s}) + '\n' for s in (1, 2, 3))
+  (tmp_path / 'metrics.jsonl').write_text(text)
+  torn_writes('metrics.jsonl')
+  with pytest.raises(KeyboardInterrupt):  # a resume from checkpoint 2 drops line 3
+    train.MetricsLog(tmp_path, load_config(SPEC, TINY_LM), resume_step=2, info={})
+  assert _files(tmp_path) == {'metrics.jsonl': text}
+
+
+@pytest.mark.slow
+def test_a_kill_inside_the_final_write_leaves_a_run_that_finishes(tmp_path, torn_writes):
+  config = load_config(SPEC, {**TINY_LM, 'steps': 2})
+  torn_writes('final.json')
+  with pytest.raises(KeyboardInterrupt):
+    train.train(config, str(tmp_path))
+  assert not (tmp_path / 'final.json').exists() and not list(tmp_path.glob('.final.json*'))
+  torn_writes()
+  final = train.train(config, str(tmp_path))
+  assert json.loads((tmp_path / 'final.json').read_text())['step'] == final['step'] == 2
+
+
+def test_a_kill_inside_a_table_write_keeps_the_old_table(tmp_path, torn_writes):
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import common  # pylint: disable=import-outside-toplevel
+  rows = [{'row': 'rw', 'loss': 3.0}]
+  common.write_results(tmp_path, 'sweep', {'rows': rows}, rows, '| rw | 3.0 |\n', plt.figure())
+  common.write_json(tmp_path / 'bench.json', {'rows': rows})
+  before = _files(tmp_path)
+  torn_writes('sweep.json', 'sweep.csv', 'sweep.md', 'bench.json')
+  with pytest.raises(KeyboardInterrupt):
+    common.write_results(tmp_path, 'sweep', {'rows': []}, [], '', plt.figure())
+  with pytest.raises(KeyboardInterrupt):
+    common.write_json(tmp_path / 'bench.json', {'rows': []})
+  assert _files(tmp_path) == before
+
+
+TERM_WHILE_COMPILING = (
+    'import os, signal, sys, time\n'
+    'from laurel import main, step, train\n'
+    'def compile_step(*a):\n'
+    '  os.kill(os.getpid(), signal.SIGTERM)\n'
+    '  time.sleep(60)\n'
+    'train.compile_step = compile_step\n'
+    f'sys.argv = ["laurel", "--config={ROOT / SPEC}", "--workdir=" + sys.argv[1], "--config.steps=2",\n'
+    '            "--config.optimizer.warmup_steps=1"]\n'
+    'main.run()\n')
+
+
+@pytest.mark.slow
+def test_sigterm_while_compiling_is_one_line_and_status_143(tmp_path):
+  result = subprocess.run([sys.executable, '-c', TERM_WHILE_COMPILING, str(tmp_path / 'run')], env=cli_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines() == [
+      'terminated (SIGTERM): exited; nothing was lost (rerun the same command to start or resume)']
+
+
+# 2. A checkpoint is good only if its state is.
+
+def _poisoning_compile_step(monkeypatch, at_call: int):
+  """train.compile_step whose compiled step returns a NaN state at its `at_call`th call, with the finite loss of the
+  state it was given (as a learning rate of inf does: the update is NaN, the loss before it is not)."""
+  compile_step = train.compile_step
+
+  class Poisoning:
+    def __init__(self, compiled):
+      self.compiled, self.calls = compiled, 0
+
+    def __getattr__(self, name):
+      return getattr(self.compiled, name)
+
+    def __call__(self, state, batch):
+      self.calls += 1
+      state, metrics = self.compiled(state, batch)
+      if self.calls == at_call:
+        state = state.replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
+      return state, metrics
+
+  def poisoning(*args):
+    compiled, *rest = compile_step(*args)
+    return (Poisoning(compiled), *rest)
+
+  monkeypatch.setattr(train, 'compile_step', poisoning)
+
+
+@pytest.mark.slow
+def test_a_non_finite_state_is_never_saved_nor_named_good(tmp_path, monkeypatch):
+  _poisoning_compile_step(monkeypatch, at_call=3)
+  config = load_config(SPEC, {**TINY_LM, 'steps': 5, 'checkpoint_every': 1})
+  with pytest.raises(train.TrainingDiverged, match=re.escape(
+      'the state (parameters or optimizer state) is not finite (loss ') + r'[\d.]+\) at step 3; not saved; last good '
+      'checkpoint: 2 in '):
+    train.train(config, str(tmp_path))
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [1, 2]
+  monkeypatch.undo()
+  final = train.train(config, str(tmp_path))  # the rerun resumes from checkpoint 2
+  assert final['step'] == 5 and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_a_non_finite_checkpoint_of_older_code_is_moved_aside(tmp_path, monkeypatch):
+  config = load_config(SPEC, {**TINY_LM, 'steps': 3, 'checkpoint_every': 1})
+  monkeypatch.setattr(checkpoint, 'is_finite', lambda state: True, raising=False)  # the old code checked nothing
+  _poisoning_compile_step(monkeypatch, at_call=3)
+  train.train(config, str(tmp_path))
+  monkeypatch.undo()
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [1, 2, 3]
+  final = train.train(config, str(tmp_path))
+  assert final['step'] == 3 and [p.name.split('.')[0] for p in (tmp_path / 'unreadable_checkpoints').iterdir()] == ['3']
+
+
+# 3. No silent restart, no half-fresh start; a missing data-iterator file is damage.
+
+@pytest.fixture(scope='module')
+def two_checkpoints(tmp_path_factory):
+  """A run of 6 steps with checkpoints 3 and 6, and its losses."""
+  workdir = tmp_path_factory.mktemp('two') / 'run'
+  train.train(load_config(SPEC, {**TINY_LM, 'checkpoint_every': 3}), str(workdir))
+  return workdir, losses(workdir)
+
+
+def _truncate_arrays(checkpoint_dir):
+  for path in (checkpoint_dir / 'state').rglob('d/*'):
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+@pytest.mark.slow
+def test_no_silent_restart_when_every_checkpoint_is_unreadable(two_checkpoints, tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  (workdir / 'final.json').unlink()
+  for step in (3, 6):
+    _truncate_arrays(workdir / 'checkpoints' / str(step))
+  config = load_config(SPEC, {**TINY_LM, 'checkpoint_every': 3})
+  refused = (f"--workdir={str(workdir)!r}: no readable checkpoint: steps 3, 6 moved to "
+             f"{workdir / 'unreadable_checkpoints'}; pass --allow_fresh_start to train from step 0")
+  for _ in range(2):  # the rerun too: nothing is left to restore, and it still stops
+    with pytest.raises(config_lib.InputError, match=re.escape(refused)):
+      train.train(config, str(workdir))
+  assert not list((workdir / 'checkpoints').iterdir()) and losses(workdir) == two_checkpoints[1]
+  logged = (workdir / 'metrics.jsonl').read_text()
+  train.train(config, str(workdir), allow_fresh_start=True)
+  text = (workdir / 'metrics.jsonl').read_text()
+  assert text.startswith(logged)  # the old lines kept, then the new ones with why
+  assert json.loads(text[len(logged):].splitlines()[0]) | {'fresh_start_after': [3, 6], 'step': 1} == \
+      json.loads(text[len(logged):].splitlines()[0])
+  assert losses(workdir) == two_checkpoints[1]  # fresh, the input's position included: the same losses again
+
+
+@pytest.mark.slow
+def test_a_missing_data_iterator_file_is_damage(two_checkpoints, tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  for path in (workdir / 'checkpoints' / '6' / 'data').glob('process_*'):
+    path.unlink()
+  train.train(load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3}), str(workdir))
+  out = capsys.readouterr()
+  assert 'checkpoint 6 is unreadable (ValueError: File ' in out.err and 'resumed from checkpoint 3' in out.out
+  assert checkpoint.quarantined_steps(workdir) == [6] and max(losses(workdir)) == 7
+  same = lambda run: {s: l for s, l in run.items() if s <= 4}  # 7 steps: the cosine decays on from step 5
+  assert same(losses(workdir)) == same(two_checkpoints[1])
+
+
+# 4. A checkpoint carries its config signature; a refused --allow_config_change changes nothing.
+
+@pytest.mark.slow
+def test_a_checkpoint_refuses_another_learning_rate_without_config_json(two_checkpoints, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  (workdir / 'config.json').unlink()
+  config = load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3})
+  config.optimizer.learning_rate /= 2
+  with pytest.raises(config_lib.InputError, match=re.escape(
+      f'checkpoint 6 was trained with optimizer.learning_rate={2 * config.optimizer.learning_rate!r} (now '
+      f'{config.optimizer.learning_rate!r}); resume with that config, or pass --allow_config_change')):
+    train.train(config, str(workdir))
+  assert not (workdir / 'config.json').exists()
+  assert train.train(config, str(workdir), allow_config_change=True)['step'] == 7
+
+
+@pytest.mark.slow
+def test_a_refused_allow_config_change_leaves_the_config_files_as_they_were(two_checkpoints, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  before = _files(workdir)
+  config = load_config(SPEC, {**TINY_LM, 'steps': 7, 'model.d_model': 64})
+  with pytest.raises(config_lib.InputError, match='holds checkpoints of a different task/model'):
+    train.train(config, str(workdir), allow_config_change=True)
+  assert _files(workdir) == before
+
+
+# 6. The inputs that got through, each refused in one line before compiling (the host's memory: before running).
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'data.seq_len': 1}, 'data.seq_len=1: must be an integer >= 2'),
+    ({'model.positional': 'learned', 'model.max_len': 16},
+     'model.max_len=16: shorter than data.seq_len=32; learned positions need one embedding per position'),
+    ({'optimizer.learning_rate': float('inf')}, 'optimizer.learning_rate=inf: must be a positive number'),
+    ({'optimizer.learning_rate': float('nan')}, 'optimizer.learning_rate=nan: must be a positive number'),
+    ({'model.laurel.rw_scale': float('inf')}, 'model.laurel.rw_scale=inf: '),
+    ({'model.rope_base': float('inf')}, 'model.rope_base=inf: must be a number > 1'),
+    ({'steps': 10**22}, 'steps=10000000000000000000000: must be a positive integer below 2**31'),
+])
+def test_bad_numbers_and_shapes_are_refused(overrides, message):
+  with pytest.raises(config_lib.InputError, match=re.escape(message)):
+    step.validate_config(load_config(SPEC, {**TINY_LM, **overrides}), num_devices=1)
+
+
+def test_a_text_corpus_of_empty_files_is_refused(tmp_path):
+  for i in range(4):
+    (tmp_path / f'{i}.txt').write_text('')
+  with pytest.raises(config_lib.InputError, match=r"data\.path='.*': its \d+ train files? (is|are) empty: nothing to "
+                     'train on'):
+    step.validate_config(load_config(SPEC, {**TINY_LM, 'data.name': 'text', 'data.path': f'{tmp_path}/*.txt'}),
+                         num_devices=1)
+
+
+@pytest.mark.slow
+def test_a_flag_with_no_value_names_it():
+  result = subprocess.run([sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=tiny',
+                           '--print_config', '--config.steps'], env=cli_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      'error: --config.steps: no value; write --config.steps=<value>'], result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_step_larger_than_the_host_is_refused_before_it_runs(tmp_path, monkeypatch):
+  monkeypatch.setattr(step, 'available_host_bytes', lambda: 2**20)
+  with pytest.raises(config_lib.InputError, match=r'batch_size=8, data\.seq_len=32: the compiled step needs [\d.]+ '
+                     r'GiB, more than the 0\.0 GiB of memory available on this host'):
+    train.train(load_config(SPEC, TINY_LM), str(tmp_path / 'run'))
+  assert not (tmp_path / 'run' / 'checkpoints').exists() or not list((tmp_path / 'run' / 'checkpoints').iterdir())
+
+
+@pytest.mark.slow
+def test_generating_past_the_context_is_refused(two_checkpoints):
+  result = subprocess.run([sys.executable, '-m', 'laurel.generate', f'--workdir={two_checkpoints[0]}',
+                           '--prompt=ab', '--max_new_tokens=31'], env=cli_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      'error: --max_new_tokens=31: the longest prompt and the new tokens make 33, past the context the model '
+      'trained on (data.seq_len=32)'], result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_prepare_text_on_an_empty_input_keeps_nothing(tmp_path, sp_model):
+  (tmp_path / 'in').mkdir()
+  (tmp_path / 'in' / 'a.txt').write_text('')
+  prepare = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={tmp_path}/in/*.txt',
+             f'--output={tmp_path / "out"}', f'--vocab_path={sp_model}', '--text_unit=line',
+             '--validation_fraction=0.3']
+  result = subprocess.run(prepare, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+      f'error: --input={tmp_path}/in/*.txt: its 1 file hold no documents; nothing was kept'), result.stderr[-2000:]
+  assert not list((tmp_path / 'out').iterdir())
+  (tmp_path / 'in' / 'a.txt').write_text(''.join(f'document {i}\n' for i in range(40)))
+  result = subprocess.run(prepare, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0 and 'documents in 1 shards' in result.stdout, result.stderr[-2000:]
+
+
+# 5. Ctrl-C on a sweep keeps the point in progress: passed on to it, it saves; the sweep exits 130; a rerun resumes.
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_sweep_saves_the_running_point_and_a_rerun_resumes_it(tmp_path):
+  sweep = [sys.executable, str(ROOT / 'scripts' / 'sweep.py'), f'--config={ROOT / SPEC}', '--field=model.laurel.rank',
+           '--values=4', f'--workdir={tmp_path}', *[f'--set={k}={v}' for k, v in {**TINY_LM, 'steps': 60}.items()]]
+  proc = subprocess.Popen(sweep, env=cli_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  for line in proc.stdout:
+    if ' step 3/60 ' in line:  # the point trains
+      proc.send_signal(signal.SIGINT)  # the sweep's process only, as a terminal's Ctrl-C now reaches it
+      break
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130, err[-2000:]
+  assert err.strip().splitlines()[-1] == ('interrupted: the running point saved what it had (see its log); rerun the '
+                                          'same command to resume')
+  point = tmp_path / 'rank=4'
+  saved = [int(p.name) for p in (point / 'checkpoints').iterdir()]
+  assert len(saved) == 1 and 3 <= saved[0] < 60 and 'preempted: saved checkpoint' in out
+  assert not (point / 'failed.json').exists() and not (point / 'final.json').exists()
+  rerun = subprocess.run(sweep, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  assert f'resumed from checkpoint {saved[0]}' in rerun.stdout and json.loads((point / 'final.json').read_text())[
+      'step'] == 60
+
+
+# 7. Litter and noise.
+
+@pytest.mark.slow
+def test_a_save_cut_by_a_kill_leaves_no_temporary_folder(two_checkpoints, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  litter = workdir / 'checkpoints' / f'9{ocp.path.atomicity_types.TMP_DIR_SUFFIX}'
+  shutil.copytree(workdir / 'checkpoints' / '6', litter)  # a save of step 9 killed before its rename
+  for done in litter.rglob('commit_success.txt'):
+    done.unlink()
+  train.train(load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3}), str(workdir))
+  assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == ['3', '6', '7']
+
+
+# 8. A content checksum per saved file, verified on restore: a flipped byte is damage.
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_an_array_file_is_damage(two_checkpoints, tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  shutil.copytree(two_checkpoints[0], workdir)
+  array_file = max((workdir / 'checkpoints' / '6' / 'state').rglob('d/*'), key=lambda p: p.stat().st_size)
+  data = bytearray(array_file.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  array_file.write_bytes(bytes(data))
+  config = load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3})
+  with pytest.raises(config_lib.InputError, match=r'checkpoint 6 is damaged \(state/\S+: content checksum mismatch'):
+    checkpoint.restore_params(workdir, step.validate_config(config, num_devices=1))  # what generate and evaluate read
+  train.train(config, str(workdir))
+  out = capsys.readouterr()
+  assert re.search(r'checkpoint 6 is unreadable \(state/\S+: content checksum mismatch', out.err), out.err[-2000:]
+  assert 'resumed from checkpoint 3' in out.out and checkpoint.quarantined_steps(workdir) == [6]
+  assert [p.name for p in (workdir / 'checkpoints' / '3').glob('checksums.*')] == ['checksums.process_0.json']
+
+
+def test_checksums_name_the_changed_missing_or_cut_file(tmp_path, monkeypatch):
+  state = tmp_path / 'state'
+  (state / 'ocdbt.process_1' / 'd').mkdir(parents=True)
+  (state / 'd').mkdir()
+  (state / 'd' / 'a').write_bytes(b'abcd' * 1000)
+  (state / 'ocdbt.process_1' / 'd' / 'b').write_bytes(b'written by process 1')
+  monkeypatch.setattr(checksums.jax, 'process_count', lambda: 2)
+  checksums.record(tmp_path)
+  assert json.loads((tmp_path / 'checksums.process_0.json').read_text()).keys() == {'state/d/a'}  # its own files
+  assert checksums.mismatch(tmp_path) is None
+  (state / 'd' / 'a').write_bytes(b'abce' + b'abcd' * 999)
+  assert checksums.mismatch(tmp_path).startswith('state/d/a: content checksum mismatch (CRC-32 ')
+  (state / 'd' / 'a').write_bytes(b'abcd')
+  assert checksums.mismatch(tmp_path) == 'state/d/a has 4 bytes, 4000 when saved'
+  (state / 'd' / 'a').unlink()
+  assert checksums.mismatch(tmp_path) == 'state/d/a is missing'
+  (tmp_path / 'checksums.process_0.json').unlink()
+  assert checksums.mismatch(tmp_path) is None  # a checkpoint saved before checksums: taken as it is
