@@ -347,6 +347,11 @@ def tfds_splits(version_dir: epath.Path) -> tuple[set[str], set[str]]:
           {info.get('fileFormat', 'tfrecord'), *info.get('alternativeFileFormats', [])})
 
 
+def num_records(shards: list[str]) -> int:
+  """How many documents ArrayRecord shards hold, from their footers (gs:// included)."""
+  return len(grain.sources.ArrayRecordDataSource(shards))
+
+
 def check_available(data_cfg, vocab_size: int | None = None) -> None:
   """The source's data and vocabulary exist and are readable (gs:// included), read before anything compiles, and
   the vocabulary fits `vocab_size`; a one-line InputError naming the path and how to prepare what is missing.
@@ -362,7 +367,7 @@ def check_available(data_cfg, vocab_size: int | None = None) -> None:
       shards = c4_shards(cfg.path, split, cfg.name)
       require(bool(shards), 'data.path', cfg.path,
               f'no {cfg.name}-{split}.*{C4_SHARD_SUFFIX} shards; write them with {prepare.format(cfg.path)}')
-      require(len(grain.sources.ArrayRecordDataSource(shards)) > 0, 'data.path', cfg.path,  # reads their footers
+      require(num_records(shards) > 0, 'data.path', cfg.path,
               f'its {cfg.name}-{split} shards hold no documents: nothing to train or evaluate on')
   else:
     found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)

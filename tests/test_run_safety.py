@@ -279,6 +279,7 @@ def test_vocab_size_is_checked_against_a_gs_tokenizer(sp_model, monkeypatch):
   gs_vocab = 'gs://bucket/sp.model'  # validate() leaves it alone: only the training hosts may reach GCS
   monkeypatch.setattr(data, '_read_vocab', lambda path: pathlib.Path(sp_model).read_bytes())
   monkeypatch.setattr(data, 'c4_shards', lambda path, split, name='c4': [f'{path}/{name}-{split}.00000-of-00001.array_record'])
+  monkeypatch.setattr(data, 'num_records', lambda shards: 1)  # the shards' footers would be read from GCS
   config = load_config(SPEC, {**TINY_LM, 'data.name': 'c4', 'data.path': 'gs://bucket/c4', 'data.vocab_path': gs_vocab,
                               'model.vocab_size': 32})
   task = step.validate_config(config, num_devices=1)
