@@ -13,6 +13,7 @@ import contextlib
 import glob
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -125,7 +126,8 @@ def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
 
 
 # Bookkeeping of a logged row, shown in their own places on the console line (or only in metrics.jsonl).
-_NOT_METRICS = ('mean_of_steps', 'learning_rate', 'step_time_s', 'peak_memory_bytes', 'params', 'device_peak_bytes', 'mfu', 'hfu')
+_NOT_METRICS = ('mean_of_steps', 'learning_rate', 'step_time_s', 'peak_memory_bytes', 'params', 'device_peak_bytes',
+                'mfu', 'hfu')
 
 
 def _metrics(row: dict) -> str:
@@ -152,6 +154,20 @@ def step_line(step: int, steps: int, row: dict, unit: str) -> str:
 def eval_line(step: int, steps: int, row: dict) -> str:
   """`eval at step 250/500 | loss 2.9871 | accuracy 0.3521` from the eval_* metrics."""
   return f'eval at step {step}/{steps} | ' + _metrics({k.removeprefix('eval_'): v for k, v in row.items()})
+
+
+def python_command() -> str:
+  """This interpreter as the shell that started it would run it, for the commands a program prints: `python` where
+  the PATH finds this very one (an activated venv), else its path as shown() writes it (`.venv/bin/python`), since
+  another python lacks the venv's packages."""
+  found = shutil.which('python')
+  try:
+    if found and os.path.samefile(found, sys.executable) and os.path.samefile(os.path.dirname(found),
+                                                                              os.path.dirname(sys.executable)):
+      return 'python'
+  except OSError:
+    pass
+  return shown(sys.executable)
 
 
 def shown(path) -> str:

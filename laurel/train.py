@@ -428,7 +428,8 @@ def summary(config, workdir: epath.Path, final: dict, seconds: float) -> str:
     lines.append(f'  TensorBoard   tensorboard --logdir {console.shown(workdir / "tensorboard")}')
   if config.task == 'lm':
     prompt = 'def ' if config.data.name == 'text' and not config.data.path else 'The '
-    lines += ['next:', f"  python -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens=64",
-              f"  python -m laurel.evaluate --workdir={shown} --task='text:HELD_OUT/*.txt'   # or a .jsonl or "
+    python = console.python_command()  # the venv's python unless the shell's `python` is the same
+    lines += ['next:', f"  {python} -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens=64",
+              f"  {python} -m laurel.evaluate --workdir={shown} --task='text:HELD_OUT/*.txt'   # or a .jsonl or "
               'TFDS task: README, Evaluating a checkpoint']
   return '\n'.join(lines)

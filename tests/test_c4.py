@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli
-from laurel import config_lib, data
+from laurel import config_lib, console, data
 from test_data import lm_data, segments
 
 SPLITS = {'train': ['c4-train.00000-of-01024.json.gz', 'c4-train.00001-of-01024.json.gz',
@@ -177,10 +177,10 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
   (tfrecord / 'dataset_info.json').write_text(json.dumps({**info, 'fileFormat': 'tfrecord'}))
   cases = [
       (dict(path=str(tmp_path / 'empty')), f"data.path='{tmp_path / 'empty'}': no c4-train.*.array_record shards; "
-       "write them with python scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> "
+       f"write them with {console.python_command()} scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> "
        f"--output={tmp_path / 'empty'}"),
       (dict(tfds_data_dir=str(tmp_path / 'empty')), f"data.tfds_data_dir='{tmp_path / 'empty'}': no prepared c4/en "
-       f'in {tmp_path / "empty"}; convert C4 with python scripts/prepare_c4.py'),
+       f'in {tmp_path / "empty"}; convert C4 with {console.python_command()} scripts/prepare_c4.py'),
       (dict(tfds_data_dir=str(root / 'both'), tfds_name='c4/en:2.2.0'), 'no prepared c4/en:2.2.0'),
       (dict(tfds_data_dir=str(tmp_path / 'tfrecord')), f'{tfrecord} holds tfrecord files, and random access needs '
        f'ArrayRecord: tfds convert_format --dataset_version_dir={tfrecord} --out_file_format=array_record'),
@@ -189,8 +189,9 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
        f"data.vocab_path='{tmp_path / 'empty' / 'sp.model'}': cannot read a SentencePiece model"),
   ]
   cases.append((dict(name='corpus', path=str(tmp_path / 'empty')),
-                f"data.path='{tmp_path / 'empty'}': no corpus-train.*.array_record shards; write them with python "
-                f"scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={tmp_path / 'empty'}"))
+                f"data.path='{tmp_path / 'empty'}': no corpus-train.*.array_record shards; write them with "
+                f"{console.python_command()} scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt "
+                f"files>' --output={tmp_path / 'empty'}"))
   for fields, message in cases:
     with pytest.raises(ValueError, match=re.escape(message)) as e:
       data.check_available(lm_data(fields.pop('name', 'c4'), 32, **{'vocab_path': sp_model, **fields}))

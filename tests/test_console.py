@@ -28,6 +28,7 @@ LOGGING_PREFIX = re.compile(r'^[IWEF]\d{4} \d\d:\d\d:\d\d')
 def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line(tmp_path):
   env = cli_env()
   del env['JAX_PLATFORMS']  # as a user runs it: JAX would probe libtpu (the test extra's) for a TPU
+  env['PATH'] = without_this_python(env['PATH'])  # a shell where the venv is not activated
   workdir = tmp_path / 'run'
   result = subprocess.run(cli_args(SPEC, workdir, {**TINY_LM, 'steps': 4, 'log_every': 2, 'tensorboard': True}),
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -42,7 +43,8 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
   assert any(re.fullmatch(r'compiling the train step for 1 device: done in [\d.]+ s', l) for l in out)
   steps = [l for l in out if l.startswith('step ')]
   assert len(steps) == 2, out  # one line per logged step
-  assert re.fullmatch(r'step 2/4 \(50%\) \| mean of 2 steps: loss [\d.]+ \| accuracy [\d.]+ \| grad_norm [\d.]+ \| lr [\d.e+-]+ \| '
+  assert re.fullmatch(r'step 2/4 \(50%\) \| mean of 2 steps: loss [\d.]+ \| accuracy [\d.]+ \| grad_norm [\d.]+ \| '
+                      r'lr [\d.e+-]+ \| '
                       r'[\d.e+-]+ s/step, [\d,]+ tokens/s \| ETA [\d.]+ s', steps[0]), steps[0]
   assert 'evaluating on 2 batches...' in out and any(l.startswith('eval at step 4/4 | loss ') for l in out)
   final = json.loads((workdir / 'final.json').read_text())
@@ -52,10 +54,40 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
   assert end[1:] == [
       '  final.json    run/final.json', '  checkpoints   run/checkpoints (the last: step 4)',
       '  metrics       run/metrics.jsonl', '  TensorBoard   tensorboard --logdir run/tensorboard', 'next:',
-      "  python -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=64",
-      "  python -m laurel.evaluate --workdir=run --task='text:HELD_OUT/*.txt'   # or a .jsonl or TFDS task: README, "
+      f"  {sys.executable} -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=64",
+      f"  {sys.executable} -m laurel.evaluate --workdir=run --task='text:HELD_OUT/*.txt'   # or a .jsonl or TFDS "
+      'task: README, '
       'Evaluating a checkpoint']
   assert (workdir / 'checkpoints' / '4').is_dir() and list((workdir / 'tensorboard').iterdir())
+  # The next command works as printed, from that shell.
+  generated = subprocess.run(['bash', '-c', end[-2].strip()], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
+  assert generated.returncode == 0 and generated.stdout.startswith("=== 1/1 | prompt 'The ' | "), generated.stderr
+
+
+def without_this_python(path: str) -> str:
+  here = os.path.dirname(sys.executable)
+  return os.pathsep.join(p for p in path.split(os.pathsep)
+                         if not (os.path.isdir(p) and os.path.samefile(p, here)))
+
+
+def test_printed_commands_start_the_venv_s_python_unless_the_shell_s_python_is_it(tmp_path, monkeypatch):
+  """`python` only where the PATH finds this interpreter in its own folder (an activated venv); else its path,
+  relative to the working directory when inside it. A `python` elsewhere that links to the same binary (the base
+  interpreter of a venv) lacks the venv's packages."""
+  venv, other = tmp_path / '.venv' / 'bin', tmp_path / 'usr' / 'bin'
+  for folder in (venv, other):
+    folder.mkdir(parents=True)
+    (folder / 'python').symlink_to(os.path.realpath(sys.executable))
+  monkeypatch.setattr(sys, 'executable', str(venv / 'python'))
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv('PATH', str(other))
+  assert console.python_command() == os.path.join('.venv', 'bin', 'python')
+  monkeypatch.setenv('PATH', f'{venv}{os.pathsep}{other}')  # source .venv/bin/activate
+  assert console.python_command() == 'python'
+  monkeypatch.setenv('PATH', '')
+  monkeypatch.chdir(other)
+  assert console.python_command() == str(venv / 'python')  # outside the working directory: its full path
 
 
 def test_a_logged_row_is_the_mean_of_its_interval_and_says_so():
