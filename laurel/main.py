@@ -29,7 +29,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import aot, checkpoint, config_lib, step, train
+from laurel import aot, checkpoint, compile_cache, config_lib, step, train
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -68,6 +68,7 @@ def main(argv):
       config_lib.fail(str(e))
     print(_CONFIG.value.to_json_best_effort(indent=2, sort_keys=True))
     return
+  compile_cache.setup()  # before anything compiles (--compilation_cache)
   if _COMPILE_ONLY.value:  # before anything starts a backend or touches a workdir
     aot.compile_only_process()
     try:

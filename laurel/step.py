@@ -214,6 +214,12 @@ def make_train_fns(task):
 
 def compile_step(task, mesh):
   """Shardings, the ahead-of-time compiled train step and the state initialiser (nothing allocated yet)."""
+  lowered, init, abstract, state_shardings = lower_step(task, mesh)
+  return lowered.compile(), init, abstract, state_shardings
+
+
+def lower_step(task, mesh):
+  """compile_step's train step lowered, not yet compiled."""
   config = task.config
   tx, init_state, train_step = make_train_fns(task)
   example = task.example_batch(1)
@@ -231,12 +237,12 @@ def compile_step(task, mesh):
   batch_sh = sharding.batch_sharding(mesh)
   abstract_batch = {k: jax.ShapeDtypeStruct((config.batch_size, *v.shape[1:]), v.dtype, sharding=batch_sh)
                     for k, v in example.items()}
-  compiled = jax.jit(train_step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, repl),
-                     donate_argnums=0).lower(abstract, abstract_batch).compile()
+  lowered = jax.jit(train_step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, repl),
+                    donate_argnums=0).lower(abstract, abstract_batch)
   # Initialisation runs once and its RNG code compiles slowly on CPU at full optimisation; values are the same.
   init = jax.jit(init_state, out_shardings=state_shardings,
                  compiler_options={'xla_backend_optimization_level': 0})
-  return compiled, init, abstract, state_shardings
+  return lowered, init, abstract, state_shardings
 
 
 def step_costs(task, costs_of, mesh=None) -> tuple[float, float]:
