@@ -54,10 +54,11 @@ def test_the_flag_then_jax_variables_then_the_default_decide_the_directory(
 
 
 @pytest.mark.slow
-def test_importing_laurel_sets_no_jax_variable():
+def test_importing_and_setting_up_the_cache_sets_no_jax_variable():
   """The cache is set in JAX's config, not the environment: the processes a command starts choose their own."""
   env = {k: v for k, v in cli_env().items() if not k.startswith(('JAX_COMPILATION', 'JAX_PERSISTENT'))}
   code = ('import json, os; before = dict(os.environ); import laurel.main, laurel.compile_cache; '
+          'laurel.compile_cache.setup(); '
           'print(json.dumps(sorted(k for k in os.environ.keys() ^ before.keys() if "JAX" in k or "XLA" in k)))')
   r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0 and json.loads(r.stdout) == [], (r.stdout, r.stderr[-2000:])
