@@ -29,7 +29,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import aot, checkpoint, compile_cache, config_lib, step, train
+from laurel import aot, checkpoint, compile_cache, config_lib, cost, step, train
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -46,6 +46,8 @@ _COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, "Compile the step for -
                                   'machine, check that it fits the HBM, run nothing (needs libtpu).')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'With --compile_only: the TPU slice, e.g. v6e:4x4 or v6e-16 '
                                 '(v5p:2x2x4 or v5p-32).')
+flags.adopt_module_key_flags(compile_cache)  # --help lists --compilation_cache
+flags.adopt_module_key_flags(cost)  # and --mfu
 
 
 def main(argv):
