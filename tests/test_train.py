@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, losses, run_cli
-from laurel import hardware, step, train
+from laurel import console, hardware, step, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
 
@@ -344,8 +344,8 @@ def test_missing_data_and_an_unwritable_workdir_fail_before_compiling(tmp_path, 
   c4 = load_config(SPEC, {**TINY_LM, 'data.name': 'c4', 'data.path': str(tmp_path / 'empty'),
                           'data.vocab_path': sp_model})
   with pytest.raises(ValueError, match=re.escape(
-      f"data.path='{tmp_path / 'empty'}': no c4-train.*.array_record shards; write them with python "
-      "scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output=")):
+      f"data.path='{tmp_path / 'empty'}': no c4-train.*.array_record shards; write them with "
+      f"{console.python_command()} scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output=")):
     train.train(c4, str(tmp_path / 'run'))
   with pytest.raises(ValueError, match=re.escape(f"--workdir='{tmp_path / 'file' / 'run'}': not writable: ")):
     train.train(load_config(SPEC, TINY_LM), str(tmp_path / 'file' / 'run'))
