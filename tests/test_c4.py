@@ -2,6 +2,7 @@
 and on prepared TFDS directories of either version, the checks that name what is missing, and training on it."""
 import gzip
 import json
+import os
 import pickle
 import re
 import shutil
@@ -12,7 +13,7 @@ import grain
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli
+from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli, without_this_python
 from laurel import config_lib, console, data
 from test_data import lm_data, segments
 
@@ -217,7 +218,8 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
   args = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={corpus}/*.json*',
           f'--input={corpus}/notes/*.txt', f'--output={out}', '--vocab_size=320', '--validation_fraction=0.1',
           '--workers=2']
-  r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  shell = {**os.environ, 'PATH': without_this_python(os.environ['PATH'])}  # the venv not activated
+  r = subprocess.run(args, cwd=tmp_path, env=shell, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   shards = {split: sorted(out.glob(f'corpus-{split}.*.array_record')) for split in ('train', 'validation')}
   assert [len(s) for s in shards.values()] == [7, 7]  # one per input file
@@ -230,14 +232,14 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
   assert vocab.decode(vocab.encode(docs['text'][0])) == docs['text'][0]  # byte fallback, whitespace as written
 
   command = r.stdout.strip().splitlines()[-1].split()
-  assert command[:4] == ['python', '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=small'], r.stdout
+  assert command[:4] == [sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=small'], r.stdout
   flags = dict(a.split('=', 1) for a in command[4:])
   vocab_size = int(flags.pop('--config.model.vocab_size'))
   assert flags == {'--workdir': 'runs/prepared', '--config.data.name': 'corpus', '--config.data.path': str(out),
                    '--config.data.vocab_path': str(out / 'vocab.model')}
   assert vocab_size % 128 == 0 and vocab_size >= vocab.get_piece_size()
   tiny = {k: v for k, v in TINY_LM.items() if k != 'data.name'}
-  trained = subprocess.run([sys.executable, *command[1:], *[f'--config.{k}={v}' for k, v in tiny.items()]],
+  trained = subprocess.run([*command, *[f'--config.{k}={v}' for k, v in tiny.items()]],  # as printed
                            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
   assert trained.returncode == 0, trained.stderr[-3000:]
   assert 0 < json.loads((tmp_path / 'runs' / 'prepared' / 'final.json').read_text())['eval_loss'] < 10

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config
+from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, without_this_python
 from laurel import console, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -63,12 +63,6 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
   generated = subprocess.run(['bash', '-c', end[-2].strip()], env=env, cwd=tmp_path, capture_output=True, text=True,
                              timeout=300)
   assert generated.returncode == 0 and generated.stdout.startswith("=== 1/1 | prompt 'The ' | "), generated.stderr
-
-
-def without_this_python(path: str) -> str:
-  here = os.path.dirname(sys.executable)
-  return os.pathsep.join(p for p in path.split(os.pathsep)
-                         if not (os.path.isdir(p) and os.path.samefile(p, here)))
 
 
 def test_printed_commands_start_the_venv_s_python_unless_the_shell_s_python_is_it(tmp_path, monkeypatch):
