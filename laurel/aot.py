@@ -8,7 +8,8 @@ Needs libtpu (`pip install -e '.[tpu]'`). The state and batch are abstract (jax.
 so nothing concrete ever lands on the abstract devices. A command line that compiles for a slice calls
 `compile_only_process()` first: the CPU as the process's only backend. A compile-only client cannot load an
 executable back from JAX's persistent cache, so the compiler's figures of each program are kept instead
-(laurel.compile_cache.record): a second pre-flight of the same step lowers it and compiles nothing.
+(laurel.compile_cache.record): a second pre-flight of the same step lowers it and compiles only the loss's one-chunk
+program that step.step_costs compiles for the roofline.
 """
 
 import importlib.metadata
@@ -179,7 +180,7 @@ def preflight(config, topology: str | None) -> str:
   """Compiles the step for `topology` and checks that it fits each chip's HBM: a report (whether it fits, then what
   the run will cost, laurel.cost), or a one-line InputError giving the per-chip need and the chip's HBM. The check
   before every TPU launch. Without --mfu the estimate needs the compiler's roofline, which compiles more
-  (step.step_costs); every compile is kept (laurel.compile_cache), so a second pre-flight compiles nothing."""
+  (step.step_costs); the step's compiles are kept (laurel.compile_cache), so a second pre-flight only lowers them."""
   if not topology:
     raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
   gen, _ = parse_topology(topology)

@@ -16,8 +16,9 @@ from its last checkpoint. The config and overrides are first checked for the sli
 on this machine (laurel.aot.preflight, needs libtpu; --nopreflight skips it): bad input, or a step that does not
 fit the chips' HBM, fails before any gcloud command; one that fits prints its HBM per chip and what the run will
 cost (tokens per step, step and wall time, chip-hours; --mfu=F sets the utilisation assumed). The compiler's figures
-are kept in the compilation cache (--compilation_cache), so the same pre-flight again compiles nothing. --action=logs follows worker 0's log; status shows the VM's state and whether each host trains;
-stop sends SIGTERM to the training, which saves a checkpoint and exits. --dry-run prints the commands and runs none.
+are kept in the compilation cache (--compilation_cache), so the same pre-flight again does not compile the step.
+--action=logs follows worker 0's log; status shows the VM's state and whether each host trains; stop sends SIGTERM
+to the training, which saves a checkpoint and exits. --dry-run prints the commands and runs none.
 Needs gcloud logged in. The workdir should be on GCS: a slice of several hosts with a local one is refused.
 --accelerator also takes the slice as a topology (v6e:4x4 for v6e-16), as pre-flight and the benchmark do.
 """
