@@ -8,8 +8,7 @@ Needs libtpu (`pip install -e '.[tpu]'`). The state and batch are abstract (jax.
 so nothing concrete ever lands on the abstract devices. A command line that compiles for a slice calls
 `compile_only_process()` first: the CPU as the process's only backend. A compile-only client cannot load an
 executable back from JAX's persistent cache, so the compiler's figures of each program are kept instead
-(laurel.compile_cache.record): a second pre-flight of the same step lowers it and compiles only the loss's one-chunk
-program that step.step_costs compiles for the roofline.
+(laurel.compile_cache.record): a second pre-flight of the same step lowers its programs and compiles none.
 """
 
 import importlib.metadata
@@ -94,10 +93,15 @@ def _compile(task, devices) -> tuple[dict, object]:
   mesh = sharding.make_mesh(task.config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
     lowered, _, abstract, _ = step.lower_step(task, mesh)
-    slice_desc = f'{devices[0].device_kind} x{len(devices)} in {len({d.process_index for d in devices})} processes'
-    key = [lowered.as_text(), slice_desc, jax.__version__, _libtpu_version(),
-           os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', '')]
-    return compile_cache.record(key, lambda: _figures(lowered)), abstract
+    return _kept(lowered, devices, _figures), abstract
+
+
+def _kept(lowered, devices, figures) -> dict:
+  """figures(lowered), or what it returned for the same program, slice and compiler in an earlier process."""
+  slice_desc = f'{devices[0].device_kind} x{len(devices)} in {len({d.process_index for d in devices})} processes'
+  key = [lowered.as_text(), slice_desc, jax.__version__, _libtpu_version(),
+         os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', '')]
+  return compile_cache.record(key, lambda: figures(lowered))
 
 
 def _libtpu_version() -> str:
@@ -170,7 +174,12 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
     f = fitting(figures if t.config == task.config else _compile(t, devices)[0])
     return f['flops'], f['bytes_accessed']
 
-  flops, bytes_accessed = step.step_costs(task, costs_of, sharding.make_mesh(task.config.mesh, devices))
+  def lowered_costs(lowered):  # the loss's one-chunk program, kept as the step is
+    f = _kept(lowered, devices, lambda l: dict(zip(('flops', 'bytes_accessed'), xla_costs(l.compile()))))
+    return f['flops'], f['bytes_accessed']
+
+  flops, bytes_accessed = step.step_costs(task, costs_of, sharding.make_mesh(task.config.mesh, devices),
+                                          lowered_costs)
   compute_s, memory_s = flops / chip.peak_flops, bytes_accessed / chip.hbm_bytes_per_s
   return {**facts, 'flops_per_step': flops, 'bytes_accessed_per_step': bytes_accessed, 'compute_s': compute_s,
           'memory_s': memory_s, 'roofline_step_time_s': max(compute_s, memory_s)}
@@ -180,7 +189,7 @@ def preflight(config, topology: str | None) -> str:
   """Compiles the step for `topology` and checks that it fits each chip's HBM: a report (whether it fits, then what
   the run will cost, laurel.cost), or a one-line InputError giving the per-chip need and the chip's HBM. The check
   before every TPU launch. Without --mfu the estimate needs the compiler's roofline, which compiles more
-  (step.step_costs); the step's compiles are kept (laurel.compile_cache), so a second pre-flight only lowers them."""
+  (step.step_costs); every compile is kept (laurel.compile_cache), so a second pre-flight only lowers them."""
   if not topology:
     raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
   gen, _ = parse_topology(topology)
