@@ -6,9 +6,12 @@
 
 Needs libtpu (`pip install -e '.[tpu]'`). The state and batch are abstract (jax.ShapeDtypeStruct with shardings),
 so nothing concrete ever lands on the abstract devices. A command line that compiles for a slice calls
-`compile_only_process()` first: the CPU as the process's only backend, and no persistent compilation cache.
+`compile_only_process()` first: the CPU as the process's only backend. A compile-only client cannot load an
+executable back from JAX's persistent cache, so the compiler's figures of each program are kept instead
+(laurel.compile_cache.record): a second pre-flight of the same step lowers its programs and compiles none.
 """
 
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -18,7 +21,7 @@ import sys
 import flax.linen as nn
 import jax
 
-from laurel import console, sharding, step, tpu_slices
+from laurel import compile_cache, console, cost, sharding, step, tpu_slices
 from laurel.config_lib import InputError
 from laurel.hardware import TPUS, TPU, xla_costs
 
@@ -75,19 +78,51 @@ def slice_devices(topology: str) -> list:
 
 
 def compile_only_process() -> None:
-  """For a command line's start: the CPU as the backend (on a TPU VM too: its chips may be busy training), and no
-  persistent compilation cache, from which a compile-only client cannot load an executable back (it warns on stderr
-  and compiles again)."""
+  """For a command line's start: the CPU as the backend (on a TPU VM too: its chips may be busy training), and
+  JAX's persistent cache off, from which a compile-only client cannot load an executable back (it warns on stderr
+  and compiles again); laurel.compile_cache.record keeps what the pre-flight needs instead."""
   if not os.environ.get('JAX_PLATFORMS'):
     jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_enable_compilation_cache', False)
 
 
-def _compile(task, devices):
+def _compile(task, devices) -> tuple[dict, object]:
+  """The TPU compiler's figures of the step of `task` on `devices` (memory, XLA's costs; or, where it runs out of
+  HBM, its error's first line as `resource_exhausted`) and the abstract state. Compiled once: the figures are kept
+  under the compilation cache, keyed by the lowered program, the slice and the compiler's version."""
   mesh = sharding.make_mesh(task.config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
-    compiled, _, abstract, _ = step.compile_step(task, mesh)
-  return compiled, abstract
+    lowered, _, abstract, _ = step.lower_step(task, mesh)
+    return _kept(lowered, devices, _figures), abstract
+
+
+def _kept(lowered, devices, figures) -> dict:
+  """figures(lowered), or what it returned for the same program, slice and compiler in an earlier process."""
+  slice_desc = f'{devices[0].device_kind} x{len(devices)} in {len({d.process_index for d in devices})} processes'
+  key = [lowered.as_text(), slice_desc, jax.__version__, _libtpu_version(),
+         os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', '')]
+  return compile_cache.record(key, lambda: figures(lowered))
+
+
+def _libtpu_version() -> str:
+  try:
+    return importlib.metadata.version('libtpu')
+  except importlib.metadata.PackageNotFoundError:
+    return 'none'
+
+
+def _figures(lowered) -> dict:
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if 'RESOURCE_EXHAUSTED' in str(e):
+      return {'resource_exhausted': str(e).splitlines()[0]}
+    raise
+  m = compiled.memory_analysis()
+  flops, bytes_accessed = xla_costs(compiled)
+  return {'peak_memory_bytes': int(m.peak_memory_in_bytes), 'argument_bytes': int(m.argument_size_in_bytes),
+          'output_bytes': int(m.output_size_in_bytes), 'alias_bytes': int(m.alias_size_in_bytes),
+          'temp_bytes': int(m.temp_size_in_bytes), 'flops': flops, 'bytes_accessed': bytes_accessed}
 
 
 class DoesNotFit(InputError):
@@ -98,9 +133,9 @@ class DoesNotFit(InputError):
     self.need_bytes = need_bytes
 
 
-def _not_fitting(topology: str, chip: TPU, error: Exception) -> DoesNotFit:
+def _not_fitting(topology: str, chip: TPU, error: Exception | str) -> DoesNotFit:
   """The TPU compiler's out-of-memory error as one line: what the step needs per chip, and what the chip has."""
-  first = str(error).splitlines()[0]
+  first = (str(error).splitlines() or [''])[0]
   need = re.search(r'required for [\w ]+\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)', first) or \
       re.search(r'Used ([\d.]+)([KMGT]?) of ([\d.]+[KMGT]?) hbm', first)
   if need:  # XLA writes binary units: 41.2G is 41.2 GiB
@@ -121,35 +156,46 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   gen, _ = parse_topology(topology)
   chip, devices = TPUS[gen], slice_devices(topology)
   task = step.validate_config(config, len(devices), len({d.process_index for d in devices}))
-  try:
-    compiled, abstract = _compile(task, devices)
-  except jax.errors.JaxRuntimeError as e:
-    if 'RESOURCE_EXHAUSTED' in str(e):
-      raise _not_fitting(topology, chip, e) from None
-    raise
-  m = compiled.memory_analysis()
+  figures, abstract = _compile(task, devices)
+
+  def fitting(figures):
+    if 'resource_exhausted' in figures:
+      raise _not_fitting(topology, chip, figures['resource_exhausted'])
+    return figures
+
+  fitting(figures)
   facts = {'params': task.num_params(abstract.params),
-           'peak_memory_bytes': int(m.peak_memory_in_bytes), 'argument_bytes': int(m.argument_size_in_bytes),
-           'output_bytes': int(m.output_size_in_bytes), 'alias_bytes': int(m.alias_size_in_bytes),
-           'temp_bytes': int(m.temp_size_in_bytes), 'hbm_bytes': chip.hbm_bytes}
+           **{k: figures[k] for k in ('peak_memory_bytes', 'argument_bytes', 'output_bytes', 'alias_bytes',
+                                      'temp_bytes')}, 'hbm_bytes': chip.hbm_bytes}
   if not costs:
     return facts
   # The step above is not compiled again.
-  costs_of = lambda t: xla_costs(compiled if t.config == task.config else _compile(t, devices)[0])
-  flops, bytes_accessed = step.step_costs(task, costs_of, sharding.make_mesh(task.config.mesh, devices))
+  def costs_of(t):
+    f = fitting(figures if t.config == task.config else _compile(t, devices)[0])
+    return f['flops'], f['bytes_accessed']
+
+  def lowered_costs(lowered):  # the loss's one-chunk program, kept as the step is
+    f = _kept(lowered, devices, lambda l: dict(zip(('flops', 'bytes_accessed'), xla_costs(l.compile()))))
+    return f['flops'], f['bytes_accessed']
+
+  flops, bytes_accessed = step.step_costs(task, costs_of, sharding.make_mesh(task.config.mesh, devices),
+                                          lowered_costs)
   compute_s, memory_s = flops / chip.peak_flops, bytes_accessed / chip.hbm_bytes_per_s
   return {**facts, 'flops_per_step': flops, 'bytes_accessed_per_step': bytes_accessed, 'compute_s': compute_s,
           'memory_s': memory_s, 'roofline_step_time_s': max(compute_s, memory_s)}
 
 
 def preflight(config, topology: str | None) -> str:
-  """Compiles the step for `topology` and checks that it fits each chip's HBM: a one-line report, or a one-line
-  InputError giving the per-chip need and the chip's HBM. The check before every TPU launch."""
+  """Compiles the step for `topology` and checks that it fits each chip's HBM: a report (whether it fits, then what
+  the run will cost, laurel.cost), or a one-line InputError giving the per-chip need and the chip's HBM. The check
+  before every TPU launch. Without --mfu the estimate needs the compiler's roofline, which compiles more
+  (step.step_costs); every compile is kept (laurel.compile_cache), so a second pre-flight only lowers them."""
   if not topology:
     raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
   gen, _ = parse_topology(topology)
+  mfu = cost.mfu_flag()
   with console.phase(f'compiling the train step for {topology} with the TPU compiler', file=sys.stderr):
-    chip, facts = TPUS[gen], compile_for_slice(config, topology, costs=False)
+    chip, facts = TPUS[gen], compile_for_slice(config, topology, costs=mfu is None)
   gb = lambda key: f'{facts[key] / 1e9:.3g} GB'
   need = f'the step needs {gb("peak_memory_bytes")} of HBM per chip'
   if facts['peak_memory_bytes'] > chip.hbm_bytes:
@@ -157,6 +203,12 @@ def preflight(config, topology: str | None) -> str:
                      f'{chip.hbm_bytes / 1e9:.1f} GB')
   # The peak is the compiler's heap at its fullest: the state and batch, plus the temporaries alive at that point.
   # All temporaries together come to more, since they are never alive at once.
+  task = step.validate_config(config, *slice_size(topology))
+  estimate = cost.estimate(model_flops=task.model_flops(task.config.batch_size), steps=task.config.steps,
+                           units_per_step=task.config.batch_size * task.units_per_example(),
+                           chips=slice_size(topology)[0], peak_flops=chip.peak_flops, mfu=mfu,
+                           roofline_s=facts.get('roofline_step_time_s'))
   return (f'preflight {topology}: fits: {need} of {chip.hbm_bytes / 1e9:.1f} GB (the compiler\'s peak heap: '
           f'{gb("argument_bytes")} of state and batch plus the temporaries alive at that point; '
-          f'{gb("temp_bytes")} of temporaries in all, never alive at once)')
+          f'{gb("temp_bytes")} of temporaries in all, never alive at once)\n'
+          f'preflight {topology}: {cost.line(estimate, task.unit)}')

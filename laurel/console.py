@@ -13,6 +13,7 @@ import contextlib
 import glob
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -131,7 +132,8 @@ def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
 
 
 # Bookkeeping of a logged row, shown in their own places on the console line (or only in metrics.jsonl).
-_NOT_METRICS = ('learning_rate', 'step_time_s', 'peak_memory_bytes', 'params', 'device_peak_bytes', 'mfu', 'hfu')
+_NOT_METRICS = ('mean_of_steps', 'learning_rate', 'step_time_s', 'peak_memory_bytes', 'params', 'device_peak_bytes',
+                'mfu', 'hfu')
 
 
 def _metrics(row: dict) -> str:
@@ -141,9 +143,12 @@ def _metrics(row: dict) -> str:
 
 
 def step_line(step: int, steps: int, row: dict, unit: str) -> str:
-  """`step 25/500 (5%) | loss 3.1416 | accuracy 0.3124 | grad_norm 1.2300 | lr 1.50e-03 | 0.44 s/step, 4,301
-  tokens/s | ETA 3m32s`, with mfu and hfu where the chip's peak is known."""
-  parts = [f'step {step}/{steps} ({100 * step // steps}%)', _metrics(row)]
+  """`step 25/500 (5%) | mean of 25 steps: loss 3.1416 | accuracy 0.3124 | grad_norm 1.2300 | lr 1.50e-03 | 0.44
+  s/step, 4,301 tokens/s | ETA 3m32s`, with mfu and hfu where the chip's peak is known. The metrics are means over
+  the steps since the last line (row['mean_of_steps']); the learning rate is this step's."""
+  mean_of = row.get('mean_of_steps', 1)
+  parts = [f'step {step}/{steps} ({100 * step // steps}%)',
+           f'mean of {mean_of} steps: ' * (mean_of > 1) + _metrics(row)]
   if 'learning_rate' in row:
     parts.append(f'lr {row["learning_rate"]:.2e}')
   speed = f'{row["step_time_s"]:.3g} s/step, {row[f"{unit}_per_s"]:,.0f} {unit}/s'
@@ -155,6 +160,20 @@ def step_line(step: int, steps: int, row: dict, unit: str) -> str:
 def eval_line(step: int, steps: int, row: dict) -> str:
   """`eval at step 250/500 | loss 2.9871 | accuracy 0.3521` from the eval_* metrics."""
   return f'eval at step {step}/{steps} | ' + _metrics({k.removeprefix('eval_'): v for k, v in row.items()})
+
+
+def python_command() -> str:
+  """This interpreter as the shell that started it would run it, for the commands a program prints: `python` where
+  the PATH finds this very one (an activated venv), else its path as shown() writes it (`.venv/bin/python`), since
+  another python lacks the venv's packages."""
+  found = shutil.which('python')
+  try:
+    if found and os.path.samefile(found, sys.executable) and os.path.samefile(os.path.dirname(found),
+                                                                              os.path.dirname(sys.executable)):
+      return 'python'
+  except OSError:
+    pass
+  return shown(sys.executable)
 
 
 def shown(path) -> str:

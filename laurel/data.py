@@ -28,6 +28,7 @@ import grain
 from grain import experimental as grain_exp
 import numpy as np
 
+from laurel import console
 from laurel.config_lib import (NON_NEGATIVE_INT, STRING, InputError, build, field, in_range,
                                io_error_reason, is_int, one_of, optional_import, require)
 
@@ -360,8 +361,9 @@ def check_available(data_cfg, vocab_size: int | None = None) -> None:
   if cfg.name not in SENTENCEPIECE_SOURCES:
     return
   splits = (cfg.train_split, cfg.eval_split)
-  prepare = ("python scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output={}" if cfg.name == 'c4' else
-             "python scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
+  prepare = console.python_command() + (
+      " scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output={}" if cfg.name == 'c4' else
+      " scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
   if cfg.path:
     for split in splits:
       shards = c4_shards(cfg.path, split, cfg.name)

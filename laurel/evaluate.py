@@ -31,7 +31,7 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from laurel import checkpoint, config_lib, console, data, sharding
+from laurel import checkpoint, compile_cache, config_lib, console, data, sharding
 from laurel.config_lib import InputError
 from laurel.files import write_text_atomic
 
@@ -243,6 +243,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   if not FLAGS.workdir or not FLAGS.task:
     config_lib.fail('--workdir and --task are required')
+  compile_cache.setup()
   try:
     for task in FLAGS.task:
       check_task(task)

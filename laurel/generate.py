@@ -23,7 +23,7 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 
-from laurel import checkpoint, config_lib, console, data, hardware, lm
+from laurel import checkpoint, compile_cache, config_lib, console, data, hardware, lm
 from laurel.config_lib import InputError
 
 
@@ -133,6 +133,7 @@ def main(argv):
                         ('top_k', FLAGS.top_k >= 0, 'must be >= 0'), ('top_p', 0 < FLAGS.top_p <= 1, 'must be in (0, 1]')):
     if not ok:
       config_lib.fail(f'--{name}={FLAGS[name].value!r}: {why}')
+  compile_cache.setup()
   try:
     with checkpoint.lm_run_on_mesh(FLAGS.workdir) as (task, params, step, _):
       tokenizer = data.make_tokenizer(task.config.data)

@@ -39,7 +39,7 @@ try:
 except ImportError as e:
   raise ImportError("laurel.harness needs lm-evaluation-harness: pip install -e '.[lm_eval]'") from e
 
-from laurel import checkpoint, config_lib, data, evaluate, generate
+from laurel import checkpoint, compile_cache, config_lib, data, evaluate, generate
 
 AUTO_BATCH_SIZE = 16
 PREFILL_BUCKET = 64  # generate_until's prompts are padded to a multiple of this: one compile per bucket and length
@@ -177,6 +177,7 @@ def run():
   """lm_eval's command line with the `laurel` backend registered; our input errors in one line."""
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+  compile_cache.setup()  # lm_eval parses its own arguments: JAX_COMPILATION_CACHE_DIR moves it
   try:
     cli_evaluate()
   except BadInput as e:

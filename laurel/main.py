@@ -27,7 +27,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import aot, checkpoint, cluster, config_lib, lease, step, train
+from laurel import aot, checkpoint, cluster, compile_cache, config_lib, cost, lease, step, train
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -52,6 +52,8 @@ _COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, "Compile the step for -
                                   'machine, check that it fits the HBM, run nothing (needs libtpu).')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'With --compile_only: the TPU slice, e.g. v6e:4x4 or v6e-16 '
                                 '(v5p:2x2x4 or v5p-32).')
+flags.adopt_module_key_flags(compile_cache)  # --help lists --compilation_cache
+flags.adopt_module_key_flags(cost)  # and --mfu
 
 
 def main(argv):
@@ -74,6 +76,7 @@ def main(argv):
       config_lib.fail(str(e))
     print(_CONFIG.value.to_json_best_effort(indent=2, sort_keys=True))
     return
+  compile_cache.setup()  # before anything compiles (--compilation_cache)
   if _COMPILE_ONLY.value:  # before anything starts a backend or touches a workdir
     aot.compile_only_process()
     try:

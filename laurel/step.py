@@ -225,6 +225,12 @@ def make_train_fns(task):
 
 def compile_step(task, mesh):
   """Shardings, the ahead-of-time compiled train step and the state initialiser (nothing allocated yet)."""
+  lowered, init, abstract, state_shardings = lower_step(task, mesh)
+  return lowered.compile(), init, abstract, state_shardings
+
+
+def lower_step(task, mesh):
+  """compile_step's train step lowered, not yet compiled."""
   config = task.config
   tx, init_state, train_step = make_train_fns(task)
   example = task.example_batch(1)
@@ -242,12 +248,12 @@ def compile_step(task, mesh):
   batch_sh = sharding.batch_sharding(mesh)
   abstract_batch = {k: jax.ShapeDtypeStruct((config.batch_size, *v.shape[1:]), v.dtype, sharding=batch_sh)
                     for k, v in example.items()}
-  compiled = jax.jit(train_step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, repl),
-                     donate_argnums=0).lower(abstract, abstract_batch).compile()
+  lowered = jax.jit(train_step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, repl),
+                    donate_argnums=0).lower(abstract, abstract_batch)
   # Initialisation runs once and its RNG code compiles slowly on CPU at full optimisation; values are the same.
   init = jax.jit(init_state, out_shardings=state_shardings,
                  compiler_options={'xla_backend_optimization_level': 0})
-  return compiled, init, abstract, state_shardings
+  return lowered, init, abstract, state_shardings
 
 
 def check_fits_host(task, compiled, num_devices: int = 1) -> None:
@@ -266,12 +272,13 @@ def check_fits_host(task, compiled, num_devices: int = 1) -> None:
                      'or model')
 
 
-def step_costs(task, costs_of, mesh=None) -> tuple[float, float]:
+def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, float]:
   """(FLOPs, bytes accessed) of one train step of `task`: `costs_of(t)`, XLA's costs of the step of a task t
   (lowered or compiled, per device of `mesh`), with what XLA leaves out added. It counts a loop's body once, so the
   step is counted with one micro-batch (accumulating only splits the batch), a scanned layer stack at scan_unroll
   1 and 2 with the difference (one layer) added for every further layer (where they are odd in number, all in one
-  iteration), and the loss's chunks after the first (laurel.cross_entropy scans them) compiled alone."""
+  iteration), and the loss's chunks after the first (laurel.cross_entropy scans them) compiled alone (by
+  `lowered_costs(lowered)`, if given: XLA's costs of a lowered program, e.g. kept across processes by laurel.aot)."""
   task = _with(task, scan_unroll=1)
   totals = costs_of(task)
   layers = getattr(task.model_cfg, 'num_layers', 1)
@@ -282,7 +289,7 @@ def step_costs(task, costs_of, mesh=None) -> tuple[float, float]:
       twice = costs_of(_with(task, scan_unroll=2))
       totals = [c + (layers - 1) * (c2 - c) for c, c2 in zip(totals, twice)]
   if task.config.task == 'lm':
-    totals = [c + extra for c, extra in zip(totals, _uncounted_loss_chunks(task.config, mesh))]
+    totals = [c + extra for c, extra in zip(totals, _uncounted_loss_chunks(task.config, mesh, lowered_costs))]
   return tuple(totals)
 
 
@@ -295,7 +302,7 @@ def _with(task, scan_unroll: int):
                                         optimizer=dataclasses.replace(config.optimizer, grad_accum_steps=1)))
 
 
-def _uncounted_loss_chunks(config, mesh) -> tuple[float, float]:
+def _uncounted_loss_chunks(config, mesh, lowered_costs=None) -> tuple[float, float]:
   """(FLOPs, bytes) of the loss's chunks after the first: one chunk's loss and gradients compiled alone, its batch
   sharded over `mesh` (None: one device, the global batch)."""
   model = config.model
@@ -309,8 +316,9 @@ def _uncounted_loss_chunks(config, mesh) -> tuple[float, float]:
                                 sharding=None if mesh is None else jax.sharding.NamedSharding(mesh, jax.P()))
   shape = lambda *tail, dtype: jax.ShapeDtypeStruct((config.batch_size, chunk, *tail), dtype, sharding=batch)
   grads = jax.grad(lambda x, w, t, m: cross_entropy.chunked(x, w, 'vd', t, m, chunk, dtype)[0], (0, 1))
-  one = xla_costs(jax.jit(grads).lower(shape(model.d_model, dtype=dtype), kernel, shape(dtype=jnp.int32),
-                                       shape(dtype=jnp.float32)).compile())
+  lowered = jax.jit(grads).lower(shape(model.d_model, dtype=dtype), kernel, shape(dtype=jnp.int32),
+                                 shape(dtype=jnp.float32))
+  one = (lowered_costs or (lambda l: xla_costs(l.compile())))(lowered)
   return tuple((chunks - 1) * c for c in one)
 
 

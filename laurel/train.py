@@ -360,7 +360,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     handler = _preemption_handler(preempted, nproc)
     signals = (signal.SIGTERM, signal.SIGINT) if nproc == 1 else (signal.SIGINT,)
     previous = {s: signal.signal(s, handler) for s in signals}
-    eval_metrics, eval_noise, pending, step_times = {}, {}, None, []
+    eval_metrics, eval_noise, pending, step_times, interval = {}, {}, None, [], []
     t0, interval_start = time.time(), start
     watchdog.start()
     try:
@@ -370,6 +370,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
         if pending is not None:  # one step behind, so the host never waits on the step in flight
           check_finite(*pending)
         pending, done = (step + 1, metrics), step + 1
+        interval.append(metrics)  # on the device until logged: no wait on the step in flight
         for action in actions:
           action.after_step(done)
         last = done == cfg.steps
@@ -378,7 +379,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
           check_finite(*pending)
           dt = (time.time() - t0) / (done - interval_start)
           step_times.append(dt)
-          row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          row, interval = interval_mean(jax.device_get(interval)), []
           row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
                      peak_memory_bytes=peak_memory, params=num_params,
                      **{k: f / dt / (peak_flops * jax.device_count()) for k, f in flops.items()})
@@ -424,13 +425,25 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
   return final
 
 
+def interval_mean(rows: list[dict]) -> dict:
+  """The metrics of a logging interval's steps as one row: each metric's mean over them (the learning rate: the
+  last step's), and how many steps that is (`mean_of_steps`)."""
+  row = {k: statistics.fmean(float(r[k]) for r in rows) for k in rows[-1] if k != 'learning_rate'}
+  if 'learning_rate' in rows[-1]:
+    row['learning_rate'] = float(rows[-1]['learning_rate'])
+  return {**row, 'mean_of_steps': len(rows)}
+
+
 def summary(config, workdir: epath.Path, final: dict, seconds: float) -> str:
   """The closing lines of a run: its final losses, where its outputs are, and what to run next."""
   path = workdir / 'metrics.jsonl'
   logged = [r for r in map(json.loads, path.read_text().splitlines() if path.exists() else []) if 'loss' in r]
   evals = ', '.join(f'{k} {final[k]:.4f}' for k in sorted((k for k in final if k.startswith('eval_')),
                                                               key=lambda k: (k != 'eval_loss', k)))
-  train_loss = f'; last train loss {logged[-1]["loss"]:.4f} at step {logged[-1]["step"]}' if logged else ''
+  last = logged[-1] if logged else {}
+  steps = last.get('mean_of_steps', 1)
+  train_loss = (f'; train loss {last["loss"]:.4f} (the mean of steps {last["step"] - steps + 1}-{last["step"]})'
+                if steps > 1 else f'; train loss {last["loss"]:.4f} at step {last["step"]}') if logged else ''
   shown = console.shown(workdir)
   lines = [f'finished {config.row or config.task} at step {final["step"]} in {console.duration(seconds)}: '
            f'{evals}{train_loss}',
@@ -441,7 +454,8 @@ def summary(config, workdir: epath.Path, final: dict, seconds: float) -> str:
     lines.append(f'  TensorBoard   tensorboard --logdir {console.shown(workdir / "tensorboard")}')
   if config.task == 'lm':
     prompt = 'def ' if config.data.name == 'text' and not config.data.path else 'The '
-    lines += ['next:', f"  python -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens=64",
-              f"  python -m laurel.evaluate --workdir={shown} --task='text:HELD_OUT/*.txt'   # or a .jsonl or "
+    python = console.python_command()  # the venv's python unless the shell's `python` is the same
+    lines += ['next:', f"  {python} -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens=64",
+              f"  {python} -m laurel.evaluate --workdir={shown} --task='text:HELD_OUT/*.txt'   # or a .jsonl or "
               'TFDS task: README, Evaluating a checkpoint']
   return '\n'.join(lines)

@@ -14,8 +14,11 @@ with jax[tpu] at this machine's version (--jax), gcsfs and the repo (--nosetup s
 holds final.json, reruns it after a preemption (recreating a preempted VM and setting it up again); the run resumes
 from its last checkpoint. The config and overrides are first checked for the slice, then the step is compiled for it
 on this machine (laurel.aot.preflight, needs libtpu; --nopreflight skips it): bad input, or a step that does not
-fit the chips' HBM, fails before any gcloud command. --action=logs follows worker 0's log; status shows the VM's state and whether each host trains;
-stop sends SIGTERM to the training, which saves a checkpoint and exits. --dry-run prints the commands and runs none.
+fit the chips' HBM, fails before any gcloud command; one that fits prints its HBM per chip and what the run will
+cost (tokens per step, step and wall time, chip-hours; --mfu=F sets the utilisation assumed). The compiler's figures
+are kept in the compilation cache (--compilation_cache), so the same pre-flight again does not compile the step.
+--action=logs follows worker 0's log; status shows the VM's state and whether each host trains; stop sends SIGTERM
+to the training, which saves a checkpoint and exits. --dry-run prints the commands and runs none.
 Needs gcloud logged in. The workdir should be on GCS: a slice of several hosts with a local one is refused.
 --accelerator also takes the slice as a topology (v6e:4x4 for v6e-16), as pre-flight and the benchmark do.
 """
@@ -33,7 +36,7 @@ import time
 import common  # puts the repo root on sys.path
 from absl import app, flags
 
-from laurel import config_lib
+from laurel import compile_cache, config_lib, cost  # noqa: F401  # their flags: --compilation_cache, --mfu
 
 _ACTION = flags.DEFINE_enum('action', 'train', ['train', 'logs', 'status', 'stop'], 'What to do; see above.')
 _CONFIG = flags.DEFINE_string('config', None, 'configs/<file>.py:<arg>, as for laurel.main.')
@@ -194,6 +197,7 @@ def plan() -> list[tuple[str, list[str] | str]]:
       print(warning, file=sys.stderr, flush=True)
     if _PREFLIGHT.value:  # before any gcloud command: a step that does not fit fails here, not on the slice
       from laurel import aot  # pylint: disable=import-outside-toplevel
+      compile_cache.setup()
       aot.compile_only_process()
       print(aot.preflight(config, f'{accel["generation"]}:{accel["topology"]}'), file=sys.stderr, flush=True)
     run = train_command(spec, _WORKDIR.value, _OVERRIDES, _DETACH.value and not _WATCH.value)

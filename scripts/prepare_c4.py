@@ -22,7 +22,7 @@ import common  # puts the repo root on sys.path
 from absl import app, flags
 from etils import epath
 
-from laurel import data
+from laurel import console, data
 from laurel.config_lib import InputError
 
 _INPUT = flags.DEFINE_string('input', None, "Directory of C4's c4-<split>.NNNNN-of-MMMMM.json.gz files.")
@@ -78,7 +78,8 @@ def prepare():
   for i, (path, count, seconds) in enumerate(common.parallel_map(_convert_job, jobs, workers)):
     print(f'[{i + 1}/{len(jobs)}] {os.path.basename(path)}: {count:,} documents in {seconds:.0f} s', flush=True)
   print(f'done: {len(inputs)} shards in {out}; train with T5\'s vocabulary (the paper preset\'s data.vocab_path '
-        f'and model.vocab_size):\n  python -m laurel.main --config=c4_ablation:rw_lr --workdir=runs/c4_rw_lr '
+        f'and model.vocab_size):\n  {console.python_command()} -m laurel.main --config=c4_ablation:rw_lr '
+        '--workdir=runs/c4_rw_lr '
         f'--config.data.name=c4 --config.data.path={out} --config.data.vocab_path={data.C4_VOCAB_PATH} '
         '--config.model.vocab_size=32768', flush=True)
 

@@ -31,7 +31,7 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from laurel import data
+from laurel import console, data
 from laurel.config_lib import InputError
 from laurel.files import write_bytes_atomic, write_text_atomic
 
@@ -193,7 +193,8 @@ def prepare():
   print(f'done: {counts["train"]:,} train and {counts["validation"]:,} validation documents in {num_shards} shards '
         f'per split in {out}; vocabulary {vocab} ({pieces:,} pieces)\n'
         f'train a small model on it (any row of configs/c4_ablation.py; --config.model.* changes the shape):\n'
-        f'  python -m laurel.main --config=c4_ablation:rw_lr,preset=small --workdir={run} --config.data.name={PREFIX} '
+        f'  {console.python_command()} -m laurel.main --config=c4_ablation:rw_lr,preset=small --workdir={run} '
+        f'--config.data.name={PREFIX} '
         f'--config.data.path={out} --config.data.vocab_path={vocab} --config.model.vocab_size={model_vocab}',
         flush=True)
 

@@ -84,6 +84,12 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def without_this_python(path: str) -> str:
+  """PATH without the folder of this interpreter: a shell in which its venv is not activated."""
+  here = os.path.dirname(sys.executable)
+  return os.pathsep.join(p for p in path.split(os.pathsep) if not (os.path.isdir(p) and os.path.samefile(p, here)))
+
+
 def fake_gcs_env(root, num_devices: int = 1) -> dict:
   """cli_env in which gs://BUCKET/PATH is the local file ROOT/BUCKET/PATH (tests/fake_gcs), for etils.epath."""
   env = cli_env(num_devices)

@@ -111,10 +111,14 @@ def compile_only(*args, overrides=SMALL):
 def test_compile_only_reports_what_fits():
   r = compile_only('--topology=v5e-4')  # the launcher's spelling of v5e:2x2
   assert r.returncode == 0, r.stderr[-2000:]
-  line = r.stdout.strip()
+  fits, cost = r.stdout.strip().splitlines()
   assert re.fullmatch(r"preflight v5e-4: fits: the step needs ([\d.]+) GB of HBM per chip of 16\.0 GB \(the "
                       r"compiler's peak heap: ([\d.]+) GB of state and batch plus the temporaries alive at that "
-                      r'point; ([\d.]+) GB of temporaries in all, never alive at once\)', line), line
+                      r'point; ([\d.]+) GB of temporaries in all, never alive at once\)', fits), fits
+  # 8 sequences of 128 tokens; the step time is the compiler's roofline unless --mfu says otherwise.
+  assert re.fullmatch(r"preflight v5e-4: cost: 1,024 tokens per step; [\d.e+-]+ s per step, 6 steps in [\d.]+ s on "
+                      r"4 chips: [\d.e+-]+ chip-hours \(estimated from the TPU compiler's roofline, .+ a lower bound, "
+                      r'as an MFU of [\d.e+-]+%; --mfu=F assumes a measured one; training steps only: .+\)', cost), cost
   # Only progress on stderr: libtpu's start-up is told the slice, so it logs nothing.
   progress = r.stderr.splitlines()
   assert progress[0] == 'compiling the train step for v5e-4 with the TPU compiler...', r.stderr
@@ -134,6 +138,18 @@ def test_compile_only_refuses_a_step_that_does_not_fit():
   assert progress == 'compiling the train step for v5e:1x1 with the TPU compiler...', r.stderr
   assert line.startswith("error: topology='v5e:1x1': does not fit: the step needs ") and 'per chip' in line, r.stderr
   assert 'TPU v5 lite chip has' in line
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_compile_only_with_an_mfu_estimates_from_it_and_refuses_one_out_of_range():
+  r = compile_only('--topology=v5e:2x2', '--mfu=0.5')
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.splitlines()[1].startswith('preflight v5e:2x2: cost: 1,024 tokens per step; ')
+  assert '(estimated from an MFU of 50% (--mfu); ' in r.stdout
+  r = compile_only('--topology=v5e:2x2', '--mfu=1.5')
+  assert r.returncode == 2 and r.stderr == 'error: mfu=1.5: must be a fraction in (0, 1], e.g. 0.4 for 40% of the ' \
+                                           "chips' peak FLOP/s\n"
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 and on prepared TFDS directories of either version, the checks that name what is missing, and training on it."""
 import gzip
 import json
+import os
 import pickle
 import re
 import shutil
@@ -12,8 +13,8 @@ import grain
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli
-from laurel import config_lib, data
+from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli, without_this_python
+from laurel import config_lib, console, data
 from test_data import lm_data, segments
 
 SPLITS = {'train': ['c4-train.00000-of-01024.json.gz', 'c4-train.00001-of-01024.json.gz',
@@ -177,10 +178,10 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
   (tfrecord / 'dataset_info.json').write_text(json.dumps({**info, 'fileFormat': 'tfrecord'}))
   cases = [
       (dict(path=str(tmp_path / 'empty')), f"data.path='{tmp_path / 'empty'}': no c4-train.*.array_record shards; "
-       "write them with python scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> "
+       f"write them with {console.python_command()} scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> "
        f"--output={tmp_path / 'empty'}"),
       (dict(tfds_data_dir=str(tmp_path / 'empty')), f"data.tfds_data_dir='{tmp_path / 'empty'}': no prepared c4/en "
-       f'in {tmp_path / "empty"}; convert C4 with python scripts/prepare_c4.py'),
+       f'in {tmp_path / "empty"}; convert C4 with {console.python_command()} scripts/prepare_c4.py'),
       (dict(tfds_data_dir=str(root / 'both'), tfds_name='c4/en:2.2.0'), 'no prepared c4/en:2.2.0'),
       (dict(tfds_data_dir=str(tmp_path / 'tfrecord')), f'{tfrecord} holds tfrecord files, and random access needs '
        f'ArrayRecord: tfds convert_format --dataset_version_dir={tfrecord} --out_file_format=array_record'),
@@ -189,8 +190,9 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
        f"data.vocab_path='{tmp_path / 'empty' / 'sp.model'}': cannot read a SentencePiece model"),
   ]
   cases.append((dict(name='corpus', path=str(tmp_path / 'empty')),
-                f"data.path='{tmp_path / 'empty'}': no corpus-train.*.array_record shards; write them with python "
-                f"scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={tmp_path / 'empty'}"))
+                f"data.path='{tmp_path / 'empty'}': no corpus-train.*.array_record shards; write them with "
+                f"{console.python_command()} scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt "
+                f"files>' --output={tmp_path / 'empty'}"))
   for fields, message in cases:
     with pytest.raises(ValueError, match=re.escape(message)) as e:
       data.check_available(lm_data(fields.pop('name', 'c4'), 32, **{'vocab_path': sp_model, **fields}))
@@ -216,7 +218,8 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
   args = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={corpus}/*.json*',
           f'--input={corpus}/notes/*.txt', f'--output={out}', '--vocab_size=320', '--validation_fraction=0.1',
           '--workers=2']
-  r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  shell = {**os.environ, 'PATH': without_this_python(os.environ['PATH'])}  # the venv not activated
+  r = subprocess.run(args, cwd=tmp_path, env=shell, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   shards = {split: sorted(out.glob(f'corpus-{split}.*.array_record')) for split in ('train', 'validation')}
   assert [len(s) for s in shards.values()] == [7, 7]  # one per input file
@@ -229,14 +232,14 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
   assert vocab.decode(vocab.encode(docs['text'][0])) == docs['text'][0]  # byte fallback, whitespace as written
 
   command = r.stdout.strip().splitlines()[-1].split()
-  assert command[:4] == ['python', '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=small'], r.stdout
+  assert command[:4] == [sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=small'], r.stdout
   flags = dict(a.split('=', 1) for a in command[4:])
   vocab_size = int(flags.pop('--config.model.vocab_size'))
   assert flags == {'--workdir': 'runs/prepared', '--config.data.name': 'corpus', '--config.data.path': str(out),
                    '--config.data.vocab_path': str(out / 'vocab.model')}
   assert vocab_size % 128 == 0 and vocab_size >= vocab.get_piece_size()
   tiny = {k: v for k, v in TINY_LM.items() if k != 'data.name'}
-  trained = subprocess.run([sys.executable, *command[1:], *[f'--config.{k}={v}' for k, v in tiny.items()]],
+  trained = subprocess.run([*command, *[f'--config.{k}={v}' for k, v in tiny.items()]],  # as printed
                            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
   assert trained.returncode == 0, trained.stderr[-3000:]
   assert 0 < json.loads((tmp_path / 'runs' / 'prepared' / 'final.json').read_text())['eval_loss'] < 10

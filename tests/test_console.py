@@ -10,10 +10,14 @@ import sys
 import time
 import tomllib
 
+import jax
+import ml_collections
+import numpy as np
 import pytest
+from etils import epath
 
-from helpers import ROOT, TINY_LM, cli_args, cli_env
-from laurel import console
+from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, without_this_python
+from laurel import console, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 # A line that absl, glog, libtpu or TensorFlow's C++ logging printed: 'E0000 00:00:...', 'I1124 05:02:52...'.
@@ -24,6 +28,7 @@ LOGGING_PREFIX = re.compile(r'^[IWEF]\d{4} \d\d:\d\d:\d\d')
 def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line(tmp_path):
   env = cli_env()
   del env['JAX_PLATFORMS']  # as a user runs it: JAX would probe libtpu (the test extra's) for a TPU
+  env['PATH'] = without_this_python(env['PATH'])  # a shell where the venv is not activated
   workdir = tmp_path / 'run'
   result = subprocess.run(cli_args(SPEC, workdir, {**TINY_LM, 'steps': 4, 'log_every': 2, 'tensorboard': True}),
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -38,20 +43,83 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
   assert any(re.fullmatch(r'compiling the train step for 1 device: done in [\d.]+ s', l) for l in out)
   steps = [l for l in out if l.startswith('step ')]
   assert len(steps) == 2, out  # one line per logged step
-  assert re.fullmatch(r'step 2/4 \(50%\) \| loss [\d.]+ \| accuracy [\d.]+ \| grad_norm [\d.]+ \| lr [\d.e+-]+ \| '
+  assert re.fullmatch(r'step 2/4 \(50%\) \| mean of 2 steps: loss [\d.]+ \| accuracy [\d.]+ \| grad_norm [\d.]+ \| '
+                      r'lr [\d.e+-]+ \| '
                       r'[\d.e+-]+ s/step, [\d,]+ tokens/s \| ETA [\d.]+ s', steps[0]), steps[0]
   assert 'evaluating on 2 batches...' in out and any(l.startswith('eval at step 4/4 | loss ') for l in out)
   final = json.loads((workdir / 'final.json').read_text())
   end = out[out.index(next(l for l in out if l.startswith('finished '))):]
   assert end[0].startswith(f'finished rw_lr at step 4 in ') and f'eval_loss {final["eval_loss"]:.4f}' in end[0]
-  assert 'last train loss ' in end[0]
+  assert re.search(r'; train loss [\d.]+ \(the mean of steps 3-4\)$', end[0]), end[0]
   assert end[1:] == [
       '  final.json    run/final.json', '  checkpoints   run/checkpoints (the last: step 4)',
       '  metrics       run/metrics.jsonl', '  TensorBoard   tensorboard --logdir run/tensorboard', 'next:',
-      "  python -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=64",
-      "  python -m laurel.evaluate --workdir=run --task='text:HELD_OUT/*.txt'   # or a .jsonl or TFDS task: README, "
+      f"  {sys.executable} -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=64",
+      f"  {sys.executable} -m laurel.evaluate --workdir=run --task='text:HELD_OUT/*.txt'   # or a .jsonl or TFDS "
+      'task: README, '
       'Evaluating a checkpoint']
   assert (workdir / 'checkpoints' / '4').is_dir() and list((workdir / 'tensorboard').iterdir())
+  # The next command works as printed, from that shell.
+  generated = subprocess.run(['bash', '-c', end[-2].strip()], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
+  assert generated.returncode == 0 and generated.stdout.startswith("=== 1/1 | prompt 'The ' | "), generated.stderr
+
+
+def test_printed_commands_start_the_venv_s_python_unless_the_shell_s_python_is_it(tmp_path, monkeypatch):
+  """`python` only where the PATH finds this interpreter in its own folder (an activated venv); else its path,
+  relative to the working directory when inside it. A `python` elsewhere that links to the same binary (the base
+  interpreter of a venv) lacks the venv's packages."""
+  venv, other = tmp_path / '.venv' / 'bin', tmp_path / 'usr' / 'bin'
+  for folder in (venv, other):
+    folder.mkdir(parents=True)
+    (folder / 'python').symlink_to(os.path.realpath(sys.executable))
+  monkeypatch.setattr(sys, 'executable', str(venv / 'python'))
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv('PATH', str(other))
+  assert console.python_command() == os.path.join('.venv', 'bin', 'python')
+  monkeypatch.setenv('PATH', f'{venv}{os.pathsep}{other}')  # source .venv/bin/activate
+  assert console.python_command() == 'python'
+  monkeypatch.setenv('PATH', '')
+  monkeypatch.chdir(other)
+  assert console.python_command() == str(venv / 'python')  # outside the working directory: its full path
+
+
+def test_a_logged_row_is_the_mean_of_its_interval_and_says_so():
+  """Losses 4, 2, 3 and 7 over a 4-step interval log 4.0, not the last step's 7; the learning rate is the last
+  step's; the console line and the closing summary name the steps the mean is over."""
+  rows = [{'loss': np.float32(l), 'grad_norm': g, 'learning_rate': lr}
+          for l, g, lr in zip((4, 2, 3, 7), (1, 1, 2, 4), (1e-3, 2e-3, 3e-3, 4e-3))]
+  row = train.interval_mean(rows)
+  assert row == {'loss': 4.0, 'grad_norm': 2.0, 'learning_rate': 4e-3, 'mean_of_steps': 4}
+  line = console.step_line(8, 10, {**row, 'step_time_s': 0.5, 'tokens_per_s': 100.0}, 'tokens')
+  assert line.startswith('step 8/10 (80%) | mean of 4 steps: loss 4.0000 | grad_norm 2.0000 | lr 4.00e-03 | '), line
+  assert 'mean_of_steps' not in line
+
+
+def test_the_summary_gives_the_last_interval_mean_train_loss(tmp_path):
+  config = ml_collections.ConfigDict({'row': 'rw_lr', 'task': 'lm', 'tensorboard': False,
+                                      'data': {'name': 'synthetic', 'path': ''}})
+  lines = [{'step': 4, 'loss': 5.0, 'mean_of_steps': 4}, {'step': 8, 'loss': 3.25, 'mean_of_steps': 4},
+           {'step': 8, 'eval_loss': 3.5}]
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
+  first = train.summary(config, epath.Path(tmp_path), {'step': 8, 'eval_loss': 3.5}, 12.0).splitlines()[0]
+  assert first == 'finished rw_lr at step 8 in 12.0 s: eval_loss 3.5000; train loss 3.2500 (the mean of steps 5-8)'
+
+
+@pytest.mark.slow
+def test_the_train_loop_logs_the_mean_loss_of_each_interval(tmp_path):
+  """The same deterministic run logged every step and every 3 steps: each 3-step row is the mean of the 3 rows."""
+  every = {}
+  for log_every in (1, 3):
+    config = load_config(SPEC, {**TINY_LM, 'steps': 6, 'log_every': log_every})
+    train.train(config, str(tmp_path / str(log_every)), devices=jax.devices()[:1])
+    every[log_every] = [json.loads(l) for l in (tmp_path / str(log_every) / 'metrics.jsonl').read_text().splitlines()]
+  per_step = {r['step']: r['loss'] for r in every[1] if 'loss' in r}
+  assert len(set(per_step.values())) == 6  # the losses differ, so a mean differs from the last one
+  logged = [(r['step'], r['loss'], r['mean_of_steps']) for r in every[3] if 'loss' in r]
+  assert [(s, n) for s, _, n in logged] == [(3, 3), (6, 3)]
+  for s, loss, _ in logged:
+    assert loss == pytest.approx(np.mean([per_step[s - 2], per_step[s - 1], per_step[s]]), rel=1e-6)
 
 
 def _wait_for_line(proc, prefix: str, timeout=240) -> list[str]:

@@ -10,6 +10,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 pytest.importorskip('lm_eval', reason="lm-evaluation-harness is an optional extra: pip install -e '.[lm_eval]'")
 
@@ -25,6 +26,7 @@ MC = [{'context': 'the ', 'choices': ['dog', ' d d', 'bbb'], 'label': 1},
 TEXTS = ['short', 'x' * 20 + ' id d da d bbb the end'.ljust(30, '.')]  # 5 tokens: one window; 50: two
 PROMPTS = ['the ', 'ab', 'hello wor', '']
 MAX_GEN = 12
+EXAMPLE = ROOT / 'configs' / 'lm_eval'  # the shipped offline task: python_syntax.yaml over python_syntax.jsonl
 
 
 @pytest.fixture(scope='module')
@@ -64,6 +66,13 @@ def _task(directory: pathlib.Path, name: str, data_file: str, output_type: str, 
   (directory / f'{name}.yaml').write_text(json.dumps(spec, indent=1) + '\n')
 
 
+def _example_task(directory: pathlib.Path, name: str, data_file: str):
+  """The shipped example's multiple-choice task (prompt, choices, metrics) over another JSONL file."""
+  spec = yaml.safe_load((EXAMPLE / 'python_syntax.yaml').read_text())
+  spec.update(task=name, dataset_kwargs={'data_files': {'test': data_file}})
+  (directory / f'{name}.yaml').write_text(json.dumps(spec, indent=1) + '\n')
+
+
 def _offline_env(tmp_path, num_devices):
   env = cli_env(num_devices)
   env.update(HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', HF_EVALUATE_OFFLINE='1', HF_HOME=str(tmp_path / 'hf'))
@@ -91,8 +100,7 @@ def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation
   tasks = tmp_path / 'tasks'
   tasks.mkdir()
   mc_file = _jsonl(tmp_path / 'mc.jsonl', MC)
-  _task(tasks, 'laurel_mc', mc_file, 'multiple_choice', doc_to_text='{{context}}', doc_to_choice='{{choices}}',
-        doc_to_target='label', target_delimiter='', metric_list=[{'metric': 'acc'}, {'metric': 'acc_bytes'}])
+  _example_task(tasks, 'laurel_mc', mc_file)
   _task(tasks, 'laurel_text', _jsonl(tmp_path / 'text.jsonl', [{'text': t} for t in TEXTS]), 'loglikelihood_rolling',
         doc_to_text='', doc_to_target='{{text}}', metric_list=[{'metric': 'bits_per_byte'}])
   _task(tasks, 'laurel_gen', _jsonl(tmp_path / 'gen.jsonl', [{'prompt': p} for p in PROMPTS]), 'generate_until',
@@ -161,3 +169,19 @@ def test_laurel_lm_from_python_greedy_flags_and_refused_generation_kwargs(run):
     harness.LaurelLM(workdir=str(run), pretrained='x')
   with pytest.raises(harness.BadInput, match='--batch_size=.0.: a positive integer or auto'):
     harness.LaurelLM(workdir=str(run), batch_size='0')
+
+
+@pytest.mark.slow
+def test_the_shipped_example_task_scores_a_run_offline(run, tmp_path):
+  """configs/lm_eval's task by the command in its YAML and docs/evaluation.md, from the repository root: lm_eval's
+  accuracies are laurel.evaluate's on the same JSONL."""
+  command = [sys.executable, '-m', 'laurel.harness', '--model', 'laurel', '--model_args', f'workdir={run}',
+             '--tasks', 'laurel_python_syntax', '--include_path', 'configs/lm_eval', '--output_path', str(tmp_path)]
+  out = subprocess.run(command, env=_offline_env(tmp_path, 1), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert '|laurel_python_syntax' in out.stdout
+  [results_file] = tmp_path.glob('*/results_*.json')
+  results = json.loads(results_file.read_text())['results']['laurel_python_syntax']
+  [ours] = evaluate.evaluate_run(run, [str(EXAMPLE / 'python_syntax.jsonl')], batch_size=4)
+  assert ours['items'] == 24
+  assert (results['acc,none'], results['acc_bytes,none']) == (ours['accuracy'], ours['accuracy_norm'])

@@ -155,7 +155,9 @@ def test_launch_tpu_preflight_compiles_for_the_slice_before_any_gcloud_command()
           '--config=configs/c4_ablation.py:rw_lr,preset=tiny', '--workdir=gs://b/r', *PREFLIGHT]
   r = script('launch_tpu.py', *args)
   assert r.returncode == 0, r.stderr
-  assert r.stderr.splitlines()[-1].startswith('preflight v5e:2x2: fits: the step needs ') and ' of 16.0 GB (' in r.stderr
+  fits, cost = r.stderr.splitlines()[-2:]
+  assert fits.startswith('preflight v5e:2x2: fits: the step needs ') and ' of 16.0 GB (' in fits, r.stderr
+  assert cost.startswith('preflight v5e:2x2: cost: ') and ' tokens per step; ' in cost and ' chip-hours (' in cost
   assert r.stdout.splitlines()[0].startswith('# pack the working tree')
   # 2^22 × 1024 float32 embeddings (17 GB) do not fit a v5e chip's 16 GB: refused, nothing printed to run.
   r = script('launch_tpu.py', *args, '--config.model.vocab_size=4194304', '--config.model.d_model=1024',

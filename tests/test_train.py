@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, free_port, load_config, losses, run_cli
-from laurel import hardware, step, train
+from laurel import console, hardware, step, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
 
@@ -275,7 +275,8 @@ def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, capsys)
     assert key in logged[0], key
   assert 0 < logged[-1]['mfu'] < logged[-1]['hfu']  # remat and the optimizer count only in hfu
   console = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step ')]
-  assert len(console) == 8 and all(' | loss ' in l and ', mfu ' in l and '%, hfu ' in l for l in console)
+  assert len(console) == 8
+  assert all(' | mean of 5 steps: loss ' in l and ', mfu ' in l and '%, hfu ' in l for l in console), console
   assert [r['step'] for r in rows if 'eval_loss' in r] == [20, 40]
   # What explains the run: the first line and final.json carry the commit, the config's hash and the times.
   saved = json.loads((tmp_path / 'final.json').read_text())
@@ -355,8 +356,8 @@ def test_missing_data_and_an_unwritable_workdir_fail_before_compiling(tmp_path, 
   c4 = load_config(SPEC, {**TINY_LM, 'data.name': 'c4', 'data.path': str(tmp_path / 'empty'),
                           'data.vocab_path': sp_model})
   with pytest.raises(ValueError, match=re.escape(
-      f"data.path='{tmp_path / 'empty'}': no c4-train.*.array_record shards; write them with python "
-      "scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output=")):
+      f"data.path='{tmp_path / 'empty'}': no c4-train.*.array_record shards; write them with "
+      f"{console.python_command()} scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output=")):
     train.train(c4, str(tmp_path / 'run'))
   with pytest.raises(ValueError, match=re.escape(f"--workdir='{tmp_path / 'file' / 'run'}': not writable: ")):
     train.train(load_config(SPEC, TINY_LM), str(tmp_path / 'file' / 'run'))

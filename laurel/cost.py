@@ -1,0 +1,50 @@
+"""What a run will cost, as the pre-flight states it: tokens per step, step time, wall time and chip-hours.
+
+  estimate(...)  the figures, from the step's model FLOPs and either an MFU or the compiler's roofline step time
+  line(...)      them as the pre-flight's line, with the assumption behind them
+  --mfu=F        the model FLOPs utilisation to assume (a flag of laurel.main and scripts/launch_tpu.py)
+"""
+
+from absl import flags
+
+from laurel.config_lib import InputError
+from laurel.console import duration
+
+_MFU = flags.DEFINE_float(
+    'mfu', None, 'With --compile_only (and the launcher\'s pre-flight): the model FLOPs utilisation, in (0, 1], '
+    "that the cost estimate assumes. Default: the TPU compiler's roofline step time (a lower bound).")
+
+
+def mfu_flag() -> float | None:
+  """--mfu, checked: a one-line InputError unless it is in (0, 1]."""
+  mfu = _MFU.value if flags.FLAGS.is_parsed() else None
+  if mfu is not None and not 0 < mfu <= 1:
+    raise InputError(f'mfu={mfu}: must be a fraction in (0, 1], e.g. 0.4 for 40% of the chips\' peak FLOP/s')
+  return mfu
+
+
+def estimate(*, model_flops: float, units_per_step: int, steps: int, chips: int, peak_flops: float,
+             mfu: float | None = None, roofline_s: float | None = None) -> dict:
+  """A run's cost: with `mfu`, a step takes model_flops / (chips · peak_flops · mfu); without, the roofline's
+  `roofline_s` (per chip), and the MFU that implies. Wall time is steps × step time: training steps only."""
+  if mfu is None and roofline_s is None:
+    raise ValueError('estimate needs an mfu or a roofline step time')
+  step_s = model_flops / (chips * peak_flops * mfu) if mfu is not None else roofline_s
+  wall_s = steps * step_s
+  return {'units_per_step': units_per_step, 'step_s': step_s, 'steps': steps, 'wall_s': wall_s,
+          'chip_hours': chips * wall_s / 3600, 'chips': chips,
+          'mfu': mfu if mfu is not None else model_flops / (chips * peak_flops * step_s),
+          'basis': 'mfu' if mfu is not None else 'roofline'}
+
+
+def line(est: dict, unit: str) -> str:
+  """`cost: 524,288 tokens per step; 0.812 s per step, 500 steps in 6m46s on 16 chips: 1.80 chip-hours (...)`."""
+  if est['basis'] == 'mfu':
+    basis = f"an MFU of {100 * est['mfu']:.3g}% (--mfu)"
+  else:
+    basis = (f"the TPU compiler's roofline, max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth) per chip: a "
+             f"lower bound, as an MFU of {100 * est['mfu']:.3g}%; --mfu=F assumes a measured one")
+  return (f"cost: {est['units_per_step']:,} {unit} per step; {est['step_s']:.3g} s per step, {est['steps']:,} steps "
+          f"in {duration(est['wall_s'])} on {est['chips']} chip{'s' * (est['chips'] > 1)}: "
+          f"{est['chip_hours']:.3g} chip-hours (estimated from {basis}; training steps only: not compiling, "
+          'evaluation or checkpoints)')
