@@ -644,9 +644,7 @@ class LM(nn.Module):
       for i in range(cfg.num_layers):
         carry, _ = block(cfg, self.decode, name=f'layers_{i}')(
             carry, positions_BxL, segment_ids_BxL, jax.tree.map(lambda a, i=i: a[i], layer_xs), shared_G)
-    x_BxLxD = design.finish(spec, carry[0])
-
-    x_BxLxD = _norm(cfg, 'final_norm')(x_BxLxD)
+    x_BxLxD = design.read_out(spec, carry[0], _norm(cfg, 'final_norm'))
     if hidden:
       return x_BxLxD
     if cfg.tie_embeddings:

@@ -8,6 +8,7 @@ below fail for a registered design without one.
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 
@@ -26,7 +27,7 @@ from helpers import TINY_LM, load_config, losses, run_cli
 from laurel import config_lib, designs, lm, sharding, tasks
 from laurel.designs import StreamSpec, hyper
 from laurel.designs.laurel import LaurelSpec
-from reference import REFERENCES, attnres_chain, np_rmsnorm
+from reference import REFERENCES, attnres_chain, delta_attnres_authors, mhc_lite_mix, np_rmsnorm
 
 VOCAB, D, HEADS, FF, LAYERS, LEN, BATCH = 32, 16, 2, 32, 4, 8, 2
 
@@ -125,13 +126,24 @@ def test_attnres_gradient_matches_finite_differences_of_the_reference(spec):
   grads = jax.grad(loss)(params)['chain']
   chain = jax.tree.map(lambda a: np.asarray(a, np.float64), params['chain'])
   for name in ('attnres_query', 'attnres_key_scale'):
-    for index in [(0, 1), (3, 0), (5, 7), (8, 2)]:  # site 0, middle sites, the read-out
+    last = len(chain[name]) - 1  # the read-out; with delta the last site
+    for index in [(0, 1), (3, 0), (5, 7), (last, 2)]:  # site 0, middle sites, the last receiver
       def ref_loss(delta, name=name, index=index):
         moved = {**chain, name: chain[name].copy()}
         moved[name][index] += delta
         return np.sum(probe * attnres_chain(spec, {**params, 'chain': moved}, *inputs()))
       want = (ref_loss(1e-6) - ref_loss(-1e-6)) / 2e-6
       np.testing.assert_allclose(grads[name][index], want, rtol=1e-3, atol=1e-4, err_msg=f'{name}{index}')
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_attnres_delta_matches_a_transcription_of_the_authors_code_BxLxD(scan):
+  # The authors' read-out is the stream itself (no final mix over the increments).
+  spec = StreamSpec(design='attnres', attnres_delta=True)
+  params = randomize(init(spec.design, spec))
+  assert params['chain']['attnres_query'].shape[0] == CHAIN_LAYERS * T  # no read-out receiver's w_S
+  np.testing.assert_allclose(run(spec.design, spec, params, scan), delta_attnres_authors(spec, params, *inputs()),
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('heads', [1, 4])
@@ -401,8 +413,12 @@ def test_stream_design_lm_starts_as_baseline_BxLxV(name):
     for own in params[f'layers_{layer}'].values():
       own.update({n: base[f'layers_{layer}']['norm_attn'] for n in ('norm_key', 'norm_value') if n in own})
   tokens = _tokens(10)
-  # HC/mHC read out n·(baseline stream); the final RMSNorm removes n up to its epsilon.
-  np.testing.assert_allclose(_logits(cfg, params, tokens), _logits(base_cfg, base, tokens), rtol=2e-5, atol=2e-5)
+  # HC/mHC read out n·(baseline stream); the final RMSNorm removes n up to its epsilon. mHC-lite's authors' read-out
+  # norms each of the n equal streams, then sums them: n times the baseline's logits.
+  spec = STREAM_SPECS[name]
+  times = spec.expansion if spec.design in ('mhc', 'mhc_lite') and hyper.readout(spec) == 'norm_sum' else 1
+  np.testing.assert_allclose(_logits(cfg, params, tokens), times * _logits(base_cfg, base, tokens), rtol=2e-5,
+                             atol=2e-5 * times)
 
 
 DESIGN_CFGS = {
@@ -454,6 +470,24 @@ def test_mhc_lite_h_res_is_exactly_doubly_stochastic_and_starts_at_mhcs_matrix(n
   mhc = hyper.MHCSite(StreamSpec(design='mhc', expansion=n), CHAIN_D)
   np.testing.assert_allclose(start, (np.eye(n) + 1.0 / n) / 2, atol=1e-6)
   np.testing.assert_allclose(start, mhc.h_res(jnp.asarray(mhc.b_res_init(), jnp.float32).reshape(-1)), atol=1e-6)
+
+
+def test_mhc_lite_labels_its_permutations_as_the_authors_code():
+  # All weight on σ = (1, 2, 0, 3), streams (10, 20, 30, 40): the authors' code moves stream i to σ(i), giving
+  # (30, 10, 20, 40) (the inverse labels would give (20, 30, 10, 40)). F's output is 0, so the site only mixes.
+  n, sigma = 4, (1, 2, 0, 3)
+  r = list(itertools.permutations(range(n))).index(sigma)
+  c_BxLxR = np.eye(math.factorial(n))[r][None, None]
+  streams = np.array([10.0, 20.0, 30.0, 40.0])
+  np.testing.assert_array_equal(mhc_lite_mix(c_BxLxR, streams[None, None, :, None])[0, 0, :, 0], [30, 10, 20, 40])
+  spec = StreamSpec(design='mhc_lite', expansion=n)
+  site = hyper.MHCLiteSite(spec, 1)
+  h_NxBxLxD = jnp.asarray(streams[:, None, None, None], jnp.float32)
+  chain_l = jnp.zeros((1, 2, n), jnp.float32)
+  args = (h_NxBxLxD, lambda x, xn, scale: jnp.zeros_like(x), lambda x: x, lambda x: x, chain_l)
+  params = nn.unbox(site.init(jax.random.key(0), *args))['params']
+  params['b_res'] = jnp.where(jnp.arange(math.factorial(n)) == r, 0.0, -1e4)  # softmax: exactly one-hot
+  np.testing.assert_array_equal(np.asarray(site.apply({'params': params}, *args))[:, 0, 0, 0], [30, 10, 20, 40])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -599,7 +633,8 @@ def test_dca_8_params_at_the_paper_shape_are_its_equations():
     (dict(stream=dict(design='mhc_lite', expansion=1)), "model.stream.expansion=1: must be >= 2 for design 'mhc_lite'"),
     (dict(stream=dict(design='mhc_lite'), laurel=dict(variant='lr', rank=4)),
      "model.laurel.variant='lr': LAuReL replaces the residual sum, which stream design 'mhc_lite' also replaces"),
-    (dict(stream=dict(design='mhc', mhc_readout='v3')), "model.stream.mhc_readout='v3': must be one of sum, v4"),
+    (dict(stream=dict(design='mhc', mhc_readout='v3')),
+     "model.stream.mhc_readout='v3': must be one of authors, sum, norm_sum, v4"),
     (dict(stream=dict(design='mudd'), laurel=dict(variant='rw', rank=4)),
      "model.laurel.variant='rw': LAuReL replaces the residual sum, which stream design 'mudd' also replaces"),
     (dict(stream=dict(design='mudd'), norm_position='post'),
