@@ -510,7 +510,8 @@ class Block(nn.Module):
       if cfg.norm_position == 'pre':
         return designs.scaled(attn_BxLxD, alpha) + mlp_f(None, norm_mlp(h_BxLxD), alpha)
       h_BxLxD = norm_attn(h_BxLxD)
-      return designs.scaled(h_BxLxD - x, alpha) + mlp_f(None, h_BxLxD, alpha)
+      # h − x in float32, exact for bfloat16 h and x: the site's x + f(x) (in float32) gives back h + MLP(h)
+      return designs.scaled(h_BxLxD.astype(jnp.float32) - x, alpha) + mlp_f(None, h_BxLxD, alpha)
 
     identity = lambda x: x
     parts = {'attn': (attn_f, norm_attn, norm_attn), 'mlp': (mlp_f, norm_mlp, norm_mlp),
