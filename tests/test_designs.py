@@ -552,21 +552,39 @@ def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
     (StreamSpec(design='mudd'), {'remat': 'save_qkv', 'value_residual': True}),
     (StreamSpec(design='mudd', mudd_streams='r'), {'remat': 'full'}),
     (StreamSpec(design='dca'), {'remat': 'dots_no_batch'}),
-    (StreamSpec(design='dca_k', dca_k=2), {'remat': 'minimal'})],
+    (StreamSpec(design='dca_k', dca_k=2), {'remat': 'minimal'}),
+    (StreamSpec(), {'value_residual': True}),
+    (StreamSpec(), {'value_residual': True, 'remat': 'save_qkv', 'laurel': LaurelSpec(variant='rw+lr+pa', rank=4)})],
     ids=['mudd', 'mudd_value_residual', 'mudd_shared', 'dca', 'dca_k1', 'dca_k2_value_residual',
-         'mudd_save_qkv_value_residual', 'mudd_r_full', 'dca_dots_no_batch', 'dca_k2_minimal'])
+         'mudd_save_qkv_value_residual', 'mudd_r_full', 'dca_dots_no_batch', 'dca_k2_minimal', 'value_residual',
+         'laurel_value_residual_save_qkv'])
 def test_backward_rebuilding_a_buffer_is_the_scans_own(stream, model, monkeypatch):
-  # The stack's custom backward (the buffer rebuilt from the final one) against a scan's autodiff, at random weights.
+  # The stack's custom backward (the buffer and V_1 rebuilt from the final ones) against a scan's autodiff, at
+  # random weights.
   cfg = _cfg(scan_layers=True, stream=stream, **model)
   params, tokens = _random_params(cfg, 17), jnp.asarray(_tokens(18))
   grad = lambda: jax.grad(lambda p: jnp.mean(lm.LM(cfg).apply({'params': p}, tokens) ** 2))(params)
   got = grad()
-  monkeypatch.setitem(designs.REGISTRY, stream.design, dataclasses.replace(designs.REGISTRY[stream.design],
-                                                                           buffer=None))
+  monkeypatch.setattr(lm, '_stack_rebuilding_buffer', lambda stack, cfg, index, policy, *args: stack(*args)[0])
   want = grad()
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_value_residual_keeps_no_copy_of_v1_per_layer():
+  # V_1 rides in the scan's carry: a scan's own backward would keep it at every layer (one D-wide activation a layer
+  # beside save_qkv's four); the stack's backward rebuilds it from the final one, so a layer adds what Baseline's does.
+  def temp_bytes(layers, value_residual):
+    cfg = lm.LMConfig(vocab_size=64, d_model=256, num_heads=2, d_ff=256, num_layers=layers, scan_layers=True,
+                      remat='save_qkv', value_residual=value_residual)
+    params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
+    loss = lambda p, t: lm.LM(cfg).apply({'params': p}, t).sum()
+    tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
+    return jax.jit(jax.grad(loss)).lower(nn.unbox(params), tokens).compile().memory_analysis().temp_size_in_bytes
+  per_layer = lambda vr: (temp_bytes(12, vr) - temp_bytes(4, vr)) / 8
+  assert per_layer(True) <= per_layer(False) * 1.05
 
 
 @pytest.mark.slow
