@@ -510,7 +510,8 @@ class Block(nn.Module):
       if cfg.norm_position == 'pre':
         return designs.scaled(attn_BxLxD, alpha) + mlp_f(None, norm_mlp(h_BxLxD), alpha)
       h_BxLxD = norm_attn(h_BxLxD)
-      return designs.scaled(h_BxLxD - x, alpha) + mlp_f(None, h_BxLxD, alpha)
+      # h − x in float32, exact for bfloat16 h and x: the site's x + f(x) (in float32) gives back h + MLP(h)
+      return designs.scaled(h_BxLxD.astype(jnp.float32) - x, alpha) + mlp_f(None, h_BxLxD, alpha)
 
     identity = lambda x: x
     parts = {'attn': (attn_f, norm_attn, norm_attn), 'mlp': (mlp_f, norm_mlp, norm_mlp),
@@ -519,20 +520,30 @@ class Block(nn.Module):
     return {k: (f, n_in if pre else identity, identity if pre else n_out) for k, (f, n_in, n_out) in parts.items()}
 
 
-def _stack_rebuilding_buffer(stack, cfg: LMConfig, index: int, carry, positions_BxL, segment_ids_BxL, layer_xs,
-                             shared_G):
+def _stack_rebuilding_buffer(stack, cfg: LMConfig, index: int | None, policy, carry, positions_BxL, segment_ids_BxL,
+                             layer_xs, shared_G):
   """The scanned layers with a backward that keeps no copy of a design's write-once buffer (its carry's entry
-  `index`, Design.buffer): layer i starts with slots 0..i filled and writes slot i + 1, so the buffer at layer i is
-  the final one with the later slots zeroed. A scan's own backward saves the buffer at every layer, N copies of N + 1
-  slots; this one saves the final buffer and each layer's carry without it, and recomputes each layer's forward
-  before its backward (as remat 'full': the remat policy has nothing to save)."""
+  `index`, Design.buffer; None: none): layer i starts with slots 0..i filled and writes slot i + 1, so the buffer at
+  layer i is the final one with the later slots zeroed. A scan's own backward saves the buffer at every layer, N
+  copies of N + 1 slots; this one saves the final buffer and each layer's carry without it. Value residual's V_1 (the
+  carry's values, written once by layer 0) is rebuilt the same way: zeros at layer 0, the final V_1 after. The remat
+  `policy` (None: 'none') is honoured: each layer's forward keeps what its vjp under that policy keeps, less the
+  layer's own inputs, which the backward has (the buffer and V_1 rebuilt), so the backward recomputes only what the
+  policy does not save."""
   def layer(params_l, carry, chain_l, shared, layer_index):
     return Block(cfg, parent=None).apply({'params': params_l}, carry, positions_BxL, segment_ids_BxL,
                                          (layer_index, chain_l), shared)[0]
 
-  def put(carry, buffer):
+  if policy is not None:
+    layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+  structure = {}  # the vjp's tree and which of its leaves are the layer's inputs: the same at every layer
+
+  def put(carry, buffer, first_values):
+    """The carry with the buffer and (with value residual) V_1 in place; None: left out."""
     (stream, values) = carry
-    return (stream[:index] + (buffer,) + stream[index + 1:], values)
+    if index is not None:
+      stream = stream[:index] + (buffer,) + stream[index + 1:]
+    return stream, first_values if cfg.value_residual else values
 
   def run(mdl, carry, layer_xs, shared_G):
     return mdl(carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)[0]
@@ -542,19 +553,30 @@ def _stack_rebuilding_buffer(stack, cfg: LMConfig, index: int, carry, positions_
 
     def one(carry, xs):
       params_l, (layer_index, chain_l) = xs
-      return layer(params_l, carry, chain_l, shared_G, layer_index), put(carry, None)
+      inputs = (params_l, carry, chain_l, shared_G)
+      out, vjp = jax.vjp(lambda p, c, w, s: layer(p, c, w, s, layer_index), *inputs)
+      leaves, structure['tree'] = jax.tree.flatten(vjp)
+      input_leaves = jax.tree.leaves(inputs)
+      # A residual that is one of the layer's inputs (the buffer, the parameters) is not kept: the backward has it.
+      structure['input'] = [next((k for k, a in enumerate(input_leaves) if a is leaf), None) for leaf in leaves]
+      kept = [leaf for leaf, k in zip(leaves, structure['input']) if k is None]
+      return out, (put(carry, None, None), kept)
     out, saved = jax.lax.scan(one, carry, (params, layer_xs), unroll=cfg.scan_unroll)
-    return out, (params, saved, out[0][index], layer_xs, shared_G)
+    return out, (params, saved, None if index is None else out[0][index], out[1], layer_xs, shared_G)
 
   def backward(residuals, g_out):
-    params, saved, final_JxBxLxD, layer_xs, shared_G = residuals
-    slots_J = jnp.arange(final_JxBxLxD.shape[0])
+    params, saved, final_JxBxLxD, final_values, layer_xs, shared_G = residuals
 
     def one(grads, xs):
       g_carry, g_shared = grads
-      params_l, carry, (layer_index, chain_l) = xs
-      carry = put(carry, jnp.where((slots_J <= layer_index)[:, None, None, None], final_JxBxLxD, 0))
-      _, vjp = jax.vjp(lambda p, c, w, s: layer(p, c, w, s, layer_index), params_l, carry, chain_l, shared_G)
+      params_l, (carry, kept), (layer_index, chain_l) = xs
+      buffer = None if index is None else jnp.where(
+          (jnp.arange(final_JxBxLxD.shape[0]) <= layer_index)[:, None, None, None], final_JxBxLxD, 0)
+      first_values = None if final_values is None else jnp.where(layer_index > 0, final_values, 0)
+      carry = put(carry, buffer, first_values)
+      input_leaves, kept = jax.tree.leaves((params_l, carry, chain_l, shared_G)), iter(kept)
+      vjp = jax.tree.unflatten(structure['tree'], [next(kept) if k is None else input_leaves[k]
+                                                   for k in structure['input']])
       g_params, g_carry, g_chain, g_shared_l = vjp(g_carry)
       return (g_carry, jax.tree.map(jnp.add, g_shared, g_shared_l)), (g_params, g_chain)
     (g_carry, g_shared), (g_params, g_chain) = jax.lax.scan(
@@ -623,7 +645,7 @@ class LM(nn.Module):
     layer_xs = (jnp.arange(cfg.num_layers), chain_N)
 
     shared_G = SharedKernels(cfg, name='shared')() if cfg.share.group_size > 1 else None
-    block = Block
+    block, policy = Block, None
     if cfg.remat != 'none':
       policy = REMAT_POLICIES[cfg.remat]
       if design.saved_names:  # what the design's backward needs that it cannot recompute from the layer's input
@@ -636,17 +658,15 @@ class LM(nn.Module):
                       unroll=cfg.scan_unroll, metadata_params={nn.PARTITION_NAME: 'layers'})
       stack = stack(cfg, self.decode, name='layers')
       args = (carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)
-      if design.buffer is None or self.decode or self.is_initializing():
+      if (design.buffer is None and not cfg.value_residual) or self.decode or self.is_initializing():
         carry, _ = stack(*args)
       else:
-        carry = _stack_rebuilding_buffer(stack, cfg, design.buffer, *args)
+        carry = _stack_rebuilding_buffer(stack, cfg, design.buffer, policy, *args)
     else:
       for i in range(cfg.num_layers):
         carry, _ = block(cfg, self.decode, name=f'layers_{i}')(
             carry, positions_BxL, segment_ids_BxL, jax.tree.map(lambda a, i=i: a[i], layer_xs), shared_G)
-    x_BxLxD = design.finish(spec, carry[0])
-
-    x_BxLxD = _norm(cfg, 'final_norm')(x_BxLxD)
+    x_BxLxD = design.read_out(spec, carry[0], _norm(cfg, 'final_norm'))
     if hidden:
       return x_BxLxD
     if cfg.tie_embeddings:

@@ -63,7 +63,8 @@ class Net(nn.Module):
       for l in range(LAYERS):
         carry, _ = _Layer(self.design, self.spec, name=f'layers_{l}')(carry, ws_NxTxDxD[l],
                                                                       jax.tree.map(lambda a, l=l: a[l], chain))
-    return design.finish(self.spec, carry)
+    # The final norm (rms) where the design reads out after it (mHC-lite's); else the read-out before it.
+    return design.read_out(self.spec, carry, rms if design.norm_first(self.spec) else lambda y: y)
 
 
 def inputs(seed=0):

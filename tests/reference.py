@@ -4,8 +4,10 @@ of what each design is tested against (`REFERENCES`: cases, its chain in float64
   LAuReL       arXiv 2411.07501, §2, eqs. 2–6, and Gemma 3n's LAuReL block
   ReZero       eq. 1 (arXiv 2003.04887); LayerScale: CaiT §2 (2103.17239)
   HC           eqs. 3–5, 10–14 and Algorithm 2 (2409.19606); mHC: eqs. 3, 7–9 (2512.24880), DeepSeek-V4's read-out
-  mHC-lite     2601.05732: H_res a softmax-weighted sum of the n! permutation matrices; the authors' init as in
-               their code (FFTYYY/mhc-lite): b_res = (0, −8, …), b_pre and b_post ±1 tilted to stream l mod n
+  mHC-lite     2601.05732 and the authors' code (FFTYYY/mhc-lite, hyper_conn/mhc_lite.py and model.py): the streams
+               mixed by a softmax-weighted sum of the n! matrices I[σ_r] as the code applies it, the final norm on
+               each stream before their sum; the authors' init: b_res = (0, −8, …), b_pre and b_post ±1 tilted to
+               stream l mod n
   Frac         2503.14125: HC over m fractions of the width (the dynamic form as HC eqs. 10–13)
   DenseFormer  §3, §3.2–3.3 (2402.02622), the pull form of epfml/DenseFormer's DWAModules
   AttnRes      §3 (2603.15031), Full and Block, the pull form: every source kept, one softmax per site (per head);
@@ -196,13 +198,16 @@ def hyper_chain(spec, params, x, ws):
       h_pre = np_sigmoid(alpha[0] * (xv @ phi[:, :n]) + p['chain']['b_pre'][l, t])
       h_post = 2 * np_sigmoid(alpha[1] * (xv @ phi[:, n:2 * n]) + q['b_post'] + _b_post_tilt(spec, l))
       res = alpha[2] * (xv @ phi[:, 2 * n:])
+      x_in = np.einsum('bln,blnd->bld', h_pre, h)
       if spec.design == 'mhc':
         h_res = np_sinkhorn(res.reshape(BATCH, LEN, n, n) + q['b_res'], spec.sinkhorn_iters)
-      else:  # mHC-lite: a convex combination of the n! permutation matrices
-        h_res = np.einsum('blk,kij->blij', np_softmax(res + q['b_res'], axis=-1), np_permutations(n))
-      x_in = np.einsum('bln,blnd->bld', h_pre, h)
-      h = np.einsum('blij,bljd->blid', h_res, h) + h_post[..., None] * f(np_rms(x_in))[:, :, None, :]  # eq. 3
-  if getattr(spec, 'mhc_readout', 'sum') == 'v4':  # DeepSeek-V4: Σ_k (σ(s·(RMSNorm(vec X) φ)_k + b_k) + ε) X_k
+        mixed = np.einsum('blij,bljd->blid', h_res, h)
+      else:  # mHC-lite: a convex combination of the n! permutation matrices, as its code mixes
+        mixed = mhc_lite_mix(np_softmax(res + q['b_res'], axis=-1), h)
+      h = mixed + h_post[..., None] * f(np_rms(x_in))[:, :, None, :]  # eq. 3
+  if _readout(spec) == 'norm_sum':  # mHC-lite's model.py: the final norm (here unweighted) on each stream, then sum
+    return np_rms(h).sum(axis=2)
+  if _readout(spec) == 'v4':  # DeepSeek-V4: Σ_k (σ(s·(RMSNorm(vec X) φ)_k + b_k) + ε) X_k
     r = p['stream_readout']
     xv = np_rms(h.reshape(BATCH, LEN, n * D))
     w = np_sigmoid(r['readout_scale'] * (xv @ r['readout_phi'].reshape(n * D, n)) + r['readout_b']) + 1e-6
@@ -210,14 +215,20 @@ def hyper_chain(spec, params, x, ws):
   return h.sum(axis=2)  # HC §2.1: sum the rows of the last hyper hidden matrix
 
 
-def np_permutations(n):
-  """P_k[i, σ_k(i)] = 1 for every permutation σ_k of range(n), itertools order (identity first)."""
-  out = []
-  for perm in itertools.permutations(range(n)):
-    m = np.zeros((n, n))
-    m[np.arange(n), perm] = 1.0
-    out.append(m)
-  return np.stack(out)
+def mhc_lite_mix(c_BxLxR, h_BxLxNxD):
+  """mHC-lite's residual mix as its code applies it: the matrices eye(n)[σ_r] over itertools.permutations, weighed
+  by the softmax c and summed to α (from stream s, to stream t), the new stream t = Σ_s α[s, t]·h_s."""
+  n = h_BxLxNxD.shape[2]
+  perms = np.eye(n)[np.array(list(itertools.permutations(range(n))))]
+  alpha = np.einsum('blr,rst->blst', c_BxLxR, perms)
+  return np.einsum('blst,blsd->bltd', alpha, h_BxLxNxD)
+
+
+def _readout(spec):
+  """mHC's read-out by default the paper's sum (HC §2.1), mHC-lite's its code's norm on each stream, then the sum."""
+  if getattr(spec, 'mhc_readout', 'sum') == 'authors':
+    return 'norm_sum' if spec.design == 'mhc_lite' else 'sum'
+  return getattr(spec, 'mhc_readout', 'sum')
 
 
 def frac_chain(spec, params, x, ws):
@@ -262,7 +273,8 @@ def _attnres_sources(spec, x, ws, mix):
   """(every site's input, then the read-out) of Full or Block AttnRes in pull form: h_s = mix(sources, s).
   Full: sources v_0 = x, v_1, … (each site's output). Block (b sites per block): the finished block sums, then the
   current block's partial sum unless the site starts a block (Kimi's order: the finished block joins first).
-  delta (arXiv 2605.18855): the same sources are the stream's increments, and the input is x_s + h_s."""
+  delta (arXiv 2605.18855): the same sources are the stream's increments, and the input is x_s + h_s; the read-out
+  is the stream x_S (wdlctc/delta-attention-residuals-code: its 'delta' modes route nothing after the last layer)."""
   b = spec.attnres_block if spec.design == 'attnres_block' else 1
   blocks, partial, sites, hs, stream = [x], None, _sites({}, ws), [], x
   plus_stream = lambda h: stream + h if spec.attnres_delta else h
@@ -272,7 +284,8 @@ def _attnres_sources(spec, x, ws, mix):
     hs.append(plus_stream(mix(blocks + ([] if partial is None else [partial]), s)))
     v = f(np_rms(hs[-1]))
     partial, stream = (v if partial is None else partial + v), stream + v
-  return hs + [plus_stream(mix(blocks + [partial], len(sites)))]
+  # The read-out: the last receiver's mix; with delta the stream itself (the delta code has no final routing).
+  return hs + [stream if spec.attnres_delta else mix(blocks + [partial], len(sites))]
 
 
 def attnres_chain(spec, params, x, ws, site_inputs=False):
@@ -290,6 +303,32 @@ def attnres_chain(spec, params, x, ws, site_inputs=False):
     return out
   hs = _attnres_sources(spec, x, ws, mix)
   return hs if site_inputs else hs[-1]
+
+
+def delta_attnres_authors(spec, params, x, ws):
+  """A transcription of wdlctc/delta-attention-residuals-code (Attention-Residuals/modeling_qwen3_attnres.py),
+  attnres_mode 'delta' with one head, no null source and gate 'bias': each sublayer reads h = partial +
+  Σ_n softmax_n(q·RMSNorm(V_n))·V_n over the list `blocks` (h = partial while it is empty), `blocks` starting as
+  [the embedding] after the first attention and growing by each sublayer's output; the model reads out norm(partial)
+  with no final routing. Its first input is x_0 where the paper's formula gives 2·x_0: equal after the pre-norm."""
+  del spec
+  p, x, ws = _f64(params, x, ws)
+  query, key_scale = p['chain']['attnres_query'], p['chain']['attnres_key_scale']
+
+  def delta_attn_res(deltas, partial, s):
+    if not deltas:
+      return partial
+    v = np.stack(deltas)
+    weights = np_softmax(np.einsum('d,nbtd->nbt', query[s], np_rmsnorm(v, key_scale[s])), axis=0)
+    return partial + np.einsum('nbt,nbtd->btd', weights, v)
+  blocks, partial = [], x
+  for l in range(LAYERS):
+    attn_out = np.tanh(np_rms(delta_attn_res(blocks, partial, 2 * l)) @ ws[l, 0])
+    blocks = blocks or [partial]
+    partial, blocks = partial + attn_out, blocks + [attn_out]
+    mlp_out = np.tanh(np_rms(delta_attn_res(blocks, partial, 2 * l + 1)) @ ws[l, 1])
+    partial, blocks = partial + mlp_out, blocks + [mlp_out]
+  return partial
 
 
 def attnres_init(spec, x, ws, params):  # documented: w = 0 makes every site a uniform average of its sources
@@ -394,7 +433,9 @@ def hyper_init(spec, x, ws, params):  # n equal streams summed: n·(plain chain)
              for l in range(LAYERS)}
     b_pre = np.stack([[_authors_tilt(n, l)] * T for l in range(LAYERS)])
     return hyper_chain(spec, {**params, **start, 'chain': {'b_pre': b_pre}}, x, ws), False
-  weight = 0.5 + 1e-6 if getattr(spec, 'mhc_readout', 'sum') == 'v4' else 1.0  # V4: σ(0) + ε per stream
+  if _readout(spec) == 'norm_sum':  # n equal streams, each normed, summed
+    return spec.expansion * np_rms(np.asarray(plain(x, ws), np.float64)), False
+  weight = 0.5 + 1e-6 if _readout(spec) == 'v4' else 1.0  # V4: σ(0) + ε per stream
   return weight * spec.expansion * plain(x, ws), False
 
 
@@ -418,6 +459,9 @@ STREAM_CASES = {
     'mhc_n2_iters5': StreamSpec(design='mhc', expansion=2, sinkhorn_iters=5),
     'mhc_v4_readout': StreamSpec(design='mhc', expansion=3, mhc_readout='v4'),
     'mhc_lite': StreamSpec(design='mhc_lite', expansion=3),
+    'mhc_lite_n4': StreamSpec(design='mhc_lite', expansion=4),
+    'mhc_lite_sum_readout': StreamSpec(design='mhc_lite', expansion=3, mhc_readout='sum'),
+    'mhc_norm_sum_readout': StreamSpec(design='mhc', expansion=2, mhc_readout='norm_sum'),
     'mhc_lite_n2_v4_readout': StreamSpec(design='mhc_lite', expansion=2, mhc_readout='v4'),
     'mhc_lite_authors': StreamSpec(design='mhc_lite', expansion=3, mhc_lite_init='authors'),
     'frac': StreamSpec(design='frac'), 'frac_m4': StreamSpec(design='frac', fractions=4),

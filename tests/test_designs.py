@@ -8,6 +8,7 @@ below fail for a registered design without one.
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 
@@ -26,7 +27,7 @@ from helpers import TINY_LM, load_config, losses, run_cli
 from laurel import config_lib, designs, lm, sharding, tasks
 from laurel.designs import StreamSpec, hyper
 from laurel.designs.laurel import LaurelSpec
-from reference import REFERENCES, attnres_chain, np_rmsnorm
+from reference import REFERENCES, attnres_chain, delta_attnres_authors, mhc_lite_mix, np_rmsnorm
 
 VOCAB, D, HEADS, FF, LAYERS, LEN, BATCH = 32, 16, 2, 32, 4, 8, 2
 
@@ -125,13 +126,24 @@ def test_attnres_gradient_matches_finite_differences_of_the_reference(spec):
   grads = jax.grad(loss)(params)['chain']
   chain = jax.tree.map(lambda a: np.asarray(a, np.float64), params['chain'])
   for name in ('attnres_query', 'attnres_key_scale'):
-    for index in [(0, 1), (3, 0), (5, 7), (8, 2)]:  # site 0, middle sites, the read-out
+    last = len(chain[name]) - 1  # the read-out; with delta the last site
+    for index in [(0, 1), (3, 0), (5, 7), (last, 2)]:  # site 0, middle sites, the last receiver
       def ref_loss(delta, name=name, index=index):
         moved = {**chain, name: chain[name].copy()}
         moved[name][index] += delta
         return np.sum(probe * attnres_chain(spec, {**params, 'chain': moved}, *inputs()))
       want = (ref_loss(1e-6) - ref_loss(-1e-6)) / 2e-6
       np.testing.assert_allclose(grads[name][index], want, rtol=1e-3, atol=1e-4, err_msg=f'{name}{index}')
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_attnres_delta_matches_a_transcription_of_the_authors_code_BxLxD(scan):
+  # The authors' read-out is the stream itself (no final mix over the increments).
+  spec = StreamSpec(design='attnres', attnres_delta=True)
+  params = randomize(init(spec.design, spec))
+  assert params['chain']['attnres_query'].shape[0] == CHAIN_LAYERS * T  # no read-out receiver's w_S
+  np.testing.assert_allclose(run(spec.design, spec, params, scan), delta_attnres_authors(spec, params, *inputs()),
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('heads', [1, 4])
@@ -158,8 +170,8 @@ def test_backward_keeps_a_constant_amount_per_layer(design, remat):
   # running sums U (2N + 1 D-wide) per layer, as remat did before the inputs were named, grows it ~1.55x from 4→8 to
   # 8→16. A buffer of N + 1 slots (MUDDFormer, DCA), saved per layer by a scan's own backward, ~2x. AttnRes keeps the
   # logits of every later receiver and MUDDFormer its weights A, O(N) scalars a token per layer, so it is measured
-  # where they are small beside D. The buffer designs' backward recomputes every layer whatever the policy, so one
-  # policy covers them.
+  # where they are small beside D. DCA's columns (k + 2 D-wide) are a batched dot, which dots_no_batch does not keep:
+  # as an unbatched dot, ~1.44x here.
   width = 256
 
   def temp_bytes(layers):
@@ -369,6 +381,23 @@ def test_gemma3n_layer_matches_a_transcription_of_gemma3n_BxLxD():
   assert 'laurel_mlp' not in params['layers_0'] and cfg.num_sites == LAYERS
 
 
+def test_post_norm_block_gives_back_h_plus_mlp_exactly_in_bfloat16_BxLxD():
+  # Post-norm's block site adds f(x) = block(x) − x to x: h − x taken in float32 is exact for bfloat16 h and x, so
+  # the sum is h + MLP(h) rounded once, as the post-norm block computes it (h − x in bfloat16 changed 28% of the
+  # entries at this shape).
+  cfg = _cfg(norm_position='post', dtype='bfloat16', d_model=64, d_ff=128, num_layers=3)
+  tokens = np.random.default_rng(0).integers(1, VOCAB, size=(4, 16)).astype(np.int32)
+  params = _random_params(cfg, 19)
+  norms = {}
+  for name, args, out in _calls(cfg, params, tokens, nn.RMSNorm):
+    norms.setdefault(name, []).append((args[0], out))
+  mlps = [out for *_, out in _calls(cfg, params, tokens, lm.Mlp)]
+  assert len(mlps) == len(norms['norm_attn']) == len(norms['norm_mlp']) == 3
+  for (_, h), m, (summed, _) in zip(norms['norm_attn'], mlps, norms['norm_mlp']):
+    assert h.dtype == summed.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(summed, np.float32), np.asarray(h + m, np.float32))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Stream designs in the LM: at init they equal the pre-norm baseline where their papers make it so.
 
@@ -401,8 +430,12 @@ def test_stream_design_lm_starts_as_baseline_BxLxV(name):
     for own in params[f'layers_{layer}'].values():
       own.update({n: base[f'layers_{layer}']['norm_attn'] for n in ('norm_key', 'norm_value') if n in own})
   tokens = _tokens(10)
-  # HC/mHC read out n·(baseline stream); the final RMSNorm removes n up to its epsilon.
-  np.testing.assert_allclose(_logits(cfg, params, tokens), _logits(base_cfg, base, tokens), rtol=2e-5, atol=2e-5)
+  # HC/mHC read out n·(baseline stream); the final RMSNorm removes n up to its epsilon. mHC-lite's authors' read-out
+  # norms each of the n equal streams, then sums them: n times the baseline's logits.
+  spec = STREAM_SPECS[name]
+  times = spec.expansion if spec.design in ('mhc', 'mhc_lite') and hyper.readout(spec) == 'norm_sum' else 1
+  np.testing.assert_allclose(_logits(cfg, params, tokens), times * _logits(base_cfg, base, tokens), rtol=2e-5,
+                             atol=2e-5 * times)
 
 
 DESIGN_CFGS = {
@@ -456,6 +489,24 @@ def test_mhc_lite_h_res_is_exactly_doubly_stochastic_and_starts_at_mhcs_matrix(n
   np.testing.assert_allclose(start, mhc.h_res(jnp.asarray(mhc.b_res_init(), jnp.float32).reshape(-1)), atol=1e-6)
 
 
+def test_mhc_lite_labels_its_permutations_as_the_authors_code():
+  # All weight on σ = (1, 2, 0, 3), streams (10, 20, 30, 40): the authors' code moves stream i to σ(i), giving
+  # (30, 10, 20, 40) (the inverse labels would give (20, 30, 10, 40)). F's output is 0, so the site only mixes.
+  n, sigma = 4, (1, 2, 0, 3)
+  r = list(itertools.permutations(range(n))).index(sigma)
+  c_BxLxR = np.eye(math.factorial(n))[r][None, None]
+  streams = np.array([10.0, 20.0, 30.0, 40.0])
+  np.testing.assert_array_equal(mhc_lite_mix(c_BxLxR, streams[None, None, :, None])[0, 0, :, 0], [30, 10, 20, 40])
+  spec = StreamSpec(design='mhc_lite', expansion=n)
+  site = hyper.MHCLiteSite(spec, 1)
+  h_NxBxLxD = jnp.asarray(streams[:, None, None, None], jnp.float32)
+  chain_l = jnp.zeros((1, 2, n), jnp.float32)
+  args = (h_NxBxLxD, lambda x, xn, scale: jnp.zeros_like(x), lambda x: x, lambda x: x, chain_l)
+  params = nn.unbox(site.init(jax.random.key(0), *args))['params']
+  params['b_res'] = jnp.where(jnp.arange(math.factorial(n)) == r, 0.0, -1e4)  # softmax: exactly one-hot
+  np.testing.assert_array_equal(np.asarray(site.apply({'params': params}, *args))[:, 0, 0, 0], [30, 10, 20, 40])
+
+
 # ---------------------------------------------------------------------------------------------------
 # MUDDFormer: per-layer shapes padded for the scan, masked; the effective parameter count.
 
@@ -497,20 +548,58 @@ def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
     (StreamSpec(design='mudd'), {}), (StreamSpec(design='mudd'), {'value_residual': True}),
     (StreamSpec(design='mudd'), {'share': lm.ShareSpec(group_size=2, rank=2)}),
     (StreamSpec(design='dca'), {}), (StreamSpec(design='dca_k', dca_k=1), {}),
-    (StreamSpec(design='dca_k', dca_k=2), {'value_residual': True})],
-    ids=['mudd', 'mudd_value_residual', 'mudd_shared', 'dca', 'dca_k1', 'dca_k2_value_residual'])
+    (StreamSpec(design='dca_k', dca_k=2), {'value_residual': True}),
+    (StreamSpec(design='mudd'), {'remat': 'save_qkv', 'value_residual': True}),
+    (StreamSpec(design='mudd', mudd_streams='r'), {'remat': 'full'}),
+    (StreamSpec(design='dca'), {'remat': 'dots_no_batch'}),
+    (StreamSpec(design='dca_k', dca_k=2), {'remat': 'minimal'}),
+    (StreamSpec(), {'value_residual': True}),
+    (StreamSpec(), {'value_residual': True, 'remat': 'save_qkv', 'laurel': LaurelSpec(variant='rw+lr+pa', rank=4)})],
+    ids=['mudd', 'mudd_value_residual', 'mudd_shared', 'dca', 'dca_k1', 'dca_k2_value_residual',
+         'mudd_save_qkv_value_residual', 'mudd_r_full', 'dca_dots_no_batch', 'dca_k2_minimal', 'value_residual',
+         'laurel_value_residual_save_qkv'])
 def test_backward_rebuilding_a_buffer_is_the_scans_own(stream, model, monkeypatch):
-  # The stack's custom backward (the buffer rebuilt from the final one) against a scan's autodiff, at random weights.
+  # The stack's custom backward (the buffer and V_1 rebuilt from the final ones) against a scan's autodiff, at
+  # random weights.
   cfg = _cfg(scan_layers=True, stream=stream, **model)
   params, tokens = _random_params(cfg, 17), jnp.asarray(_tokens(18))
   grad = lambda: jax.grad(lambda p: jnp.mean(lm.LM(cfg).apply({'params': p}, tokens) ** 2))(params)
   got = grad()
-  monkeypatch.setitem(designs.REGISTRY, stream.design, dataclasses.replace(designs.REGISTRY[stream.design],
-                                                                           buffer=None))
+  monkeypatch.setattr(lm, '_stack_rebuilding_buffer', lambda stack, cfg, index, policy, *args: stack(*args)[0])
   want = grad()
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_value_residual_keeps_no_copy_of_v1_per_layer():
+  # V_1 rides in the scan's carry: a scan's own backward would keep it at every layer (one D-wide activation a layer
+  # beside save_qkv's four); the stack's backward rebuilds it from the final one, so a layer adds what Baseline's does.
+  def temp_bytes(layers, value_residual):
+    cfg = lm.LMConfig(vocab_size=64, d_model=256, num_heads=2, d_ff=256, num_layers=layers, scan_layers=True,
+                      remat='save_qkv', value_residual=value_residual)
+    params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
+    loss = lambda p, t: lm.LM(cfg).apply({'params': p}, t).sum()
+    tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
+    return jax.jit(jax.grad(loss)).lower(nn.unbox(params), tokens).compile().memory_analysis().temp_size_in_bytes
+  per_layer = lambda vr: (temp_bytes(12, vr) - temp_bytes(4, vr)) / 8
+  assert per_layer(True) <= per_layer(False) * 1.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('design', ['mudd', 'dca'])
+def test_buffer_backward_honours_the_remat_policy(design):
+  # The backward rebuilding the buffer recomputes what the policy does not save, and only that: the compiled
+  # gradient's FLOPs fall from 'full' to 'save_qkv' to 'none' (no recomputation), as the baseline's do.
+  def flops(remat):
+    cfg = _cfg(scan_layers=True, remat=remat, stream=StreamSpec(design=design))
+    params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), _tokens()))['params']
+    loss = lambda p, t: lm.LM(cfg).apply({'params': p}, t).sum()
+    tokens = jax.ShapeDtypeStruct((BATCH, LEN), jnp.int32)
+    return jax.jit(jax.grad(loss)).lower(nn.unbox(params), tokens).compile().cost_analysis()['flops']
+  full, save_qkv, none = flops('full'), flops('save_qkv'), flops('none')
+  assert full > save_qkv > none, (full, save_qkv, none)
 
 
 def _count(config) -> dict:
@@ -599,7 +688,8 @@ def test_dca_8_params_at_the_paper_shape_are_its_equations():
     (dict(stream=dict(design='mhc_lite', expansion=1)), "model.stream.expansion=1: must be >= 2 for design 'mhc_lite'"),
     (dict(stream=dict(design='mhc_lite'), laurel=dict(variant='lr', rank=4)),
      "model.laurel.variant='lr': LAuReL replaces the residual sum, which stream design 'mhc_lite' also replaces"),
-    (dict(stream=dict(design='mhc', mhc_readout='v3')), "model.stream.mhc_readout='v3': must be one of sum, v4"),
+    (dict(stream=dict(design='mhc', mhc_readout='v3')),
+     "model.stream.mhc_readout='v3': must be one of authors, sum, norm_sum, v4"),
     (dict(stream=dict(design='mudd'), laurel=dict(variant='rw', rank=4)),
      "model.laurel.variant='rw': LAuReL replaces the residual sum, which stream design 'mudd' also replaces"),
     (dict(stream=dict(design='mudd'), norm_position='post'),

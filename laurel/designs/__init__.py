@@ -101,6 +101,7 @@ class Design:
   prefix: str = ''  # site names: prefix + PLACEMENTS' suffix; '' = the design's name
   start: Callable = lambda spec, x, num_layers: x  # the carry after the embedding
   finish: Callable = lambda spec, carry: carry  # the read-out before the final norm
+  norm_first: Callable = lambda spec: False  # the final norm applies to each stream before `finish` (mHC-lite's)
   check: Callable = lambda spec, num_layers, prefix: None  # checks across fields (one-line InputError)
   check_width: Callable = lambda spec, d_model, prefix: None  # checks against the model width
   post_norm: bool = False  # defined on post-norm sublayers too
@@ -114,6 +115,11 @@ class Design:
 
   def site_name(self, suffix):
     return (self.prefix or self.name) + suffix
+
+  def read_out(self, spec, carry, final_norm):
+    """The final-normed read-out: `finish`, then the final norm; or with `norm_first`, the final norm on each stream,
+    then `finish`."""
+    return self.finish(spec, final_norm(carry)) if self.norm_first(spec) else final_norm(self.finish(spec, carry))
 
 
 REGISTRY: dict[str, Design] = {}
@@ -136,7 +142,9 @@ class StreamSpec:
   expansion: int = field(4, POSITIVE_INT)  # HC/mHC n
   hc_dynamic: bool = field(False, BOOL)  # HC eqs. 10–13
   sinkhorn_iters: int = field(20, POSITIVE_INT)  # mHC t_max (eq. 9)
-  mhc_readout: str = field('sum', one_of('sum', 'v4'))  # mHC's streams -> one: HC §2.1's sum, or DeepSeek-V4's
+  # mHC's streams -> one: each design's authors' ('sum' for mhc, 'norm_sum' for mhc_lite); HC §2.1's sum, then the
+  # final norm; the final norm on each stream, then the sum (mHC-lite's code); or DeepSeek-V4's weighted sum
+  mhc_readout: str = field('authors', one_of('authors', 'sum', 'norm_sum', 'v4'))
   mhc_lite_init: str = field('plain', one_of('plain', 'authors'))  # mHC-lite's start: mHC's plain one, or its code's
   fractions: int = field(2, POSITIVE_INT)  # Frac-Connections m
   layerscale_init: float = field(1e-5, POSITIVE)  # CaiT's ε for depth 24

@@ -10,8 +10,9 @@ reference code file `modeling_qwen3_attnres.py`, functions `block_attn_res` and 
   heads   `attnres_heads` = H: H independent softmaxes, each over its group of D/H channels with its own RMSNorm over
           them (arXiv 2607.27230; its text was not read: the per-group RMSNorm is this module's choice)
 Without delta there is no running residual: the stream is the set of sources. The read-out (a final site S with its
-own w_S and RMSNorm, before the final norm) follows the reference code. w_s = 0 and the RMSNorm scale γ_s = 1 at
-init, so every site starts as a uniform average of its sources (the documented exception to "equals the plain
+own w_S and RMSNorm, before the final norm) follows the reference code; with delta it is the ordinary stream x_S,
+with no final mix, as the delta code's 'delta' and 'delta_block' modes read out. w_s = 0 and the RMSNorm scale
+γ_s = 1 at init, so every site starts as a uniform average of its sources (the documented exception to "equals the plain
 model"; with delta, x_s plus that average, x_s·(s+2)/(s+1) for Full: the plain model's input after the pre-norm, up
 to its epsilon).
 
@@ -42,20 +43,26 @@ def block_size(spec) -> int:
   return spec.attnres_block if spec.design == 'attnres_block' else 1
 
 
+def receivers(spec, sites: int) -> int:
+  """The sites, plus the read-out site S but with delta (which reads out the stream x)."""
+  return sites + (0 if spec.attnres_delta else 1)
+
+
 class AttnResChain(Chain):
-  """(w̃_NxTxKxD, boundary_NxT), K = S + 1 receivers: w̃[l, t, k] = w_r ⊙ γ_r of receiver r = s + k of site s = T·l + t
-  (0 past the read-out r = S); boundary marks a block's first site."""
+  """(w̃_NxTxKxD, boundary_NxT), K = `receivers` (S + 1; S with delta): w̃[l, t, k] = w_r ⊙ γ_r of receiver r = s + k
+  of site s = T·l + t (0 past the last receiver); boundary marks a block's first site."""
 
   @nn.compact
   def __call__(self):
     big_n, t_sites, d = self.num_layers, self.sites_per_layer, self.features
     sites = big_n * t_sites
+    k = receivers(self.spec, sites)
     make = lambda name, init: self.param(name, nn.with_logical_partitioning(init, ('attnres_sites', self.embed_axis)),
-                                         (sites + 1, d), self.param_dtype).astype(F32)
+                                         (k, d), self.param_dtype).astype(F32)
     w_RxD = make('attnres_query', nn.initializers.zeros) * make('attnres_key_scale', nn.initializers.ones)
     s_NxT = np.arange(sites).reshape(big_n, t_sites)
-    r_NxTxK = s_NxT[..., None] + np.arange(sites + 1)
-    w_NxTxKxD = jnp.concatenate([w_RxD, jnp.zeros((1, d), F32)])[np.minimum(r_NxTxK, sites + 1)]
+    r_NxTxK = s_NxT[..., None] + np.arange(k)
+    w_NxTxKxD = jnp.concatenate([w_RxD, jnp.zeros((1, d), F32)])[np.minimum(r_NxTxK, k)]
     return w_NxTxKxD, jnp.asarray(s_NxT % block_size(self.spec) == 0, F32)
 
 
@@ -117,7 +124,7 @@ class AttnResSite(Site):
   partial block); x the ordinary stream with `attnres_delta` (else None); U_KxBxLxD, Z_KxBxLxH, M_KxBxLxH the
   softmax sums of receivers s, …, s + K − 1. A block's first site pushes p (a finished block) to every later
   receiver and restarts it; the others read p as one more source. A layer's last site leaves ℓ, the logit of p to
-  the next receiver: after the last layer, the read-out's (`_finish`)."""
+  the next receiver: after the last layer, the read-out's (`_finish`; without delta)."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
@@ -141,13 +148,13 @@ class AttnResSite(Site):
     if x_BxLxD is not None:
       x_BxLxD = nn.with_logical_constraint(x_BxLxD + y_BxLxD, ACT)
     sums = [nn.with_logical_constraint(_shift(a, fill), axes) for a, fill, axes in zip(sums, (0, 0, NEG), SUMS_ACT)]
-    if self.t == self.sites_per_layer - 1:
+    if self.t == self.sites_per_layer - 1 and x_BxLxD is None:  # delta reads out x, not receiver S
       logit_next = jnp.einsum('blhe,he->blh', _unit_rms(p_BxLxD, heads), w_KxHxE[1])
     return (p_BxLxD, x_BxLxD, *sums, logit_next)
 
 
 def _start(spec, x_BxLxD, num_layers):
-  k, heads = 2 * num_layers + 1, spec.attnres_heads  # the sublayer placement: 2 sites per layer, plus the read-out
+  k, heads = receivers(spec, 2 * num_layers), spec.attnres_heads  # the sublayer placement: 2 sites per layer
   per_head = x_BxLxD.shape[:2] + (heads,)
   return (x_BxLxD, x_BxLxD if spec.attnres_delta else None, jnp.zeros((k,) + x_BxLxD.shape, x_BxLxD.dtype),
           jnp.zeros((k,) + per_head, F32), jnp.full((k,) + per_head, NEG, F32), jnp.zeros(per_head, F32))
@@ -155,10 +162,9 @@ def _start(spec, x_BxLxD, num_layers):
 
 def _finish(spec, carry):
   """The read-out h_S (receiver S, at offset 0 after the last site) over every source and the last block; with
-  delta, added to the ordinary stream as at every site."""
+  delta, the ordinary stream x_S (the delta code has no final mix)."""
   p_BxLxD, x_BxLxD, *sums, logit_p = carry
-  h_BxLxD = _read(sums, p_BxLxD, logit_p)
-  return h_BxLxD if x_BxLxD is None else x_BxLxD + h_BxLxD
+  return _read(sums, p_BxLxD, logit_p) if x_BxLxD is None else x_BxLxD
 
 
 def _check_width(spec, d_model, prefix):

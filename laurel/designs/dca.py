@@ -21,9 +21,9 @@ summed into one column (its own b and gate), at most k + 2 columns.
 
 Pull form over a buffer of every block output, as MUDDFormer's: slot i + 1 is written once, by layer i
 (`Design.buffer`), so the scanned stack's backward rebuilds each layer's buffer from the final one instead of
-keeping O(N) outputs per layer (laurel.lm; it recomputes each layer, as remat 'full'). Each layer reads its k + 2
-columns as fixed sums of slots (`dca` is k = N, its merged column always empty). The read-out's GRN is a module of
-its own, called after the last layer. `padded_params` counts the weights of columns still empty at a receiver.
+keeping O(N) outputs per layer (laurel.lm; it recomputes what `model.remat` does not save). Each layer reads its
+k + 2 columns as fixed sums of slots (`dca` is k = N, its merged column always empty). The read-out's GRN is a
+module of its own, called after the last layer. `padded_params` counts the weights of columns still empty at a receiver.
 """
 
 from typing import Any
@@ -62,8 +62,12 @@ def stack_selection(k, receiver, slots):
 
 
 def _columns(select_KxJ, buffer_JxBxLxD):
-  out = jnp.einsum('kj,jbld->kbld', select_KxJ.astype(buffer_JxBxLxD.dtype), buffer_JxBxLxD,
-                   preferred_element_type=F32)
+  """The k + 2 columns as sums of buffer slots. A dot batched over the tokens' batch axis: a remat policy that saves
+  unbatched dots (dots_no_batch) would keep k + 2 D-wide columns a layer, O(N²) for DCA, which the backward
+  recomputes from the rebuilt buffer instead."""
+  select_BxKxJ = jnp.broadcast_to(select_KxJ.astype(buffer_JxBxLxD.dtype),
+                                  buffer_JxBxLxD.shape[1:2] + select_KxJ.shape)
+  out = jnp.einsum('bkj,jbld->kbld', select_BxKxJ, buffer_JxBxLxD, preferred_element_type=F32)
   return out.astype(buffer_JxBxLxD.dtype)
 
 

@@ -7,12 +7,15 @@
                H̃ = α·(RMSNorm(vec x_l)·φ) + b (pre, post, res)          eq. 7
                H_pre = σ(H̃_pre), H_post = 2σ(H̃_post), H_res = SK(H̃_res) eq. 8
                SK: M⁽⁰⁾ = exp(H̃_res), M⁽ᵗ⁾ = T_r(T_c(M⁽ᵗ⁻¹⁾)), t_max = sinkhorn_iters   eq. 9
-    read-out   'sum' (the paper's, HC §2.1): Σ_k X_k. 'v4' (`mhc_readout`): DeepSeek-V4's hc_head before the final
-               norm, Σ_k (σ(s·(RMSNorm(vec X)·φ_head)_k + b_k) + ε)·X_k (`V4Readout`). V4's other changes are not
-               here: ε added to H_pre and H_post, Sinkhorn from softmax + ε, projections ordered (pre, post, comb).
-  mHC-lite     H_res = Σ_{k=1}^{n!} a_k P_k, a = softmax(α_res·(x̂φ_res) + b_res), P_k the permutation matrices:
-               exactly doubly stochastic, no Sinkhorn                   arXiv 2601.05732
-               (reference code: FFTYYY/mhc-lite, hyper_conn/mhc_lite.py); the rest as mHC
+    read-out   'sum' (the paper's, HC §2.1): Σ_k X_k, then the final norm. 'v4' (`mhc_readout`): DeepSeek-V4's
+               hc_head before the final norm, Σ_k (σ(s·(RMSNorm(vec X)·φ_head)_k + b_k) + ε)·X_k (`V4Readout`). V4's
+               other changes are not here: ε added to H_pre and H_post, Sinkhorn from softmax + ε, projections
+               ordered (pre, post, comb). 'norm_sum': Σ_k norm(X_k), the final norm on each stream (mHC-lite's).
+  mHC-lite     H_res = Σ_{r=1}^{n!} a_r P_rᵀ, a = softmax(α_res·(x̂φ_res) + b_res), P_r = I[σ_r] the permutation
+               matrices in itertools order: exactly doubly stochastic, no Sinkhorn   arXiv 2601.05732
+               (reference code: FFTYYY/mhc-lite, hyper_conn/mhc_lite.py, whose mix of the streams by Σ_r a_r P_r
+               reads as H_res = Σ_r a_r P_rᵀ here); the rest as mHC. Its read-out (the code's model.py): the final
+               norm on each stream, then their sum ('norm_sum', the default `mhc_readout='authors'` for mhc_lite)
   Frac         H = split(x) into m fractions of D/m; x_in = merge(ΓᵀH),   Zhu et al., arXiv 2503.14125
                H' = diag(β)·split(F(norm(x_in))) + AᵀH; dynamic: HC eqs. 10–13 per fraction. Carried as x (B, L, D):
                no stream copies.
@@ -27,8 +30,9 @@ Initialisation, against the pre-norm chain x + F(norm(x)):
     part; the tilt to stream k mod n breaks that, as HC's A_m does. H_res only half-way to HC's A_r = I, where the
     Sinkhorn gradient would vanish. Needs n ≥ 2. The RMSNorm weight is absorbed into φ, as in the paper's kernel
     (§4.3.1). V4's read-out at φ_head = 0, b = 0 weighs each stream ½ + ε: (½ + ε)·n·(plain chain).
-  * mHC-lite: mHC's, with H_res at exactly mHC's (I + 11ᵀ/n)/2, reached as a = ½e_I + ½/n!. The authors' code
-    starts elsewhere (b_res = (0, −8, …), H_res ≈ 0.99·I; b_pre, b_post ±1 tilted to stream l mod n), which does not
+  * mHC-lite: mHC's, with H_res at exactly mHC's (I + 11ᵀ/n)/2, reached as a = ½e_I + ½/n!; its read-out of n
+    equal streams normed, then summed, is n·(the plain model's final-normed stream). The authors' code starts
+    elsewhere (b_res = (0, −8, …), H_res ≈ 0.99·I; b_pre, b_post ±1 tilted to stream l mod n), which does not
     start as the plain chain: `mhc_lite_init='authors'` offers it. n ≤ 5: n! logits per token and site.
   * Frac: Γ = A = I, β = 1, W = 0: exactly the plain chain. Needs m ≥ 2 dividing D.
 The streams are carried stream-leading, h_NxBxLxD, logical axes (None, 'act_batch', 'act_len', 'act_embed').
@@ -167,15 +171,16 @@ class MHCSite(Site):
 
 
 def permutations(n: int) -> np.ndarray:
-  """The n! permutation matrices (itertools order, the identity first), P_k[i, σ_k(i)] = 1: (n!, n, n)."""
+  """The n! permutation matrices P_r = I[σ_r] (itertools order, the identity first), P_r[i, σ_r(i)] = 1: (n!, n, n)."""
   return np.stack([np.eye(n)[list(p)] for p in itertools.permutations(range(n))])
 
 
 class MHCLiteSite(MHCSite):
-  """mHC-lite: mHC with H_res = Σ_k a_k P_k over the n! permutation matrices, a = softmax(α_res·x̂φ_res + b_res)
-  (exactly doubly stochastic, no Sinkhorn). b_res starts H_res at mHC's (I + 11ᵀ/n)/2 exactly: J/n is the mean of
-  all n! permutations, so a_I = ½ + ½/n!, a_{k≠I} = ½/n!. `mhc_lite_init='authors'`: their code's start,
-  b_res = (0, −8, …) on (I, the others): H_res ≈ 0.99·I at n = 4, and ±1 tilts of b_pre, b_post (HyperChain)."""
+  """mHC-lite: mHC with H_res = Σ_r a_r P_rᵀ over the n! permutation matrices, a = softmax(α_res·x̂φ_res + b_res)
+  (exactly doubly stochastic, no Sinkhorn): the authors' labels, a_r on P_r = I[σ_r] moves stream i to σ_r(i).
+  b_res starts H_res at mHC's (I + 11ᵀ/n)/2 exactly: J/n is the mean of all n! permutations, so a_I = ½ + ½/n!,
+  a_{k≠I} = ½/n!. `mhc_lite_init='authors'`: their code's start, b_res = (0, −8, …) on (I, the others):
+  H_res ≈ 0.99·I at n = 4, and ±1 tilts of b_pre, b_post (HyperChain)."""
 
   def res_logits(self) -> int:
     return math.factorial(self.spec.expansion)
@@ -187,7 +192,7 @@ class MHCLiteSite(MHCSite):
     return np.log(np.full(k, 0.5 / k) + np.eye(k)[0] / 2)  # over the permutations: logical axis 'stream'
 
   def h_res(self, logits_BxLxR):
-    return jnp.einsum('...k,kij->...ij', jax.nn.softmax(logits_BxLxR, axis=-1),
+    return jnp.einsum('...r,rji->...ij', jax.nn.softmax(logits_BxLxR, axis=-1),
                       jnp.asarray(permutations(self.spec.expansion), F32))
 
 
@@ -262,13 +267,22 @@ def _check_frac(spec, d_model, prefix):
   require(d_model % spec.fractions == 0, f'{prefix}.fractions', spec.fractions, f'must divide d_model={d_model}')
 
 
+def readout(spec) -> str:
+  """`mhc_readout`, 'authors' resolved: mHC's sum (HC §2.1), mHC-lite's code's norm_sum."""
+  if spec.mhc_readout == 'authors':
+    return 'norm_sum' if spec.design == 'mhc_lite' else 'sum'
+  return spec.mhc_readout
+
+
 def _finish(spec, h_NxBxLxD):
-  """HC §2.1's read-out, the sum of the streams (mHC's), or DeepSeek-V4's weighted one (`mhc_readout='v4'`)."""
-  if spec.mhc_readout == 'v4':
+  """HC §2.1's read-out, the sum of the streams (mHC's; with 'norm_sum' each stream already final-normed, mHC-lite's),
+  or DeepSeek-V4's weighted one (`mhc_readout='v4'`)."""
+  if readout(spec) == 'v4':
     return V4Readout(spec, h_NxBxLxD.shape[-1], name='stream_readout')(h_NxBxLxD)
   return h_NxBxLxD.sum(axis=0, dtype=F32).astype(h_NxBxLxD.dtype)
 
 
+_norm_first = lambda spec: readout(spec) == 'norm_sum'
 _AXES = (('stream', None), ('stream_sites', None), ('stream_coeff', None))
 _HYPER = dict(chain=HyperChain, logical_axes=_AXES,
               start=lambda spec, x, num_layers: nn.with_logical_constraint(
@@ -277,10 +291,9 @@ _MHC_NO_DECAY = ('b_pre', 'b_post', 'b_res', 'alpha', 'readout_b', 'readout_scal
 register(Design('hc', HCSite, fields=('expansion', 'hc_dynamic'), no_decay=('a_m', 'a_r', 'b', 's_alpha', 's_beta'),
                 finish=lambda spec, h: h.sum(axis=0, dtype=F32).astype(h.dtype), **_HYPER),  # HC §2.1
          Design('mhc', MHCSite, fields=('expansion', 'sinkhorn_iters', 'mhc_readout'), check=_check_mhc,
-                finish=_finish, no_decay=_MHC_NO_DECAY, **_HYPER),
+                finish=_finish, norm_first=_norm_first, no_decay=_MHC_NO_DECAY, **_HYPER),
          Design('mhc_lite', MHCLiteSite, fields=('expansion', 'mhc_readout', 'mhc_lite_init'), check=_check_mhc,
-                finish=_finish,
-                no_decay=_MHC_NO_DECAY, **_HYPER),
+                finish=_finish, norm_first=_norm_first, no_decay=_MHC_NO_DECAY, **_HYPER),
          Design('frac', FracSite, fields=('fractions', 'hc_dynamic'), check_width=_check_frac,
                 no_decay=('frac_gamma', 'frac_a', 'frac_beta', 's_alpha', 's_beta'),
                 logical_axes=_AXES + (('frac_width', None),)))

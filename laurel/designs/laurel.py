@@ -245,13 +245,15 @@ class LaurelSite(Site):
     return x @ a.astype(x.dtype) @ (b if beta is None else b * beta).astype(x.dtype)
 
   def _combine(self, afx, x, beta, g_rest):
-    """β·x_i + α·f(x_i) + the rest of g (which carries its own β), with Gemma 3n's 1/√2."""
-    out = scaled(x, beta) + afx.astype(x.dtype)
+    """β·x_i + α·f(x_i) + the rest of g (which carries its own β), with Gemma 3n's 1/√2; in f's dtype where it is
+    wider (post-norm's f = block(x) − x in float32, which x + f(x) then undoes exactly), rounded to x's once."""
+    dtype = jnp.result_type(x, afx)
+    out = scaled(x.astype(dtype), beta) + afx
     if g_rest is not None:
-      out = out + g_rest.astype(x.dtype)
+      out = out + g_rest.astype(dtype)
     if self.spec.form == 'gemma3n':
       out = out * (1.0 / math.sqrt(2.0))
-    return nn.with_logical_constraint(out, self.axes)
+    return nn.with_logical_constraint(out.astype(x.dtype), self.axes)
 
 
 register(Design('residual', LaurelSite, section='laurel', placement=lambda spec: spec.site, chain=ChainRW,

@@ -18,10 +18,10 @@ Pull form: the weights depend on the receiver's own output, so each layer reads 
 N + 1 slots carried through the layers. The carry is (x, X_{(N+1)}, A): the residual between the two sites, the
 buffer, and the last layer's weights, which the next layer's first site mixes. Slot i + 1 is written once, by layer
 i (`Design.buffer`): the layer scan's backward rebuilds the buffer of each layer from the final one instead of
-keeping N copies (laurel.lm; it recomputes each layer, as remat 'full'), so a layer keeps x and A (C·(N + 1) weights
-a token), not O(N) activations. Unscanned layers keep a buffer per layer. Under a scan the per-layer shapes are
-padded to N + 1 sources and K_max hidden units (`MUDDChain`); no padded weight reaches the output or gets a
-gradient, and `padded_params` counts them so that the parameter count is the effective one.
+keeping N copies (laurel.lm; it recomputes what `model.remat` does not save), so a layer keeps x, A (C·(N + 1)
+weights a token) and what the policy saves, not O(N) activations. Unscanned layers keep a buffer per layer. Under a
+scan the per-layer shapes are padded to N + 1 sources and K_max hidden units (`MUDDChain`); no padded weight reaches
+the output or gets a gradient, and `padded_params` counts them so that the parameter count is the effective one.
 """
 
 import flax.linen as nn
