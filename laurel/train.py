@@ -454,8 +454,10 @@ def summary(config, workdir: epath.Path, final: dict, seconds: float) -> str:
     lines.append(f'  TensorBoard   tensorboard --logdir {console.shown(workdir / "tensorboard")}')
   if config.task == 'lm':
     prompt = 'def ' if config.data.name == 'text' and not config.data.path else 'The '
+    new_tokens = min(64, config.data.seq_len // 2)  # prompt and new tokens within the context it trained on
     python = console.python_command()  # the venv's python unless the shell's `python` is the same
-    lines += ['next:', f"  {python} -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens=64",
+    lines += ['next:',
+              f"  {python} -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens={new_tokens}",
               f"  {python} -m laurel.evaluate --workdir={shown} --task='text:HELD_OUT/*.txt'   # or a .jsonl or "
               'TFDS task: README, Evaluating a checkpoint']
   return '\n'.join(lines)

@@ -54,7 +54,7 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
   assert end[1:] == [
       '  final.json    run/final.json', '  checkpoints   run/checkpoints (the last: step 4)',
       '  metrics       run/metrics.jsonl', '  TensorBoard   tensorboard --logdir run/tensorboard', 'next:',
-      f"  {sys.executable} -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=64",
+      f"  {sys.executable} -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=16",
       f"  {sys.executable} -m laurel.evaluate --workdir=run --task='text:HELD_OUT/*.txt'   # or a .jsonl or TFDS "
       'task: README, '
       'Evaluating a checkpoint']

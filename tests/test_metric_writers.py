@@ -15,7 +15,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config
+from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, run_cli
 from laurel import config_lib, data, evaluate, image_data, metric_writers, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -39,8 +39,7 @@ def _tensorboard_hparams(logdir) -> dict:
 
 @pytest.mark.slow
 def test_a_run_writes_the_logged_scalars_and_hparams_to_tensorboard(tmp_path):
-  config = load_config(SPEC, {**TINY_LM, 'steps': 4, 'log_every': 2, 'eval_every': 4, 'tensorboard': True,
-                              'profile_steps': (1, 3)})
+  config = load_config(SPEC, {**TINY_LM, 'steps': 4, 'log_every': 2, 'eval_every': 4, 'tensorboard': True})
   train.train(config, str(tmp_path), devices=jax.devices()[:1])
   logged = {}
   for row in map(json.loads, (tmp_path / 'metrics.jsonl').read_text().splitlines()):
@@ -54,7 +53,14 @@ def test_a_run_writes_the_logged_scalars_and_hparams_to_tensorboard(tmp_path):
   assert sorted(scalars['steps_per_sec']) == [2, 4]  # every log_every steps, the first step only starts the clock
   hparams = _tensorboard_hparams(tmp_path / 'tensorboard')
   assert hparams['model.d_model'] == 32 and hparams['row'] == 'rw_lr' and hparams['tensorboard'] is True
-  assert glob.glob(str(tmp_path / 'profile' / '**' / '*.xplane.pb'), recursive=True)  # profile_steps' trace
+
+
+@pytest.mark.slow
+def test_profile_steps_write_a_trace(tmp_path):
+  # In its own process: a jax.profiler session in a test worker that has run others can take the worker down.
+  result = run_cli(SPEC, tmp_path, {**TINY_LM, 'steps': 4, 'profile_steps': '(1,3)'})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert glob.glob(str(tmp_path / 'profile' / '**' / '*.xplane.pb'), recursive=True)
 
 
 class _Recorder:
@@ -119,7 +125,9 @@ def _check_imagenet(tmp_path):
      "--task=piqa: needs the optional extra [tfds]: pip install -e '.[tfds]'"),
 ], ids=['wandb', 'c4_from_tfds', 'imagenet', 'evaluate_tfds_task'])
 def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch, module, run, message):
-  monkeypatch.setitem(sys.modules, module, None)  # its import raises ImportError, as where it is not installed
+  # Its import raises ImportError, as where it is not installed; so do its submodules that an earlier test imported.
+  for name in [m for m in sys.modules if m == module or m.startswith(module + '.')] or [module]:
+    monkeypatch.setitem(sys.modules, name, None)
   with pytest.raises(config_lib.InputError) as error:
     run(tmp_path)
   assert str(error.value).replace(str(tmp_path), '/').startswith(message)
