@@ -27,8 +27,11 @@ setup: $(VENV)/.installed-test
 train: $(VENV)/.installed
 	$(PY) -m laurel.main --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
+# Two sessions, the fast tests then the slow ones, so that neither pair of workers accumulates every compiled
+# program of the whole suite.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 -m 'not slow' tests
+	$(PY) -m pytest -q -n 2 -m slow tests
 
 # The inner loop: every test but the end-to-end and long ones (pytest -m slow).
 test-fast: $(VENV)/.installed-test

@@ -119,7 +119,6 @@ def _initialize(found: Environment, timeout_s: float, **arguments):
   try:
     jax.distributed.initialize(**arguments, initialization_timeout=int(timeout_s) + 60)
   except (RuntimeError, ValueError) as e:
-    timer.cancel()
     reason = f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
     if found.name == 'Cloud TPU VM':
       hosts = _tpu_host_count()
@@ -133,7 +132,8 @@ def _initialize(found: Environment, timeout_s: float, **arguments):
                       '--coordinator_address, --num_processes and --process_id', code=JOIN_FAILED)
     config_lib.fail(f'{found.source}: {found.name} names {found.processes or "several"} processes, but '
                     f'jax.distributed.initialize() could not join them ({reason}); {found.fix}', code=JOIN_FAILED)
-  timer.cancel()
+  finally:  # whatever ended the wait, the timer must not end the process later
+    timer.cancel()
 
 
 def local_device_ids(environ=None) -> list[int] | None:

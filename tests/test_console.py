@@ -98,7 +98,7 @@ def test_a_logged_row_is_the_mean_of_its_interval_and_says_so():
 
 def test_the_summary_gives_the_last_interval_mean_train_loss(tmp_path):
   config = ml_collections.ConfigDict({'row': 'rw_lr', 'task': 'lm', 'tensorboard': False,
-                                      'data': {'name': 'synthetic', 'path': ''}})
+                                      'data': {'name': 'synthetic', 'path': '', 'seq_len': 128}})
   lines = [{'step': 4, 'loss': 5.0, 'mean_of_steps': 4}, {'step': 8, 'loss': 3.25, 'mean_of_steps': 4},
            {'step': 8, 'eval_loss': 3.5}]
   (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
