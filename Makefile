@@ -27,11 +27,12 @@ setup: $(VENV)/.installed-test
 train: $(VENV)/.installed
 	$(PY) -m laurel.main --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
-# Two sessions, the fast tests then the slow ones, so that neither pair of workers accumulates every compiled
-# program of the whole suite.
+# Two sessions, the fast tests then the slow ones. A test worker has been lost intermittently during in-process
+# training tests (xdist: "node down"; cause not yet found): the tests that failed get one rerun, whose output
+# follows the first run's, so a real failure still fails and the loss stays visible.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2 -m 'not slow' tests
-	$(PY) -m pytest -q -n 2 -m slow tests
+	$(PY) -m pytest -q -n 2 -m 'not slow' tests || $(PY) -m pytest -q -n 2 -m 'not slow' --lf tests
+	$(PY) -m pytest -q -n 2 -m slow tests || $(PY) -m pytest -q -n 2 -m slow --lf tests
 
 # The inner loop: every test but the end-to-end and long ones (pytest -m slow).
 test-fast: $(VENV)/.installed-test
