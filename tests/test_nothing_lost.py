@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import zlib
 
 import jax
 import numpy as np
@@ -408,13 +409,20 @@ def test_checksums_name_the_changed_missing_or_cut_file(tmp_path, monkeypatch):
   (state / 'ocdbt.process_1' / 'd' / 'b').write_bytes(b'written by process 1')
   monkeypatch.setattr(checksums.jax, 'process_count', lambda: 2)
   checksums.record(tmp_path)
-  assert json.loads((tmp_path / 'checksums.process_0.json').read_text()).keys() == {'state/d/a'}  # its own files
+  assert json.loads((tmp_path / 'checksums.process_0.json').read_text())['files'].keys() == {'state/d/a'}  # its own
   assert checksums.mismatch(tmp_path) is None
   (state / 'd' / 'a').write_bytes(b'abce' + b'abcd' * 999)
-  assert checksums.mismatch(tmp_path).startswith('state/d/a: content checksum mismatch (CRC-32 ')
+  assert checksums.mismatch(tmp_path).startswith('state/d/a: content checksum mismatch (xxh3_64 ')
   (state / 'd' / 'a').write_bytes(b'abcd')
   assert checksums.mismatch(tmp_path) == 'state/d/a has 4 bytes, 4000 when saved'
   (state / 'd' / 'a').unlink()
   assert checksums.mismatch(tmp_path) == 'state/d/a is missing'
+  (state / 'd' / 'a').write_bytes(b'')
+  crc32_listing = {'state/d/a': [0, 0], 'state/d/e': [zlib.crc32(b'xyz'), 3]}  # as written before XXH3
+  (state / 'd' / 'e').write_bytes(b'xyz')
+  (tmp_path / 'checksums.process_0.json').write_text(json.dumps(crc32_listing))
+  assert checksums.mismatch(tmp_path) is None
+  (state / 'd' / 'e').write_bytes(b'xyw')
+  assert checksums.mismatch(tmp_path).startswith('state/d/e: content checksum mismatch (crc32 ')
   (tmp_path / 'checksums.process_0.json').unlink()
   assert checksums.mismatch(tmp_path) is None  # a checkpoint saved before checksums: taken as it is
