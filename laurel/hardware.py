@@ -1,17 +1,16 @@
-"""The one table of accelerator facts, and what XLA's compiler says a program costs on one.
+"""The one table of accelerator facts, Cloud TPU slices, and what XLA's compiler says a program costs.
 
-  TPUS[generation]       a Cloud TPU generation's chip (peak FLOP/s, HBM, bandwidth) and slices (cores, runtime)
-  PEAK_FLOPS[kind]       dense bf16 peak FLOP/s per device of a jax device kind, for MFU (absent: e.g. CPU)
-  utilisation(...)       MFU or HFU: FLOPs per step over the step time and the devices' summed peak
-  xla_costs(compiled)    XLA's (FLOPs, bytes accessed) of a lowered or compiled computation
-  peak_memory_bytes(c)   peak bytes of a compiled computation
-  available_host_bytes() the memory this host can still give
-
-Standard library only: the launcher (scripts/launch_tpu.py, laurel.tpu_slices) reads it without loading jax.
+  TPUS[generation]         a Cloud TPU generation's chip (peak FLOP/s, HBM, bandwidth) and slices (cores, runtime)
+  parse_accelerator(name)  a slice in either spelling, 'v6e-16' (gcloud's) or 'v6e:4x4' (the TPU compiler's)
+  PEAK_FLOPS[kind]         dense bf16 peak FLOP/s per device of a jax device kind, for MFU (absent: e.g. CPU)
+  xla_costs(compiled)      XLA's (FLOPs, bytes accessed) of a lowered or compiled computation
 """
 
 import dataclasses
+import math
 import re
+
+from laurel.config_lib import InputError
 
 SOURCE = ('per-chip dense bf16 peak FLOP/s, HBM capacity and bandwidth: the Cloud TPU system-architecture pages, '
           'cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e')
@@ -44,6 +43,60 @@ TPUS = {'v4': TPU(('TPU v4',), 275e12, 32 * 2**30, 1200e9, 3, 2, 'v4', 'tpu-ubun
 _OTHER_PEAK_FLOPS = {'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12,
                      'NVIDIA A100-SXM4-40GB': 312e12}
 PEAK_FLOPS = {**{kind: tpu.peak_flops for tpu in TPUS.values() for kind in tpu.device_kinds}, **_OTHER_PEAK_FLOPS}
+# Chips -> a Cloud TPU slice's topology: 2-D for v5e/v6e, 3-D for v4/v5p.
+TOPOLOGY_2D = {1: '1x1', 4: '2x2', 8: '2x4', 16: '4x4', 32: '4x8', 64: '8x8', 128: '8x16', 256: '16x16'}
+TOPOLOGY_3D = {4: '2x2x1', 8: '2x2x2', 16: '2x2x4', 32: '2x4x4', 64: '4x4x4', 128: '4x4x8', 256: '4x8x8',
+               512: '8x8x8', 1024: '8x8x16', 2048: '8x16x16'}
+ACCELERATOR_TYPE = re.compile(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)')
+
+
+def _dims(shape: str) -> list[int] | None:
+  """'4x4' -> [4, 4]; None where it is no topology."""
+  dims = shape.split('x')
+  return [int(d) for d in dims] if all(d.isdigit() and int(d) > 0 for d in dims) else None
+
+
+def parse_accelerator(name: str, topology: str | None = None, flag: str = '--accelerator') -> dict:
+  """A Cloud TPU slice, as an accelerator type ('v6e-16') or a topology ('v6e:4x4') -> its name, generation, chips,
+  hosts, topology ('4x4'), runtime version and gcloud's create flags; a one-line InputError naming `flag`
+  otherwise. `topology`: a custom v4 topology (AxBxC)."""
+  name = name or ''
+  unknown = InputError(f'{flag}={name!r}: unknown TPU accelerator type or topology: must be an accelerator type '
+                       f'(e.g. v6e-16) or a topology (e.g. v6e:4x4; generations: {", ".join(TPUS)})')
+  if ':' in name:  # the TPU compiler's spelling
+    gen, _, shape = name.partition(':')
+    if gen not in TPUS or (dims := _dims(shape)) is None:
+      raise unknown
+    if len(dims) != TPUS[gen].dims:
+      raise InputError(f'{flag}={name!r}: a {gen} slice is {TPUS[gen].dims}-D, e.g. '
+                       f'{gen}:{"x".join(["2"] * TPUS[gen].dims)}')
+    chips = math.prod(dims)
+    default = (TOPOLOGY_3D if TPUS[gen].dims == 3 else TOPOLOGY_2D).get(chips)
+    if shape != default and gen != 'v4':  # only v4 takes a custom topology
+      raise InputError(f'{flag}={name!r}: Cloud TPU has no such {gen} slice' +
+                       (f'; {chips} chips are {gen}:{default}' if default else ''))
+    name, topology = f'{TPUS[gen].accelerator}-{chips * TPUS[gen].cores_per_chip}', topology or shape
+  if not (match := ACCELERATOR_TYPE.fullmatch(name)):
+    raise unknown
+  prefix, size = match.group(1).replace('v5e', 'v5litepod'), int(match.group(2))
+  gen = next(g for g, tpu in TPUS.items() if tpu.accelerator == prefix)
+  tpu = TPUS[gen]
+  chips, table = size // tpu.cores_per_chip, (TOPOLOGY_3D if tpu.dims == 3 else TOPOLOGY_2D)
+  if size % tpu.cores_per_chip or chips not in table or size > tpu.largest:
+    sizes = ', '.join(str(c * tpu.cores_per_chip) for c in table if c * tpu.cores_per_chip <= tpu.largest)
+    raise InputError(f'{flag}={name!r}: no such {gen} slice (sizes: {sizes})')
+  # 4 chips per host, except the single-host v5e/v6e slices of up to 8 chips.
+  hosts = 1 if tpu.dims == 2 and chips <= 8 else max(1, chips // 4)
+  accel = {'name': f'{prefix}-{size}', 'generation': gen, 'chips': chips, 'hosts': hosts, 'topology': table[chips],
+           'version': tpu.runtime_version, 'create_flags': [f'--accelerator-type={prefix}-{size}']}
+  if topology and topology != accel['topology']:
+    if gen != 'v4':
+      raise InputError(f'--topology={topology!r}: only v4 takes a custom topology; {accel["name"]} is '
+                       f'{accel["topology"]}')
+    if len(dims := _dims(topology) or []) != 3 or math.prod(dims) != chips:
+      raise InputError(f'--topology={topology!r}: must be AxBxC with A*B*C = {chips} chips ({accel["name"]})')
+    accel.update(topology=topology, create_flags=['--type=v4', f'--topology={topology}'])
+  return accel
 
 
 def utilisation(flops_per_step: float | None, step_time_s: float, peak_flops: float | None) -> float | None:

@@ -8,58 +8,9 @@ import statistics
 LEVEL = 0.95  # the tables' confidence level
 
 
-def _incomplete_beta(x: float, a: float, b: float) -> float:
-  """The regularised incomplete beta I_x(a, b), by its continued fraction (Lentz's method)."""
-  if x <= 0 or x >= 1:
-    return min(max(x, 0.0), 1.0)
-  if x > (a + 1) / (a + b + 2):  # the fraction converges fast on this side only
-    return 1.0 - _incomplete_beta(1.0 - x, b, a)
-  front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
-  tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
-  d = 1.0 / (d if abs(d) > tiny else tiny)
-  result = d
-  for m in range(1, 500):
-    for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                      -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-      d = 1.0 + numerator * d
-      d = 1.0 / (d if abs(d) > tiny else tiny)
-      c = 1.0 + numerator / c
-      c = c if abs(c) > tiny else tiny
-      result *= c * d
-    if abs(c * d - 1.0) < 1e-15:
-      break
-  return front * result
-
-
-def t_cdf(t: float, df: float) -> float:
-  """P(T <= t) for Student's t with `df` degrees of freedom."""
-  tail = 0.5 * _incomplete_beta(df / (df + t * t), df / 2, 0.5)
-  return 1.0 - tail if t > 0 else tail
-
-
-def t_quantile_pure(p: float, df: float) -> float:
-  """The p-quantile of Student's t, by bisection on t_cdf: needs no scipy."""
-  if not 0 < p < 1 or df <= 0:
-    raise ValueError(f't_quantile: need 0 < p < 1 and df > 0 (got p={p}, df={df})')
-  if p < 0.5:
-    return -t_quantile_pure(1 - p, df)
-  low, high = 0.0, 1.0
-  while t_cdf(high, df) < p:
-    high *= 2
-  for _ in range(200):
-    mid = (low + high) / 2
-    low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
-    if high - low < 1e-12 * max(1.0, high):
-      break
-  return (low + high) / 2
-
-
 def t_quantile(p: float, df: float) -> float:
-  """scipy's where installed, else t_quantile_pure (the same to ~1e-10)."""
-  try:
-    from scipy import stats  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return t_quantile_pure(p, df)
+  """The p-quantile of Student's t with `df` degrees of freedom (scipy, a dependency of jax)."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel  # slow to import; the tables alone need it
   return float(stats.t.ppf(p, df))
 
 

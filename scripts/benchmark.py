@@ -34,7 +34,7 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from laurel import aot, compile_cache, config_lib, hardware, paper, sharding, step, tpu_slices
+from laurel import aot, compile_cache, config_lib, hardware, paper, sharding, step
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
@@ -248,7 +248,8 @@ SLICE_COLUMNS = {'name': 'row', 'params': 'params', 'peak_gb': 'peak GB', 'peak_
 def measure_slice(names) -> dict:
   """Every row (or, with --vary, Baseline-24 at every value of one field) compiled by the TPU compiler for
   --topology on this machine (laurel.aot); nothing runs."""
-  topology = tpu_slices.as_topology(_TOPOLOGY.value)  # v6e-16 -> v6e:4x4
+  accel = hardware.parse_accelerator(_TOPOLOGY.value, flag='--topology')
+  topology = f'{accel["generation"]}:{accel["topology"]}'  # v6e-16 -> v6e:4x4
   if _VARY.value:
     field, _, values = _VARY.value.partition('=')
     if not values:
@@ -258,8 +259,8 @@ def measure_slice(names) -> dict:
   else:
     configs = {r: row_config(r, _BATCH.value, _SEQ_LEN.value) for r in names}
   for c in configs.values():  # every row is checked for the slice before anything compiles
-    step.validate_config(c, *aot.slice_size(topology))
-  devices, chip = aot.slice_devices(topology), hardware.TPUS[aot.parse_topology(topology)[0]]
+    step.validate_config(c, accel['chips'], accel['hosts'])
+  devices, chip = aot.slice_devices(topology), hardware.TPUS[accel['generation']]
   rows, kept = [], KeptRows(topology)
   for name, config in configs.items():
     start, row = time.perf_counter(), kept.get(name, config)

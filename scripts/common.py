@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
 from laurel import config_lib, files, stats  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.tpu_slices import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
+from laurel.hardware import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 

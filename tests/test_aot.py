@@ -26,7 +26,8 @@ def small(row='rw_lr_pa', **overrides):
 def test_slice_sizes_are_cloud_tpus(topology, size):
   """(chips, hosts) as Cloud TPU documents them, in either spelling of a slice: the TPU compiler's topology or the
   accelerator type (v5p and v4 count cores)."""
-  assert aot.slice_size(topology) == size
+  accel = hardware.parse_accelerator(topology, flag='topology')
+  assert (accel['chips'], accel['hosts']) == size
 
 
 @needs_libtpu
@@ -37,19 +38,23 @@ def test_the_chip_table_names_the_chips_libtpu_compiles_for(generation, topology
   by this name), with as many chips and processes as the slice has."""
   devices = aot.slice_devices(topology)
   assert {d.device_kind for d in devices} == {hardware.TPUS[generation].device_kind}
-  assert (len(devices), len({d.process_index for d in devices})) == aot.slice_size(topology)
+  accel = hardware.parse_accelerator(topology)
+  assert (len(devices), len({d.process_index for d in devices})) == (accel['chips'], accel['hosts'])
 
 
 @pytest.mark.parametrize('topology, message', [
-    ('v7x:2x2', "topology='v7x:2x2': must be <generation>:<chips per axis>"),
+    ('v7x:2x2', "topology='v7x:2x2': unknown TPU accelerator type or topology: must be an accelerator "
+                'type (e.g. v6e-16) or a topology'),
     ('v6e:4', "topology='v6e:4': a v6e slice is 2-D, e.g. v6e:2x2"),
     ('v4:2x2', "topology='v4:2x2': a v4 slice is 3-D, e.g. v4:2x2x2"),
-    ('v6e:0x4', "topology='v6e:0x4': must be"),
+    ('v6e:0x4', "topology='v6e:0x4': unknown TPU accelerator type or topology"),
+    ('v6e:2x8', "topology='v6e:2x8': Cloud TPU has no such v6e slice; 16 chips are v6e:4x4"),
+    ('tpu-v6e-16', "topology='tpu-v6e-16': unknown TPU accelerator type or topology"),
     ('v6e-12', "topology='v6e-12': no such v6e slice (sizes: 1, 4, 8, 16,"),
 ])
 def test_bad_topology_is_one_line(topology, message):
   with pytest.raises(ValueError, match='^' + message.replace('(', r'\(').replace(')', r'\)')):
-    aot.parse_topology(topology)
+    hardware.parse_accelerator(topology, flag='topology')
 
 
 def test_without_libtpu_a_slice_is_one_line_naming_the_extra(monkeypatch):
