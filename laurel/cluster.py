@@ -1,15 +1,9 @@
-"""Joins this process to the other processes of its run where the environment says there are others, through JAX's
-own cluster detection (`jax.distributed.initialize()` with no arguments), or refuses to train alone.
+"""Joins this process to the other processes of its run, through JAX's own cluster detection (in its order: Open
+MPI's mpirun, Slurm's srun, a Cloud TPU VM's slice, a Kubernetes Indexed Job or JobSet pod; docs/clusters.md).
 
-  Open MPI      OMPI_COMM_WORLD_SIZE processes (mpirun); jax finds the coordinator in OMPI_MCA_orte_hnp_uri (4.x)
-  Slurm         SLURM_NTASKS processes (srun); jax takes the first host of SLURM_STEP_NODELIST as the coordinator
-  Cloud TPU VM  the slice's hosts (TPU_WORKER_HOSTNAMES on GKE and xpk, else the VM's metadata)
-  Kubernetes    an Indexed Job or JobSet pod (JOB_COMPLETION_INDEX); jax reads the Job through the Kubernetes API
-                (needs the `kubernetes` package: pip install -e '.[k8s]', and a service account that may read pods)
-
-They are checked in that order, jax's own. Where the environment names one process, nothing is joined. Where it names
-several and joining fails or times out, the run ends before compiling with one line and JOIN_FAILED: every process
-would otherwise train alone into the same workdir. A TPU VM whose runtime lists one host still trains alone then.
+Where the environment names several processes and joining fails or times out, the run ends before compiling with one
+line and JOIN_FAILED: every process would otherwise train alone into the same workdir. A TPU VM whose runtime lists
+one host still trains alone then.
 """
 
 import dataclasses
@@ -73,8 +67,7 @@ def _count(env, name: str) -> int:
 
 def join(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
          timeout_s: float = JOIN_TIMEOUT_S) -> Environment | None:
-  """Joins the run's processes (explicit flags first, else the environment's), then says so in one line; exits
-  with JOIN_FAILED where the environment names several processes and they do not all join within timeout_s."""
+  """Joins the run's processes (explicit flags first, else the environment's), then says so in one line."""
   if coordinator_address or num_processes:
     found = Environment('flags', num_processes, f'--num_processes={num_processes}',
                         'start every process with the same --coordinator_address and --num_processes, each with its '
@@ -101,8 +94,8 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
 
 
 def _initialize(found: Environment, timeout_s: float, **arguments):
-  """jax.distributed.initialize, bounded: jax aborts the process (SIGABRT and a C++ stack) where a peer never
-  registers, so a timer ends it first with one line."""
+  """jax.distributed.initialize, bounded: where a peer never registers jax aborts with a C++ stack; a timer ends
+  the process first, with one line."""
   started = time.monotonic()
 
   def give_up():
@@ -166,8 +159,8 @@ def _slurm_tasks_on_node(tasks_per_node: str, node: int) -> int | None:
 
 
 def _tpu_host_count() -> int | None:
-  """Hosts in this TPU VM's slice (times its slices), as the TPU runtime lists them (the environment on GKE, else the
-  VM's metadata server); None where neither says."""
+  """Hosts in this TPU VM's slices, as the TPU runtime lists them (the environment on GKE, else the VM's metadata
+  server); None where neither says."""
   workers = os.environ.get('TPU_PROCESS_ADDRESSES') or os.environ.get('TPU_WORKER_HOSTNAMES')
   if workers is None:
     host = os.environ.get('GCE_METADATA_IP', 'metadata.google.internal')

@@ -1,9 +1,6 @@
-"""What a run will cost, as the pre-flight states it: tokens per step, step time, wall time and chip-hours.
-
-  estimate(...)  the figures, from the step's model FLOPs and either an MFU or the compiler's roofline step time
-  line(...)      them as the pre-flight's line, with the assumption behind them
-  --mfu=F        the model FLOPs utilisation to assume (a flag of laurel.main and scripts/launch_tpu.py)
-"""
+"""What a run will cost, as the pre-flight states it: tokens per step, step time, wall time and chip-hours, from the
+step's model FLOPs and either an assumed MFU (--mfu, a flag of laurel.main and scripts/launch_tpu.py) or the TPU
+compiler's roofline step time."""
 
 from absl import flags
 
@@ -26,15 +23,12 @@ def mfu_flag() -> float | None:
 def estimate(*, model_flops: float, units_per_step: int, steps: int, chips: int, peak_flops: float,
              mfu: float | None = None, roofline_s: float | None = None) -> dict:
   """A run's cost: with `mfu`, a step takes model_flops / (chips · peak_flops · mfu); without, the roofline's
-  `roofline_s` (per chip), and the MFU that implies. Wall time is steps × step time: training steps only."""
-  if mfu is None and roofline_s is None:
-    raise ValueError('estimate needs an mfu or a roofline step time')
+  `roofline_s`, and the MFU that implies. Wall time is steps × step time: training steps only."""
   step_s = model_flops / (chips * peak_flops * mfu) if mfu is not None else roofline_s
   wall_s = steps * step_s
   return {'units_per_step': units_per_step, 'step_s': step_s, 'steps': steps, 'wall_s': wall_s,
-          'chip_hours': chips * wall_s / 3600, 'chips': chips,
-          'mfu': mfu if mfu is not None else model_flops / (chips * peak_flops * step_s),
-          'basis': 'mfu' if mfu is not None else 'roofline'}
+          'chip_hours': chips * wall_s / 3600, 'chips': chips, 'basis': 'mfu' if mfu is not None else 'roofline',
+          'mfu': mfu or model_flops / (chips * peak_flops * step_s)}
 
 
 def line(est: dict, unit: str) -> str:

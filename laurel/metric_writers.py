@@ -1,13 +1,9 @@
 """Where a run's metrics go besides WORKDIR/metrics.jsonl (laurel.train.MetricsLog), with no TensorFlow.
 
-  LogWriter          absl's log: '[step] name=value, ...' (what every process writes)
-  TensorBoardWriter  event files through tensorboard's own writer: each scalar as tf.summary.scalar writes it, and
-                     the config's hparams for TensorBoard's HParams tab
-  WandbWriter        Weights & Biases (the optional extra [wandb]), only where config.wandb.project is set; the run
-                     id lives in WORKDIR/wandb_run_id, so a resumed run continues the same W&B run
+  create(...)        absl's log on every process; on the writing one TensorBoard's event files (config.tensorboard)
+                     and Weights & Biases (the extra [wandb], where config.wandb.project is set)
   Progress           steps_per_sec and uptime every log_every steps
   Profiler           a jax.profiler trace of config.profile_steps in WORKDIR/profile
-  create(...)        the writers of a run, as one MetricWriters; check_extras: their extras, before compiling
 """
 
 import os
@@ -19,6 +15,7 @@ import tempfile
 import time
 import types
 
+import jax
 import numpy as np
 from absl import logging
 from etils import epath
@@ -29,41 +26,18 @@ WANDB_RUN_ID = 'wandb_run_id'  # in the workdir: the W&B run a resumed run conti
 
 
 def check_extras(config) -> None:
-  """The optional extras the config's writers need are installed (a one-line InputError otherwise), checked
-  before anything compiles."""
-  wandb_cfg = config.get('wandb') if hasattr(config, 'get') else getattr(config, 'wandb', None)
-  if wandb_cfg is not None and wandb_cfg.project:
-    config_lib.optional_import('wandb', 'wandb', f'wandb.project={wandb_cfg.project!r}')
-
-
-class LogWriter:
-  """Scalars as one absl INFO line per call, as clu's LoggingWriter wrote them."""
-
-  def write_scalars(self, step: int, scalars: dict):
-    logging.info('[%d] %s', step, ', '.join(f'{k}={v:.6g}' for k, v in sorted(scalars.items())))
-
-  def write_hparams(self, hparams: dict):
-    logging.info('hparams: %s', ', '.join(f'{k}={v}' for k, v in sorted(hparams.items())))
-
-  def write_summary(self, summary: dict):
-    del summary  # the closing lines of the run say it
-
-  def flush(self):
-    pass
-
-  def close(self):
-    pass
+  """Before anything compiles: a one-line InputError where the config's writers need an extra not installed."""
+  if config.wandb.project:
+    config_lib.optional_import('wandb', 'wandb', f'wandb.project={config.wandb.project!r}')
 
 
 class TensorBoardWriter:
-  """Event files in `logdir`, written by tensorboard's EventFileWriter: no TensorFlow. Scalars are tensor summaries
-  of the scalars plugin, as tf.summary.scalar (and so clu) wrote them; hparams are the HParams plugin's
-  session-start summary. Behind '://' (gs://), where objects cannot be appended to, the events go to a local
-  folder and each event file is uploaded whole after every write (files.write_bytes_atomic)."""
+  """Event files in `logdir` by tensorboard's own EventFileWriter: scalars as tf.summary.scalar writes them, hparams
+  as the HParams plugin's session start. Behind '://' (gs://), where nothing can be appended to, the events go to a
+  local folder and each event file is uploaded whole after every write."""
 
   def __init__(self, logdir):
-    # tensorboard.compat.notf makes tensorboard use its own file layer even where TensorFlow is installed, which it
-    # would otherwise import (seconds) to write the same files.
+    # tensorboard then uses its own file layer even where TensorFlow is installed (which it would import: seconds).
     sys.modules.setdefault('tensorboard.compat.notf', types.ModuleType('tensorboard.compat.notf'))
     from tensorboard.summary.writer import event_file_writer  # pylint: disable=import-outside-toplevel
     self.logdir, self.remote = epath.Path(logdir), files.is_remote(logdir)
@@ -90,9 +64,6 @@ class TensorBoardWriter:
   def write_hparams(self, hparams: dict):
     from tensorboard.plugins.hparams import summary_v2  # pylint: disable=import-outside-toplevel
     self._add(0, summary_v2.hparams_pb(hparams))
-
-  def write_summary(self, summary: dict):
-    del summary  # TensorBoard keeps the last scalars
 
   def flush(self):
     self._events.flush()
@@ -126,63 +97,49 @@ class WandbWriter:
   def write_scalars(self, step: int, scalars: dict):
     self._run.log(dict(scalars), step=int(step))
 
-  def write_hparams(self, hparams: dict):
-    del hparams  # wandb.init took the config
-
   def write_summary(self, summary: dict):
     self._run.summary.update({k: v for k, v in summary.items() if isinstance(v, (bool, int, float, str))})
-
-  def flush(self):
-    pass
 
   def close(self):
     self._run.finish()
 
 
 class MetricWriters:
-  """Several writers as one: every call goes to each, in order."""
+  """The log and a run's writers as one: scalars go to absl's log, then every call to each writer that has it."""
 
   def __init__(self, writers):
     self.writers = list(writers)
 
+  def _each(self, method: str, *args):
+    for writer in self.writers:
+      if hasattr(writer, method):
+        getattr(writer, method)(*args)
+
   def write_scalars(self, step: int, scalars: dict):
     scalars = {k: float(v) for k, v in scalars.items() if v is not None}
-    for w in self.writers:
-      w.write_scalars(step, scalars)
-
-  def write_hparams(self, hparams: dict):
-    for w in self.writers:
-      w.write_hparams(hparams)
+    logging.info('[%d] %s', step, ', '.join(f'{k}={v:.6g}' for k, v in sorted(scalars.items())))
+    self._each('write_scalars', step, scalars)
 
   def write_summary(self, summary: dict):
-    for w in self.writers:
-      w.write_summary(summary)
+    self._each('write_summary', summary)
 
   def flush(self):
-    for w in self.writers:
-      w.flush()
+    self._each('flush')
 
   def close(self):
-    for w in self.writers:
-      w.close()
-
-
-def scalar_hparams(flat_config: dict) -> dict:
-  """The config's fields TensorBoard's HParams tab can show: bools, numbers and strings."""
-  return {k: v for k, v in flat_config.items() if isinstance(v, (bool, int, float, str))}
+    self._each('close')
 
 
 def create(workdir: epath.Path, config, flat_config: dict, active: bool, resumed: bool) -> MetricWriters:
-  """The run's writers: the log always; on the writing process (`active`) TensorBoard where config.tensorboard,
-  W&B where config.wandb.project. Hparams go to TensorBoard once, at a run's start."""
-  writers = [LogWriter()]
+  """The run's writers: the log always; on the writing process (`active`) TensorBoard where config.tensorboard
+  (the config's scalar fields as hparams, at a run's start), W&B where config.wandb.project."""
+  writers = []
   if active and config.tensorboard:
     writers.append(TensorBoardWriter(workdir / 'tensorboard'))
     if not resumed:
-      writers[-1].write_hparams(scalar_hparams(flat_config))
-  wandb_cfg = config.get('wandb')
-  if active and wandb_cfg is not None and wandb_cfg.project:
-    writers.append(WandbWriter(wandb_cfg, workdir, flat_config))
+      writers[-1].write_hparams({k: v for k, v in flat_config.items() if isinstance(v, (bool, int, float, str))})
+  if active and config.wandb.project:
+    writers.append(WandbWriter(config.wandb, workdir, flat_config))
   return MetricWriters(writers)
 
 
@@ -206,14 +163,13 @@ class Progress:
 
 class Profiler:
   """A jax.profiler trace into `logdir` (TensorBoard's profile plugin, Perfetto) of the steps numbered start + 1 to
-  stop (the steps after the first `start`), as clu's Profile took them: `after_step(done)` after each step."""
+  stop, as clu's Profile took them: `after_step(done)` after each step."""
 
   def __init__(self, logdir, profile_steps: tuple):
     self.logdir, (self.start, self.stop) = os.fspath(logdir), profile_steps or (None, None)
     self.running = False
 
   def after_step(self, done: int):
-    import jax  # pylint: disable=import-outside-toplevel
     if done == self.start and not self.running:
       jax.profiler.start_trace(self.logdir)
       self.running = True
@@ -221,7 +177,6 @@ class Profiler:
       self.close()
 
   def close(self):
-    import jax  # pylint: disable=import-outside-toplevel
     if self.running:
       self.running = False
       jax.profiler.stop_trace()
