@@ -1,12 +1,5 @@
-"""The train step and what it costs: the run's typed config, the optimizer, the compiled step, FLOPs.
-
-  TrainConfig          the top level of a config (the loop's fields; `model` and `data` are the task's sections)
-  validate_config      every check that needs no tracing, before anything compiles; the task of the typed config
-  make_train_fns       (optimizer, init_state, train_step) of a task; compile_step: sharded, ahead of time
-  step_costs           XLA's FLOPs and bytes of a step, with what it leaves out of loops added back
-
-A run's config is built into its TrainConfig once, by validate_config, and read from `task.config` from then on.
-"""
+"""The train step and what it costs: the run's typed config (TrainConfig, built once by validate_config and read
+from `task.config` from then on), the optimizer, the step compiled ahead of time, and its FLOPs and bytes."""
 
 import dataclasses
 import functools
@@ -101,7 +94,6 @@ class TrainConfig:
   data: Any = None  # the task's typed section (LMDataConfig, ImageDataConfig)
 
 
-
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array
@@ -154,23 +146,18 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
 
 
 def check_overrides(config, spec: str, overridden) -> list[str]:
-  """Refuses a --config.<field> override that changes nothing here (e.g. model.laurel.k on a variant without pa,
-  which a sweep would train as one model many times): an InputError where it sets a value other than the config
-  file's own (`spec`, loaded without overrides); the warnings to print where it only repeats that value."""
+  """An InputError for a --config.<field> override that changes nothing (a sweep would train one model many times)
+  where it differs from the config file's (`spec`) value; the warnings to print where it only repeats that value."""
   unused = tasks.get_task(config).unused_fields()
   overridden = [name for name in overridden if name in unused]
   base = config_lib.load(spec) if overridden else None
+  get = lambda config, dotted: functools.reduce(lambda node, part: node[part], dotted.split('.'), config)
   warnings = []
   for name in overridden:
-    value, file_value = _get_field(config, name), _get_field(base, name)
-    if value != file_value:
+    if (value := get(config, name)) != get(base, name):
       raise InputError(f'{name}={value!r}: changes nothing: {unused[name]}')
     warnings.append(f'warning: {name}={value!r} changes nothing ({unused[name]})')
   return warnings
-
-
-def _get_field(config, dotted: str):
-  return functools.reduce(lambda node, part: node[part], dotted.split('.'), config)
 
 
 def make_optimizer(o, steps):
@@ -224,7 +211,7 @@ def make_train_fns(task):
 
 
 def compile_step(task, mesh):
-  """Shardings, the ahead-of-time compiled train step and the state initialiser (nothing allocated yet)."""
+  """The train step compiled ahead of time, the state initialiser, the abstract state and its shardings."""
   lowered, init, abstract, state_shardings = lower_step(task, mesh)
   return lowered.compile(), init, abstract, state_shardings
 
@@ -257,9 +244,8 @@ def lower_step(task, mesh):
 
 
 def check_fits_host(task, compiled, num_devices: int = 1) -> None:
-  """On the CPU, where a step too large for the host is killed by the kernel with no message: an InputError where
-  the compiled step (on `num_devices` CPU devices, all of them this host's) needs more memory than the host has
-  available, both said."""
+  """On the CPU, where the kernel kills a step too large for the host with no message: an InputError where the
+  compiled step (on `num_devices` CPU devices of this host) needs more memory than the host has available."""
   available = available_host_bytes()
   if jax.devices()[0].platform != 'cpu' or available is None:
     return
@@ -273,12 +259,10 @@ def check_fits_host(task, compiled, num_devices: int = 1) -> None:
 
 
 def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, float]:
-  """(FLOPs, bytes accessed) of one train step of `task`: `costs_of(t)`, XLA's costs of the step of a task t
-  (lowered or compiled, per device of `mesh`), with what XLA leaves out added. It counts a loop's body once, so the
-  step is counted with one micro-batch (accumulating only splits the batch), a scanned layer stack at scan_unroll
-  1 and 2 with the difference (one layer) added for every further layer (where they are odd in number, all in one
-  iteration), and the loss's chunks after the first (laurel.cross_entropy scans them) compiled alone (by
-  `lowered_costs(lowered)`, if given: XLA's costs of a lowered program, e.g. kept across processes by laurel.aot)."""
+  """(FLOPs, bytes accessed) of one train step of `task`, from `costs_of(t)`, XLA's costs of the step of a task t
+  (per device of `mesh`). XLA counts a loop's body once, so: one micro-batch per step; a scanned layer stack at
+  scan_unroll 1 and 2, the difference added for every further layer (odd: all unrolled); the loss's chunks after the
+  first compiled alone, their costs by `lowered_costs(lowered)` where given (laurel.aot keeps them)."""
   task = _with(task, scan_unroll=1)
   totals = costs_of(task)
   layers = getattr(task.model_cfg, 'num_layers', 1)
@@ -303,8 +287,7 @@ def _with(task, scan_unroll: int):
 
 
 def _uncounted_loss_chunks(config, mesh, lowered_costs=None) -> tuple[float, float]:
-  """(FLOPs, bytes) of the loss's chunks after the first: one chunk's loss and gradients compiled alone, its batch
-  sharded over `mesh` (None: one device, the global batch)."""
+  """(FLOPs, bytes) of the loss's chunks after the first, from one chunk compiled alone (`mesh` None: one device)."""
   model = config.model
   chunk = min(model.loss_chunk or config.data.seq_len, config.data.seq_len)
   chunks = -(-config.data.seq_len // chunk)
