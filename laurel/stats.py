@@ -16,13 +16,12 @@ def t_quantile(p: float, df: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-  """The mean of n values and its two-sided t-interval at `level`; low and high are None below 2 values."""
+  """The mean of n values and its two-sided t-interval at LEVEL; low and high are None below 2 values."""
   mean: float
   n: int
   sd: float | None
   low: float | None
   high: float | None
-  level: float = LEVEL
 
   @property
   def resolved(self) -> bool:
@@ -30,22 +29,17 @@ class Interval:
     return self.low is not None and (self.low > 0 or self.high < 0)
 
 
-def mean_interval(values, level: float = LEVEL) -> Interval | None:
-  """The t-interval of the mean of `values` (None for none)."""
-  values = [float(v) for v in values]
-  if not values:
-    return None
-  mean = statistics.fmean(values)
-  if len(values) < 2:
-    return Interval(mean, 1, None, None, None, level)
-  sd = statistics.stdev(values)
-  half = t_quantile(0.5 + level / 2, len(values) - 1) * sd / math.sqrt(len(values))
-  return Interval(mean, len(values), sd, mean - half, mean + half, level)
-
-
-def paired_difference(values: dict, reference: dict, level: float = LEVEL) -> Interval | None:
+def paired_difference(values: dict, reference: dict) -> Interval | None:
   """The t-interval of values[k] - reference[k] over the keys (seeds) both have; None where they share none."""
-  return mean_interval([values[k] - reference[k] for k in sorted(set(values) & set(reference))], level)
+  diffs = [float(values[k] - reference[k]) for k in sorted(set(values) & set(reference))]
+  if not diffs:
+    return None
+  mean = statistics.fmean(diffs)
+  if len(diffs) < 2:
+    return Interval(mean, 1, None, None, None)
+  sd = statistics.stdev(diffs)
+  half = t_quantile(0.5 + LEVEL / 2, len(diffs) - 1) * sd / math.sqrt(len(diffs))
+  return Interval(mean, len(diffs), sd, mean - half, mean + half)
 
 
 def weighted_mean_se(sums, weights) -> float | None:
