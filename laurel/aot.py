@@ -56,10 +56,9 @@ def compile_only_process() -> None:
   jax.config.update('jax_enable_compilation_cache', False)
 
 
-def _kept(lowered, devices) -> dict:
-  """The TPU compiler's figures of a program (MEMORY, FLOPs and bytes accessed; where it runs out of HBM, its
-  error's first line as `resource_exhausted`), kept under the compilation cache: keyed by the program, the slice
-  and the compiler, and compiled only the first time."""
+def _kept(lowered, devices, topology: str, chip: TPU) -> dict:
+  """The TPU compiler's figures of a program (MEMORY, FLOPs and bytes accessed), or DoesNotFit where it ran out of
+  HBM; kept under the compilation cache, keyed by the program, the slice and the compiler: compiled only once."""
   try:
     libtpu = importlib.metadata.version('libtpu')
   except importlib.metadata.PackageNotFoundError:
@@ -67,7 +66,10 @@ def _kept(lowered, devices) -> dict:
   slice_desc = f'{devices[0].device_kind} x{len(devices)} in {len({d.process_index for d in devices})} processes'
   key = [lowered.as_text(), slice_desc, jax.__version__, libtpu, os.environ.get('XLA_FLAGS', ''),
          os.environ.get('LIBTPU_INIT_ARGS', '')]
-  return compile_cache.record(key, lambda: _figures(lowered))
+  figures = compile_cache.record(key, lambda: _figures(lowered))
+  if 'resource_exhausted' in figures:
+    raise _not_fitting(topology, chip, figures['resource_exhausted'])
+  return figures
 
 
 def _figures(lowered) -> dict:
@@ -113,15 +115,10 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   task = step.validate_config(config, len(devices), len({d.process_index for d in devices}))
   mesh = sharding.make_mesh(task.config.mesh, devices)
 
-  def fitting(figures: dict) -> dict:
-    if 'resource_exhausted' in figures:
-      raise _not_fitting(topology, chip, figures['resource_exhausted'])
-    return figures
-
   def compiled(t):  # the figures of the step of task t, and its abstract state
     with jax.set_mesh(mesh), nn.logical_axis_rules(t.config.logical_axis_rules):
       lowered, _, abstract, _ = step.lower_step(t, mesh)
-      return fitting(_kept(lowered, devices)), abstract
+      return _kept(lowered, devices, topology, chip), abstract
 
   figures, abstract = compiled(task)
   facts = {'params': task.num_params(abstract.params), **{k: figures[k] for k in MEMORY}, 'hbm_bytes': chip.hbm_bytes}
@@ -130,7 +127,7 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   costs_of = lambda f: (f['flops'], f['bytes_accessed'])
   flops, bytes_accessed = step.step_costs(
       task, lambda t: costs_of(figures if t.config == task.config else compiled(t)[0]), mesh,
-      lambda lowered: costs_of(fitting(_kept(lowered, devices))))  # the loss's one-chunk program, kept as the step is
+      lambda lowered: costs_of(_kept(lowered, devices, topology, chip)))  # the loss's one-chunk program, kept as the step is
   compute_s, memory_s = flops / chip.peak_flops, bytes_accessed / chip.hbm_bytes_per_s
   return {**facts, 'flops_per_step': flops, 'bytes_accessed_per_step': bytes_accessed, 'compute_s': compute_s,
           'memory_s': memory_s, 'roofline_step_time_s': max(compute_s, memory_s)}
