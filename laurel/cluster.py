@@ -142,9 +142,7 @@ def local_device_ids(environ=None) -> list[int] | None:
   else:
     local = None
   visible = env.get('CUDA_VISIBLE_DEVICES')
-  if local == 1 or (visible is not None and len(visible.split(',')) == 1):
-    return []
-  return None
+  return [] if local == 1 or (visible is not None and len(visible.split(',')) == 1) else None
 
 
 def _slurm_tasks_on_node(tasks_per_node: str, node: int) -> int | None:
