@@ -125,9 +125,9 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   if not costs:
     return facts
   costs_of = lambda f: (f['flops'], f['bytes_accessed'])
-  flops, bytes_accessed = step.step_costs(
-      task, lambda t: costs_of(figures if t.config == task.config else compiled(t)[0]), mesh,
-      lambda lowered: costs_of(_kept(lowered, devices, topology, chip)))  # the loss's one-chunk program, kept as the step is
+  step_costs = lambda t: costs_of(figures if t.config == task.config else compiled(t)[0])  # the step: compiled once
+  loss_costs = lambda lowered: costs_of(_kept(lowered, devices, topology, chip))  # the loss's one-chunk program
+  flops, bytes_accessed = step.step_costs(task, step_costs, mesh, loss_costs)
   compute_s, memory_s = flops / chip.peak_flops, bytes_accessed / chip.hbm_bytes_per_s
   return {**facts, 'flops_per_step': flops, 'bytes_accessed_per_step': bytes_accessed, 'compute_s': compute_s,
           'memory_s': memory_s, 'roofline_step_time_s': max(compute_s, memory_s)}
