@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from laurel import cross_entropy, data, designs, image_data, lm, resnet, sharding
+from laurel import attention, cross_entropy, data, designs, image_data, lm, resnet, sharding
 from laurel.hardware import xla_flops
 from laurel.config_lib import DTYPES, InputError, build
 
@@ -49,7 +49,7 @@ class LMTask:
     cfg = self.model_cfg
     data.validate(self.data_cfg, cfg.vocab_size)
     seq_len = self.data_cfg.seq_len
-    if cfg.attention == 'splash' and not lm.splash_block(seq_len):
+    if cfg.attention == 'splash' and not attention.splash_block(seq_len):
       raise InputError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
     if cfg.positional == 'learned' and cfg.max_len < seq_len:  # the lookup clamps: later positions would share one
       raise InputError(f'model.max_len={cfg.max_len}: shorter than data.seq_len={seq_len}; learned positions need one '
@@ -57,7 +57,7 @@ class LMTask:
     if cfg.max_segments > seq_len:
       raise InputError(f'model.max_segments={cfg.max_segments}: a row of data.seq_len={seq_len} tokens holds at most '
                        f'{seq_len} documents')
-    if cfg.attention == 'cudnn' and (reason := lm.cudnn_unsupported(cfg)):
+    if cfg.attention == 'cudnn' and (reason := attention.cudnn_unsupported(cfg)):
       raise InputError(reason)
 
   def check_data(self):

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, needs_libtpu
-from laurel import aot, hardware, lm, sharding, step
+from laurel import aot, attention, hardware, sharding, step
 
 # Table 5's model shrunk to compile in seconds; 4 scanned layers so the loop accounting has iterations to count.
 SMALL = {**TINY_LM, 'model.num_layers': 4, 'model.dtype': 'bfloat16', 'model.remat': 'dots_no_batch',
@@ -94,9 +94,9 @@ def test_splash_attention_compiles_per_device_for_a_sharded_slice():
   mesh = sharding.make_mesh(config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     hlo = step.compile_step(task, mesh)[0].as_text()
-    assert lm.attention_impl(auto, 128) == 'splash' and lm.attention_impl(auto, 100) == 'xla'
+    assert attention.attention_impl(auto, 128) == 'splash' and attention.attention_impl(auto, 100) == 'xla'
   assert 'tpu_custom_call' in hlo
-  assert lm.attention_impl(auto, 128) == 'xla'  # off the slice's mesh: this CPU
+  assert attention.attention_impl(auto, 128) == 'xla'  # off the slice's mesh: this CPU
 
 
 def test_splash_needs_a_length_of_whole_tiles():

@@ -1,4 +1,4 @@
-"""Fused attention on packed rows, against the einsum reference (laurel.lm.xla_attention).
+"""Fused attention on packed rows, against the einsum reference (laurel.attention.xla_attention).
 
 cuDNN: its packed form (per-row run offsets and lengths) is built and evaluated in NumPy on this CPU, the call into
 jax's private cuDNN module is checked with that evaluation standing in for the kernel, and the kernel itself runs
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY_LM, load_config, on_gpu
-from laurel import hardware, lm, step, tasks, train
+from laurel import attention, hardware, lm, step, tasks, train
 
 LEN = 128  # splash attention's key tiles are 128 tokens
 
@@ -75,7 +75,8 @@ def test_cudnn_segments_are_the_runs_of_each_row():
       [np.repeat([1, 2, 3, 4, 5], [10, 20, 30, 40, 28])],  # one more document and no padding: as many runs
       [np.repeat([1, 2, 3, 4, 5, 0], [10, 20, 30, 40, 20, 8])],  # one run too many
       [np.zeros(LEN, np.int32)]])
-  seqlens_BxM, offsets_BxM1, overflow_B = map(np.asarray, lm.cudnn_segments(jnp.asarray(segments_BxL), max_segments))
+  packed = attention.cudnn_segments(jnp.asarray(segments_BxL), max_segments)
+  seqlens_BxM, offsets_BxM1, overflow_B = map(np.asarray, packed)
   assert seqlens_BxM.shape == (len(segments_BxL), max_segments + 1) and offsets_BxM1.shape[1] == max_segments + 2
   for row, seqlens, offsets, overflow in zip(segments_BxL, seqlens_BxM, offsets_BxM1, overflow_B):
     runs = _np_runs(row)
@@ -94,10 +95,10 @@ def test_attention_over_offsets_and_lengths_is_the_reference():
   rng = np.random.default_rng(1)
   segments_BxL = jnp.asarray(_packed_segment_ids(rng, 4))
   q, k, v = _qkv(rng, 4)
-  seqlens_BxM, offsets_BxM1, overflow_B = map(np.asarray, lm.cudnn_segments(segments_BxL, 6))
+  seqlens_BxM, offsets_BxM1, overflow_B = map(np.asarray, attention.cudnn_segments(segments_BxL, 6))
   assert not overflow_B.any()
   np.testing.assert_allclose(_np_packed_attention(q, k, v, seqlens_BxM, offsets_BxM1),
-                             lm.xla_attention(q, k, v, segments_BxL), rtol=1e-5, atol=1e-5)
+                             attention.xla_attention(q, k, v, segments_BxL), rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_scores_stay_within_bfloat16_error_of_the_reference():
@@ -107,9 +108,9 @@ def test_bfloat16_scores_stay_within_bfloat16_error_of_the_reference():
   rng = np.random.default_rng(2)
   segments_BxL = jnp.asarray(_packed_segment_ids(rng, 4))
   q, k, v = _qkv(rng, 4, heads=4, head_width=16, dtype=jnp.bfloat16)
-  seqlens_BxM, offsets_BxM1, _ = map(np.asarray, lm.cudnn_segments(segments_BxL, 6))
+  seqlens_BxM, offsets_BxM1, _ = map(np.asarray, attention.cudnn_segments(segments_BxL, 6))
   want = _np_packed_attention(q, k, v, seqlens_BxM, offsets_BxM1)
-  got = {d: lm.xla_attention(q, k, v, segments_BxL, scores_dtype=d).astype(jnp.float32)
+  got = {d: attention.xla_attention(q, k, v, segments_BxL, scores_dtype=d).astype(jnp.float32)
          for d in (jnp.float32, jnp.bfloat16)}
   scale = np.abs(want).max()
   assert np.abs(got[jnp.float32] - want).max() < 0.01 * scale
@@ -122,7 +123,7 @@ def test_jax_lays_out_the_packed_form_for_cudnn_as_expected():
   from jax._src.cudnn import fused_attention_stablehlo  # pylint: disable=import-outside-toplevel
   rng, max_segments, heads, width = np.random.default_rng(2), 3, 2, 8
   segments_BxL = _packed_segment_ids(rng, 5, max_docs=max_segments)
-  seqlens, offsets, _ = lm.cudnn_segments(jnp.asarray(segments_BxL), max_segments)
+  seqlens, offsets, _ = attention.cudnn_segments(jnp.asarray(segments_BxL), max_segments)
   q = jnp.zeros((5, LEN, heads, width), jnp.bfloat16)
   flat_seqlens, _, flat_offsets, _ = map(np.asarray, fused_attention_stablehlo._fix_seqlen_offsets(  # pylint: disable=protected-access
       seqlens, seqlens, offsets, offsets, q, q))
@@ -134,7 +135,7 @@ def test_jax_lays_out_the_packed_form_for_cudnn_as_expected():
 
 def test_the_private_cudnn_api_is_the_one_called():
   from jax._src.cudnn import fused_attention_stablehlo  # pylint: disable=import-outside-toplevel
-  assert lm._cudnn_module() is fused_attention_stablehlo  # pylint: disable=protected-access
+  assert attention._cudnn_module() is fused_attention_stablehlo  # pylint: disable=protected-access
   assert fused_attention_stablehlo.MaskType.PADDING_CAUSAL
   assert callable(fused_attention_stablehlo.check_cudnn_version)
   assert callable(fused_attention_stablehlo.check_compute_capability)
@@ -159,10 +160,10 @@ def test_cudnn_attention_hands_cudnn_the_packed_rows(monkeypatch):
   segments_BxL = _packed_segment_ids(rng, 3, max_docs=3)
   segments_BxL[2] = np.repeat([1, 2, 3, 4, 0], [30, 30, 30, 30, 8])  # four documents, a bound of three
   q, k, v = _qkv(rng, 3)
-  got = np.asarray(lm.cudnn_attention(q, k, v, jnp.asarray(segments_BxL), max_segments=3))
+  got = np.asarray(attention.cudnn_attention(q, k, v, jnp.asarray(segments_BxL), max_segments=3))
   assert calls == [dict(scale=8 ** -0.5, mask_type=fused_attention_stablehlo.MaskType.PADDING_CAUSAL,
                         qkv_layout='BTNH', bias=None, mask=None)]
-  np.testing.assert_allclose(got[:2], lm.xla_attention(q, k, v, jnp.asarray(segments_BxL))[:2], rtol=1e-5,
+  np.testing.assert_allclose(got[:2], attention.xla_attention(q, k, v, jnp.asarray(segments_BxL))[:2], rtol=1e-5,
                              atol=1e-5)
   assert np.isnan(got[2]).all()
 
@@ -210,13 +211,13 @@ def test_cudnn_attention_matches_the_reference_on_gpu():
   """cuDNN's kernel against xla_attention on packed rows with padding, forward and gradients, in bfloat16."""
   max_segments, heads, width = 6, 4, 64
   cfg = lm.LMConfig(d_model=heads * width, num_heads=heads, dtype='bfloat16', max_segments=max_segments)
-  if reason := lm.cudnn_unsupported(cfg, 'gpu'):
+  if reason := attention.cudnn_unsupported(cfg, 'gpu'):
     pytest.skip(reason)
   rng = np.random.default_rng(4)
   segments_BxL = jnp.asarray(_packed_segment_ids(rng, 4, max_docs=max_segments))
   q, k, v = _qkv(rng, 4, heads, width, jnp.bfloat16)
-  cudnn = jax.jit(functools.partial(lm.cudnn_attention, max_segments=max_segments))
-  reference = jax.jit(lambda *qkv: lm.xla_attention(*(x.astype(jnp.float32) for x in qkv), segments_BxL))
+  cudnn = jax.jit(functools.partial(attention.cudnn_attention, max_segments=max_segments))
+  reference = jax.jit(lambda *qkv: attention.xla_attention(*(x.astype(jnp.float32) for x in qkv), segments_BxL))
   np.testing.assert_allclose(np.asarray(cudnn(q, k, v, segments_BxL), np.float32), reference(q, k, v),
                              rtol=2e-2, atol=2e-2)
   w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
@@ -244,7 +245,7 @@ def _pallas_operand_shapes(jaxpr):
 def test_splash_lays_q_k_v_out_sequence_minor():
   """The kernel's q, k and v operands are K×L tiles per head (a 64-wide head is not padded to 128 lanes)."""
   q, k, v = _qkv(np.random.default_rng(5), 2, heads=2, head_width=8)
-  jaxpr = jax.make_jaxpr(lm.splash_attention)(q, k, v, jnp.ones((2, LEN), jnp.int32))
+  jaxpr = jax.make_jaxpr(attention.splash_attention)(q, k, v, jnp.ones((2, LEN), jnp.int32))
   forward = next(_pallas_operand_shapes(jaxpr.jaxpr))
   assert forward.count((2, 2, 8, LEN)) == 3 and (2, 2, LEN, 8) not in forward
 
@@ -256,9 +257,9 @@ def _splash_on_mesh(batch, heads=2, rules=train.LOGICAL_AXIS_RULES, data=2, tens
   mesh = jax.make_mesh((data, 1, tensor), ('data', 'fsdp', 'tensor'), devices=jax.devices()[:data * tensor],
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    attend = jax.jit(lm.splash_attention)
+    attend = jax.jit(attention.splash_attention)
     text = str(jax.make_jaxpr(attend)(q, k, v, segments_BxL))
-    return attend(q, k, v, segments_BxL), lm.xla_attention(q, k, v, segments_BxL), text
+    return attend(q, k, v, segments_BxL), attention.xla_attention(q, k, v, segments_BxL), text
 
 
 @pytest.mark.parametrize('batch', [1, 3], ids=['init_batch_of_one', 'odd_batch'])
@@ -301,19 +302,20 @@ def test_attention_flops_are_the_compilers_count_of_the_einsums():
   forward = lambda q, k, p, v: (jnp.einsum('bhqk,bhsk->bhqs', q, k), jnp.einsum('bhqs,bhsk->bhqk', p, v))
   step = lambda *x: jax.vjp(forward, *x)[1](forward(*x))
   count = lambda f: hardware.xla_flops(jax.jit(f).lower(q, k, p, v))
-  assert lm.attention_flops(batch, LEN, heads, width, causal=False, train=False) == count(forward)
-  assert lm.attention_flops(batch, LEN, heads, width, causal=False) == count(step)
+  assert attention.attention_flops(batch, LEN, heads, width, causal=False, train=False) == count(forward)
+  assert attention.attention_flops(batch, LEN, heads, width, causal=False) == count(step)
 
 
 def test_attention_flops_causal_and_the_model_flops_term():
   b, length, heads, width = 4, 1024, 12, 64
-  full = lm.attention_flops(b, length, heads, width, causal=False)
-  assert lm.attention_flops(b, length, heads, width) == full * (length + 1) / (2 * length)
-  assert lm.attention_flops(b, length, heads, width, train=False) * 3 == lm.attention_flops(b, length, heads, width)
+  full = attention.attention_flops(b, length, heads, width, causal=False)
+  causal = attention.attention_flops(b, length, heads, width)
+  assert causal == full * (length + 1) / (2 * length)
+  assert attention.attention_flops(b, length, heads, width, train=False) * 3 == causal
   # LMTask.model_flops per token is 6N + 12·layers·D·T (PaLM): its term in T is the non-causal count of every layer.
   per_token = lambda t: tasks.get_task(load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {
       'data.seq_len': t})).model_flops(b) / (b * t)
   cfg = tasks.get_task(load_config('configs/c4_ablation.py:rw_lr,preset=tiny')).model_cfg
   per_layer_and_position = (per_token(2 * LEN) - per_token(LEN)) / LEN / cfg.num_layers
-  assert lm.attention_flops(b, LEN, cfg.num_heads, cfg.d_model // cfg.num_heads, causal=False) == (
+  assert attention.attention_flops(b, LEN, cfg.num_heads, cfg.d_model // cfg.num_heads, causal=False) == (
       b * LEN * LEN * per_layer_and_position)

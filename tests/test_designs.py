@@ -565,7 +565,7 @@ def test_backward_rebuilding_a_buffer_is_the_scans_own(stream, model, monkeypatc
   params, tokens = _random_params(cfg, 17), jnp.asarray(_tokens(18))
   grad = lambda: jax.grad(lambda p: jnp.mean(lm.LM(cfg).apply({'params': p}, tokens) ** 2))(params)
   got = grad()
-  monkeypatch.setattr(lm, '_stack_rebuilding_buffer', lambda stack, cfg, index, policy, *args: stack(*args)[0])
+  monkeypatch.setattr(lm, 'stack_rebuilding_buffer', lambda stack, block, cfg, index, policy, *args: stack(*args)[0])
   want = grad()
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):

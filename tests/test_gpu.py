@@ -18,7 +18,7 @@ import pytest
 from flax import linen as nn
 
 from helpers import TINY_LM, load_config, on_gpu
-from laurel import lm, sharding, step, tasks, train
+from laurel import attention, lm, sharding, step, tasks, train
 
 LEN, HEADS, HEAD_WIDTH, MAX_SEGMENTS = 1024, 4, 64, 16
 # Table 5's rows shrunk (the tiny preset) with cuDNN's needs: bfloat16 compute (the paper's dtypes: float32
@@ -48,14 +48,14 @@ def packed_rows(rng) -> np.ndarray:
 @on_gpu
 def test_cudnn_attention_matches_the_reference_on_packed_rows():
   cfg = lm.LMConfig(d_model=HEADS * HEAD_WIDTH, num_heads=HEADS, dtype='bfloat16', max_segments=MAX_SEGMENTS)
-  if reason := lm.cudnn_unsupported(cfg, 'gpu'):
+  if reason := attention.cudnn_unsupported(cfg, 'gpu'):
     pytest.skip(reason)
   rng = np.random.default_rng(7)
   segments_BxL = jnp.asarray(packed_rows(rng))
   q, k, v = (jnp.asarray(rng.normal(size=(len(segments_BxL), LEN, HEADS, HEAD_WIDTH)), jnp.bfloat16)
              for _ in range(3))
-  cudnn = jax.jit(lambda *qkv: lm.cudnn_attention(*qkv, segments_BxL, max_segments=MAX_SEGMENTS))
-  reference = jax.jit(lambda *qkv: lm.xla_attention(*(x.astype(jnp.float32) for x in qkv), segments_BxL))
+  cudnn = jax.jit(lambda *qkv: attention.cudnn_attention(*qkv, segments_BxL, max_segments=MAX_SEGMENTS))
+  reference = jax.jit(lambda *qkv: attention.xla_attention(*(x.astype(jnp.float32) for x in qkv), segments_BxL))
   got, want = cudnn(q, k, v), reference(q, k, v)
   for b in range(len(segments_BxL)):  # each kind of row on its own
     assert relative_error(got[b], want[b]) < 1e-2, b
@@ -69,7 +69,7 @@ def test_cudnn_attention_matches_the_reference_on_packed_rows():
 
 
 def _hopper() -> bool:
-  return lm._cudnn_module().check_compute_capability('9.0')  # pylint: disable=protected-access
+  return attention._cudnn_module().check_compute_capability('9.0')  # pylint: disable=protected-access
 
 
 @on_gpu
@@ -78,14 +78,14 @@ def test_auto_attention_is_cudnn_on_hopper_and_the_step_calls_it():
     pytest.skip(f'not a Hopper GPU or newer: {jax.devices()[0].device_kind}')
   config = load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {**GPU_TINY, 'model.attention': 'auto'})
   task = step.validate_config(config, num_devices=1)
-  assert lm.attention_impl(task.model_cfg, LEN) == 'cudnn'
+  assert attention.attention_impl(task.model_cfg, LEN) == 'cudnn'
   mesh = sharding.make_mesh(task.config.mesh, jax.devices()[:1])
   with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
     compiled = step.compile_step(task, mesh)[0]
   assert '__cudnn$fmha' in compiled.as_text()  # cuDNN's fused attention custom calls
   no_bound = step.validate_config(load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {
       **GPU_TINY, 'model.attention': 'auto', 'model.max_segments': 0}), num_devices=1)
-  assert lm.attention_impl(no_bound.model_cfg, LEN) == 'xla'  # cuDNN needs the bound
+  assert attention.attention_impl(no_bound.model_cfg, LEN) == 'xla'  # cuDNN needs the bound
 
 
 def _three_steps(workdir, **overrides) -> list[dict]:

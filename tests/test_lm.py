@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import c4_ablation
-from laurel import lm, paper, train
+from laurel import attention, paper, train
 from laurel.lm import LM, LMConfig
 from laurel.designs.laurel import LaurelSite, LaurelSpec, closed_form_params
 from reference import np_reference, np_rmsnorm, np_rw, pull_params
@@ -186,13 +186,13 @@ def _packed_qkv_segments(seed=0, batch=2, heads=2, head_dim=8):
 @pytest.mark.parametrize('impl', ['dot_product', 'splash'])
 def test_attention_implementations_match_the_reference_BxLxHxK(impl):
   q, k, v, segments_BxL = _packed_qkv_segments()
-  attend = {'dot_product': lm.dot_product_attention, 'splash': lm.splash_attention}[impl]
-  np.testing.assert_allclose(attend(q, k, v, segments_BxL), lm.xla_attention(q, k, v, segments_BxL),
+  attend = {'dot_product': attention.dot_product_attention, 'splash': attention.splash_attention}[impl]
+  np.testing.assert_allclose(attend(q, k, v, segments_BxL), attention.xla_attention(q, k, v, segments_BxL),
                              rtol=1e-5, atol=1e-5)
   # Gradients too (splash has its own backward kernels); a loss that weighs every output differently.
   w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
   grads = lambda f: jax.grad(lambda *qkv: (f(*qkv, segments_BxL) * w).sum(), argnums=(0, 1, 2))(q, k, v)
-  for got, want in zip(grads(attend), grads(lm.xla_attention)):
+  for got, want in zip(grads(attend), grads(attention.xla_attention)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -212,8 +212,8 @@ def test_splash_attention_in_the_lm_keeps_packed_documents_apart_BxLxV():
 
 def test_auto_attention_is_the_reference_on_cpu():
   auto = _cfg(attention='auto', dtype='bfloat16', max_segments=4)  # cudnn could serve it on a GPU
-  assert lm.attention_impl(auto, ATTN_LEN) == 'xla'
-  assert lm.attention_impl(_cfg(attention='splash'), 100) == 'splash'
+  assert attention.attention_impl(auto, ATTN_LEN) == 'xla'
+  assert attention.attention_impl(_cfg(attention='splash'), 100) == 'splash'
 
 
 # ---------------------------------------------------------------------------------------------------

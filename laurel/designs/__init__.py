@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from laurel.config_lib import BOOL, POSITIVE, POSITIVE_INT, field, one_of, require
+from laurel.designs.buffer import start_buffer, write_slot  # noqa: F401  # mudd's and dca's
 
 ACT = ('act_batch', 'act_len', 'act_embed')
 STREAM_ACT = (None,) + ACT  # a stack of activations: n streams, or DenseFormer's running sums
@@ -55,17 +56,6 @@ class Site(nn.Module):
                                       scale_init=nn.with_logical_partitioning(nn.initializers.ones,
                                                                               (self.embed_axis,)))(x)
     return norm_in(q), norm('norm_key', k), norm('norm_value', v)
-
-
-def start_buffer(x_BxLxD, num_layers):
-  """A `Design.buffer` of N + 1 slots, x in slot 0: layer i reads slots 0..i and writes slot i + 1 once."""
-  buffer_JxBxLxD = jnp.zeros((num_layers + 1,) + x_BxLxD.shape, x_BxLxD.dtype).at[0].set(x_BxLxD)
-  return nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT)
-
-
-def write_slot(buffer_JxBxLxD, slot_J, y_BxLxD):
-  """y written to the buffer's slot of the one-hot slot_J (a layer's row of `np.eye(N + 1)[1:]`, from its chain)."""
-  return buffer_JxBxLxD + slot_J.astype(y_BxLxD.dtype)[:, None, None, None] * y_BxLxD
 
 
 class PlainSite(Site):
