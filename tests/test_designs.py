@@ -603,7 +603,7 @@ def test_buffer_backward_honours_the_remat_policy(design):
 
 
 def _count(config) -> dict:
-  """laurel.params.count's two figures (a test cannot import that command: its flags clash with scripts')."""
+  """scripts/params.py's count's two figures (a test cannot import that command: its flags clash with scripts')."""
   task = tasks.get_task(config)
   shapes = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
   total = task.num_params(shapes)

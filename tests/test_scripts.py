@@ -589,3 +589,30 @@ def test_peak_buffers_lists_the_saved_stacks_of_a_dumped_tpu_step(tmp_path):
   assert len(re.findall(r'\n\s+[\d.]+ GB\s+\d+ x bf16\[3,4,128,4,8\] ', r.stdout)) >= 1, r.stdout  # q/k/v stacks
   bad = script('experiments/peak_buffers.py', f'--dump={tmp_path / "none"}')
   assert bad.returncode != 0 and '--dump=' in bad.stderr
+
+
+@pytest.mark.slow
+def test_make_params_prints_the_results_table():
+  result = script('params.py', '--table=c4_ablation')
+  assert result.returncode == 0, result.stderr[-2000:]
+  table = result.stdout.strip().splitlines()
+  assert table[0].startswith('| row | params | paper |') and len(table) == 2 + 7
+  results = (ROOT / 'results' / 'README.md').read_text()
+  assert '\n'.join(table) in results  # results/README.md's table is exactly what `make params` prints
+  as_json = script('params.py', '--table=c4_ablation', '--json')
+  rows = [json.loads(l) for l in as_json.stdout.splitlines()]
+  assert [r['row'] for r in rows] == ['baseline_24', 'baseline_28', 'rw', 'lr', 'pa', 'rw_lr', 'rw_lr_pa']
+  assert f"| rw_lr | {rows[5]['total_params']:,} (" in result.stdout
+  assert rows[5]['paper_params_m'] == 158.40 and rows[5]['laurel_params'] == rows[5]['closed_form_laurel_params']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('args, message', [
+    ((), 'error: give --config=configs/<file>.py:<row> or --table=<name> (one of them)'),
+    (('--table=c4_ablation', '--config=c4_ablation:rw'), 'error: give --config=configs/<file>.py:<row> or'),
+    (('--config=c4_ablation:nope',), 'error: '),
+])
+def test_params_bad_input_is_one_line(args, message):
+  r = script('params.py', *args)
+  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+  assert r.stderr.startswith(message)

@@ -7,6 +7,8 @@ import sys
 import pytest
 
 from helpers import ROOT, cli_env
+from laurel import config_lib
+from scripts import paper
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 import common  # noqa: E402  (scripts/common.py)
@@ -158,3 +160,8 @@ def test_sweep_bad_reference_is_one_line_before_anything_runs(tmp_path):
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
       "error: --reference='16': not a point of the grid (give one value per --field, in order, e.g. 4)")
   assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize('table, published', [('c4_ablation', paper.TABLE5), ('imagenet_resnet50', paper.TABLE1)])
+def test_a_paper_table_s_config_has_exactly_its_rows(table, published):
+  assert set(config_lib.table_rows(table)) == set(published)
