@@ -1,5 +1,5 @@
 """scripts/: launch_tpu's exact gcloud commands, sweep (print, and a tiny local sweep end to end), the tiny ablation,
-benchmark."""
+benchmark, parameter counts (params.py), and the one-off investigations in scripts/experiments/."""
 import csv
 import importlib.metadata
 import json
