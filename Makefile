@@ -40,7 +40,7 @@ test-fast: $(VENV)/.installed-test
 
 # Parameter counts of every Table 5 row, as the README's table (ARGS=--json: one JSON object per row).
 params: $(VENV)/.installed
-	@$(PY) -m laurel.params --table=c4_ablation $(ARGS)
+	@$(PY) scripts/params.py --table=c4_ablation $(ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) scripts/benchmark.py --out results/benchmark_cpu.json

@@ -5,7 +5,7 @@
 The paper states neither shape. These are our choices, sized to the names: LLM-1B is 18 layers at D=2048,
 F=8192 (GELU) ≈ 0.97B params; LLM-4B is 40 layers (Table 6's depth) at D=3072, F=7680 with SwiGLU ≈ 4.44B
 (Table 6: 4.4B). LAuReL sits once per block, so its share differs from the paper's 0.012% / 0.1%: run
-`python -m laurel.params --config=configs/llm.py:1b` for ours. Data: C4 with T5's 32k vocabulary.
+`python scripts/params.py --config=configs/llm.py:1b` for ours. Data: C4 with T5's 32k vocabulary.
 `laurel=none` gives the matching baseline; `preset=tiny` keeps the depth ratio at CPU size.
 """
 

@@ -3,7 +3,7 @@
   --config=configs/residual_designs.py:<row>[,preset=tiny]
 
 Every row is Baseline-24 (Table 5's model, schedule and data) with one design changed, so rows compare on
-equal terms; `python -m laurel.params` gives each row's parameter count beside baseline_24's. The designs and
+equal terms; `python scripts/params.py` gives each row's parameter count beside baseline_24's. The designs and
 their papers are in laurel/designs/ (LAuReL, and Gemma 3n's LAuReL on the attention sublayer only; ReZero,
 LayerScale; Hyper-Connections, mHC (and DeepSeek-V4's read-out), mHC-lite, Frac-Connections; DenseFormer;
 Attention Residuals, Full and Block; MUDDFormer; DCA) and laurel/lm.py (value residual, ResidualTransformer's shared

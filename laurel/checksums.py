@@ -5,7 +5,7 @@ After each save has finished, every host records the XXH3 hash and size of the f
 state/ocdbt.process_<i>/ shard files; process 0 also the rest of state/) in <step>/checksums.process_<i>.json;
 before a restore, every host verifies its own list. A checkpoint saved before this module has no list and is taken
 as it is. XXH3 over a memory map hashes at memory speed (9 GB/s here, where zlib's CRC-32 reads and hashes at
-2 GB/s): scripts/benchmark_checksums.py measures it against the save.
+2 GB/s): scripts/experiments/benchmark_checksums.py measures it against the save.
 """
 
 from concurrent import futures

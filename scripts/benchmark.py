@@ -27,6 +27,7 @@ import subprocess
 import time
 
 import common  # puts the repo root on sys.path
+import paper
 import step_profile
 import flax.linen as nn
 import jax
@@ -34,7 +35,7 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from laurel import aot, compile_cache, config_lib, hardware, paper, sharding, step
+from laurel import aot, compile_cache, config_lib, hardware, sharding, step
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'

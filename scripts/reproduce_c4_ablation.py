@@ -34,10 +34,11 @@ import json
 import statistics
 
 import common  # puts the repo root on sys.path
+import paper
 from absl import app, flags
 from etils import epath
 
-from laurel import config_lib, evaluate, paper
+from laurel import config_lib, evaluate
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'

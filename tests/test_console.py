@@ -207,19 +207,3 @@ def test_make_train_installs_what_training_needs_and_clean_keeps_runs(tmp_path):
   assert "pip install -q -e ." in train and '[test]' not in train and 'laurel.main' in train
   assert "pip install -q -e '.[test]'" in test and 'pytest' in test
   assert 'runs' not in make('clean') and 'rm -rf runs' in make('distclean')
-
-
-@pytest.mark.slow
-def test_make_params_prints_the_results_table():
-  result = subprocess.run([sys.executable, '-m', 'laurel.params', '--table=c4_ablation'], cwd=ROOT, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  table = result.stdout.strip().splitlines()
-  assert table[0].startswith('| row | params | paper |') and len(table) == 2 + 7
-  results = (ROOT / 'results' / 'README.md').read_text()
-  assert '\n'.join(table) in results  # results/README.md's table is exactly what `make params` prints
-  as_json = subprocess.run([sys.executable, '-m', 'laurel.params', '--table=c4_ablation', '--json'], cwd=ROOT,
-                           env=cli_env(), capture_output=True, text=True, timeout=300)
-  rows = [json.loads(l) for l in as_json.stdout.splitlines()]
-  assert [r['row'] for r in rows] == ['baseline_24', 'baseline_28', 'rw', 'lr', 'pa', 'rw_lr', 'rw_lr_pa']
-  assert f"| rw_lr | {rows[5]['total_params']:,} (" in result.stdout

@@ -603,7 +603,7 @@ def test_buffer_backward_honours_the_remat_policy(design):
 
 
 def _count(config) -> dict:
-  """laurel.params.count's two figures (a test cannot import that command: its flags clash with scripts')."""
+  """scripts/params.py's count's two figures (a test cannot import that command: its flags clash with scripts')."""
   task = tasks.get_task(config)
   shapes = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
   total = task.num_params(shapes)
@@ -737,7 +737,7 @@ def test_designs_train_through_laurel_main_from_config_flags(row, tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   final = json.loads((tmp_path / 'final.json').read_text())
   assert final['step'] == 4 and math.isfinite(final['eval_loss'])
-  # the effective count (MUDDFormer's scan padding left out), as laurel.params counts it
+  # the effective count (MUDDFormer's scan padding left out), as scripts/params.py counts it
   assert final['params'] == _count(load_config(f'configs/residual_designs.py:{row},preset=tiny',
                                                          overrides))['total_params']
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4]

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from configs import c4_ablation
-from laurel import attention, paper, train
+from laurel import attention, train
 from laurel.lm import LM, LMConfig
 from laurel.designs.laurel import LaurelSite, LaurelSpec, closed_form_params
+from scripts import paper
 from reference import np_reference, np_rmsnorm, np_rw, pull_params
 
 VOCAB, D, HEADS, FF, LAYERS, LEN, BATCH, RANK = 32, 16, 2, 32, 2, 8, 4, 4

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from configs import imagenet_resnet50
-from laurel import paper, resnet
+from laurel import resnet
 from laurel.designs import LOGICAL_AXIS_RULES, StreamSpec
 from laurel.designs.laurel import LaurelSpec, closed_form_params
+from scripts import paper
 
 RESNET50 = 25_557_032
 RESNET50_BATCH_STATS = 53_120

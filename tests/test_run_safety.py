@@ -148,14 +148,13 @@ ENTRY_POINTS = {  # module: (what to make raise, argv)
     'laurel.main': ('train.train', f'"--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny", "--workdir=w"'),
     'laurel.generate': ('checkpoint.lm_run_on_mesh', '"--workdir=w", "--prompt=x"'),
     'laurel.evaluate': ('checkpoint.lm_run_on_mesh', '"--workdir=w", "--task=hellaswag"'),
-    'laurel.params': ('params.report', f'"--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny"'),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('module, error, bad_input', [
     *[(module, 'ValueError', False) for module in ENTRY_POINTS],
-    ('laurel.main', 'config_lib.InputError', True), ('laurel.params', 'config_lib.InputError', True)])
+    ('laurel.main', 'config_lib.InputError', True)])
 def test_only_bad_input_is_a_one_line_error(module, error, bad_input):
   patch, argv = ENTRY_POINTS[module]
   owner, name = patch.split('.')

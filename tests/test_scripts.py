@@ -1,5 +1,5 @@
 """scripts/: launch_tpu's exact gcloud commands, sweep (print, and a tiny local sweep end to end), the tiny ablation,
-benchmark."""
+benchmark, parameter counts (params.py), and the one-off investigations in scripts/experiments/."""
 import csv
 import importlib.metadata
 import json
@@ -545,13 +545,22 @@ def test_activations_per_layer_sees_value_residual_keep_no_more_than_baseline(tm
   # Value residual carries V_1 through the layer scan; the stack's backward rebuilds it from the final one instead of
   # saving it at every layer (a scan's own backward: one more activation a layer).
   out = tmp_path / 'act.json'
-  r = script('activations_per_layer.py', '--rows=baseline_24,value_residual', '--layers=2,4,6', '--batch=2',
-             '--seq_len=16', f'--out={out}')
+  r = script('experiments/activations_per_layer.py', '--rows=baseline_24,value_residual', '--layers=2,4,6',
+             '--batch=2', '--seq_len=16', f'--out={out}')
   assert r.returncode == 0, r.stderr[-2000:]
   rows = {row['name']: row['per_interval'] for row in json.loads(out.read_text())['rows']}
   for base, value in zip(rows['baseline_24'], rows['value_residual']):  # 2 -> 4 and 4 -> 6 layers
     assert base > 2  # the measure sees activations at all
     assert abs(value - base) < 0.1, rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['activations_per_layer', 'benchmark_checksums', 'maxtext_compare', 'peak_buffers'])
+def test_experiments_run_from_their_folder(name):
+  # scripts/experiments/ is not on the path of the scripts beside it: each finds scripts/common.py itself
+  r = script(f'experiments/{name}.py', '--help')  # absl's --help exits 1, argparse's 0
+  assert r.returncode in (0, 1) and 'Traceback' not in r.stderr, r.stderr[-2000:]
+  assert f'{name}.py' in r.stdout
 
 
 @pytest.mark.slow
@@ -568,11 +577,38 @@ def test_peak_buffers_lists_the_saved_stacks_of_a_dumped_tpu_step(tmp_path):
                       *[f'--config.{k}={v}' for k, v in overrides.items()]],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
-  r = script('peak_buffers.py', f'--dump={tmp_path}', '--top=50')
+  r = script('experiments/peak_buffers.py', f'--dump={tmp_path}', '--top=50')
   assert r.returncode == 0, r.stderr[-3000:]
   packed, live = map(float, re.search(r'temporaries ([\d.]+) GB as packed, of which at most ([\d.]+) GB', r.stdout)
                      .groups())
   assert 0 < live <= packed
   assert len(re.findall(r'\n\s+[\d.]+ GB\s+\d+ x bf16\[3,4,128,4,8\] ', r.stdout)) >= 1, r.stdout  # q/k/v stacks
-  bad = script('peak_buffers.py', f'--dump={tmp_path / "none"}')
+  bad = script('experiments/peak_buffers.py', f'--dump={tmp_path / "none"}')
   assert bad.returncode != 0 and '--dump=' in bad.stderr
+
+
+@pytest.mark.slow
+def test_make_params_prints_the_results_table():
+  result = script('params.py', '--table=c4_ablation')
+  assert result.returncode == 0, result.stderr[-2000:]
+  table = result.stdout.strip().splitlines()
+  assert table[0].startswith('| row | params | paper |') and len(table) == 2 + 7
+  results = (ROOT / 'results' / 'README.md').read_text()
+  assert '\n'.join(table) in results  # results/README.md's table is exactly what `make params` prints
+  as_json = script('params.py', '--table=c4_ablation', '--json')
+  rows = [json.loads(l) for l in as_json.stdout.splitlines()]
+  assert [r['row'] for r in rows] == ['baseline_24', 'baseline_28', 'rw', 'lr', 'pa', 'rw_lr', 'rw_lr_pa']
+  assert f"| rw_lr | {rows[5]['total_params']:,} (" in result.stdout
+  assert rows[5]['paper_params_m'] == 158.40 and rows[5]['laurel_params'] == rows[5]['closed_form_laurel_params']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('args, message', [
+    ((), 'error: give --config=configs/<file>.py:<row> or --table=<name> (one of them)'),
+    (('--table=c4_ablation', '--config=c4_ablation:rw'), 'error: give --config=configs/<file>.py:<row> or'),
+    (('--config=c4_ablation:nope',), 'error: '),
+])
+def test_params_bad_input_is_one_line(args, message):
+  r = script('params.py', *args)
+  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+  assert r.stderr.startswith(message)

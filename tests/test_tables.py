@@ -1,12 +1,16 @@
 """The tables' statistics and printed forms (scripts/common.py, sweep.py, reproduce_c4_ablation.py): paired
-differences with their intervals and resolved marks, no ± for one seed, integer parameter counts, titles that fit."""
+differences with their intervals and resolved marks, no ± for one seed, integer parameter counts, titles that fit;
+the configs' rows against the paper's tables; the links into results/."""
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from helpers import ROOT, cli_env
+from laurel import config_lib
+from scripts import paper
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 import common  # noqa: E402  (scripts/common.py)
@@ -158,3 +162,31 @@ def test_sweep_bad_reference_is_one_line_before_anything_runs(tmp_path):
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
       "error: --reference='16': not a point of the grid (give one value per --field, in order, e.g. 4)")
   assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize('table, published', [('c4_ablation', paper.TABLE5), ('imagenet_resnet50', paper.TABLE1)])
+def test_a_paper_table_s_config_has_exactly_its_rows(table, published):
+  assert set(config_lib.table_rows(table)) == set(published)
+
+
+def _anchors(markdown: str) -> set:
+  """GitHub's anchors of a Markdown file's headings (outside code blocks)."""
+  anchors, fenced = set(), False
+  for line in markdown.splitlines():
+    fenced ^= line.startswith('```')
+    if not fenced and line.startswith('#'):
+      anchors.add(re.sub(r'[^\w\- ]', '', line.lstrip('#').strip().lower()).replace(' ', '-'))
+  return anchors
+
+
+def test_every_link_between_the_docs_and_results_reaches_its_file_and_heading():
+  # results/README.md and HISTORY.md split the figures; the README and docs/ link into both
+  broken = []
+  for doc in [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md')), *sorted((ROOT / 'results').glob('*.md'))]:
+    for path, anchor in re.findall(r'\]\(([^)#\s:]*)(?:#([^)\s]+))?\)', doc.read_text()):
+      target = (doc.parent / path).resolve() if path else doc
+      if not target.exists():
+        broken.append(f'{doc.name}: {path}')
+      elif anchor and target.suffix == '.md' and anchor not in _anchors(target.read_text()):
+        broken.append(f'{doc.name}: {path}#{anchor}')
+  assert not broken, broken

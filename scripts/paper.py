@@ -1,4 +1,4 @@
-"""The paper's published numbers (arXiv 2411.07501), the one copy that configs and scripts compare against."""
+"""The paper's published numbers (arXiv 2411.07501), the one copy that the scripts and tests compare against."""
 
 
 def _table(columns, rows):

@@ -3,15 +3,18 @@ train state (laurel.checkpoint.save until every file is written) and of recordin
 of a c4_ablation row (its initial state), on the devices here. The train loop records them in a thread while it
 goes on training, so this is their work, not a wait of the loop's.
 
-  python scripts/benchmark_checksums.py --presets=tiny,paper --saves=3 [--out=results/checksums_cpu.json]
+  python scripts/experiments/benchmark_checksums.py --presets=tiny,paper --saves=3 [--out=results/checksums_cpu.json]
 """
 
 import os
+import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
-import common  # puts the repo root on sys.path
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # scripts/: common
+import common  # noqa: E402  # puts the repo root on sys.path
 import flax.linen as nn
 import jax
 from absl import app, flags

@@ -1,6 +1,6 @@
 """What each row of a table keeps per layer for its backward pass, in D-wide activations (compiled, not run).
 
-  python scripts/activations_per_layer.py [--table=residual_designs] [--rows=...] [--layers=6,12[,24...]]
+  python scripts/experiments/activations_per_layer.py [--table=residual_designs] [--rows=...] [--layers=6,12[,24...]]
       [--d_model=<its tiny preset's>] [--batch=8] [--seq_len=128] [--remat=dots_no_batch]
       [--out=results/activations_per_layer.json]
 
@@ -12,8 +12,11 @@ the activation memory that dominates at the full shape. A compiler figure: noise
 """
 
 import json
+import pathlib
+import sys
 
-import common  # puts the repo root on sys.path
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # scripts/: common
+import common  # noqa: E402  # puts the repo root on sys.path
 import flax.linen as nn
 import jax
 from absl import app, flags

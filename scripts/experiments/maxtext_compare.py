@@ -1,10 +1,11 @@
 r"""MaxText's train step at Table 5's Baseline-24 shape, compiled by MaxText's own train_compile for a v6e 4x4, beside
 this project's `scripts/benchmark.py --topology=v6e:4x4` rows.
 
-  python scripts/maxtext_compare.py --maxtext=<MaxText checkout> --maxtext_python=<python of a venv with its deps>
+  python scripts/experiments/maxtext_compare.py --maxtext=<MaxText checkout>
+      --maxtext_python=<python of a venv with its deps>
       [--maxtext_commit=<sha>: where the checkout is no git work tree] [--settings=minimal_dot_product,...]
       [--out=results/maxtext_v6e_4x4.json]
-  python scripts/maxtext_compare.py --table_only   # the table from the committed JSONs, nothing compiled
+  python scripts/experiments/maxtext_compare.py --table_only   # the table from the committed JSONs, nothing compiled
 
 Each setting runs MaxText's `train_compile.main` in a subprocess of MaxText's python (JAX_PLATFORMS=cpu: libtpu's
 compiler on abstract devices, nothing runs) and reads the compiled step's memory_analysis() and cost_analysis().
@@ -107,9 +108,10 @@ def measure(maxtext: str, python: str, commit: str, names: list, out: str) -> No
       print(f'{name}: {rows[-1]["peak_memory_bytes"] / 1e9:.2f} GB per chip', flush=True)
   result = {'maxtext_commit': commit, 'jax_version': c1['jax_version'], 'libtpu_version': c1['libtpu_version'],
             'topology': 'v6e-16 (v6e 4x4, one slice)', 'layers': LAYERS,
-            'procedure': 'python scripts/maxtext_compare.py --maxtext=<checkout> --maxtext_python=<python>: each row '
-                         'is MaxText\'s train_compile as `command` (run in <maxtext>/src), per chip; FLOPs and bytes '
-                         'per step = c1 + (layers - 1) * (c2 - c1), c2 with the decoder scan unrolled by 2',
+            'procedure': 'python scripts/experiments/maxtext_compare.py --maxtext=<checkout> '
+                         '--maxtext_python=<python>: each row is MaxText\'s train_compile as `command` (run in '
+                         '<maxtext>/src), per chip; FLOPs and bytes per step = c1 + (layers - 1) * (c2 - c1), '
+                         'c2 with the decoder scan unrolled by 2',
             'rows': rows}
   with open(out, 'w', encoding='utf-8') as f:
     json.dump(result, f, indent=1)
@@ -145,7 +147,8 @@ def main() -> None:
   parser.add_argument('--maxtext_python', help="python of a venv with MaxText's dependencies and libtpu")
   parser.add_argument('--maxtext_commit', help="MaxText's commit, where the checkout is no git work tree")
   parser.add_argument('--settings', default=','.join(SETTINGS), help=f'comma-separated, of {", ".join(SETTINGS)}')
-  parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), '..', 'results', 'maxtext_v6e_4x4.json'))
+  results = os.path.join(os.path.dirname(__file__), '..', '..', 'results')
+  parser.add_argument('--out', default=os.path.join(results, 'maxtext_v6e_4x4.json'))
   parser.add_argument('--table_only', action='store_true', help='print the table from the JSONs, compile nothing')
   args = parser.parse_args()
   if not args.table_only:

@@ -1,20 +1,23 @@
-"""Parameter accounting from shapes alone, beside the paper's figures.
+"""Parameter counts from shapes alone, beside the paper's figures.
 
-  python -m laurel.params --config=configs/c4_ablation.py:rw_lr [--json]
-  python -m laurel.params --table=c4_ablation [--preset=paper] [--json]     # every row (make params)
+  python scripts/params.py --config=configs/c4_ablation.py:rw_lr [--json]
+  python scripts/params.py --table=c4_ablation [--preset=paper] [--json]     # every row (make params)
 
-Prints a Markdown table, the README's: per row the total count (and how far it is from the paper's), what it adds
-to the config's baseline row (beside the paper's figure), and its LAuReL parameters beside the closed form of §2 /
-Table 4. --json prints one JSON object per row instead.
+Prints a Markdown table, results/README.md's: per row the total count (and how far it is from the paper's), what it
+adds to the config's baseline row (beside the paper's figure), and its LAuReL parameters beside the closed form of
+§2 / Table 4. --json prints one JSON object per row instead.
 """
 
 import json
 
+import common  # puts the repo root on sys.path
 import jax
-from absl import app, flags, logging
+import paper
+from absl import app, flags
 from ml_collections import config_flags
 
-from laurel import config_lib, paper, sharding, tasks
+from laurel import config_lib, sharding, tasks
+from laurel.config_lib import InputError
 from laurel.designs.laurel import closed_form_params
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
@@ -59,7 +62,7 @@ def report(config, config_file: str) -> dict:
 
 
 def markdown(reports: list[dict]) -> str:
-  """The README's table of `report`s."""
+  """results/README.md's table of `report`s."""
   base = next((r['baseline_row'] for r in reports if r.get('baseline_row')), None)
   published = {r['row']: r.get('paper_params_m') for r in reports}
 
@@ -83,24 +86,18 @@ def markdown(reports: list[dict]) -> str:
   return '\n'.join(lines + [row(r) for r in reports])
 
 
-def main(argv):
-  if len(argv) > 1:
-    config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
-  logging.set_verbosity(logging.WARNING)
+def main():
   if (_CONFIG.value is None) == (_TABLE.value is None):
-    config_lib.fail('give --config=configs/<file>.py:<row> or --table=<name> (one of them)')
-  try:
-    if _TABLE.value:
-      config_file = str(config_lib.REPO / 'configs' / f'{_TABLE.value}.py')
-      reports = [report(config_lib.load(f'{config_file}:{row},preset={_PRESET.value}'), config_file)
-                 for row in config_lib.table_rows(config_file)]
-    else:
-      config_file = config_flags.get_config_filename(flags.FLAGS['config']).split(':')[0]
-      reports = [report(_CONFIG.value, config_file)]
-  except config_lib.InputError as e:
-    config_lib.fail(str(e))
+    raise InputError('give --config=configs/<file>.py:<row> or --table=<name> (one of them)')
+  if _TABLE.value:
+    config_file = str(config_lib.REPO / 'configs' / f'{_TABLE.value}.py')
+    reports = [report(config_lib.load(f'{config_file}:{row},preset={_PRESET.value}'), config_file)
+               for row in config_lib.table_rows(config_file)]
+  else:
+    config_file = config_flags.get_config_filename(flags.FLAGS['config']).split(':')[0]
+    reports = [report(_CONFIG.value, config_file)]
   print('\n'.join(map(json.dumps, reports)) if _JSON.value else markdown(reports))
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=config_lib.parse_flags)
+  app.run(common.main(main), flags_parser=config_lib.parse_flags)
