@@ -8,6 +8,7 @@ one token, so every token but the first is predicted once), FILE.jsonl (multiple
 lm-evaluation-harness's prompt formats). Each prints one JSON object and writes DIR/eval_<task name>.json.
 """
 
+import contextlib
 import glob
 import importlib
 import json
@@ -141,10 +142,8 @@ TFDS_TASKS = {
 def tfds_items(name: str, data_dir: str, max_items: int) -> list:
   tfds = config_lib.optional_import('tensorflow_datasets', 'tfds', f'--task={name}')
   tfds_name, split, item = TFDS_TASKS[name]
-  try:  # builders of tensorflow_datasets.text register when that package loads, which needs TensorFlow; not alone
+  with contextlib.suppress(ImportError):  # tensorflow_datasets.text's builders register on import, not with tfds
     importlib.import_module(f'tensorflow_datasets.text.{tfds_name.split("/")[0]}')
-  except ImportError:
-    pass
   try:
     source = tfds.data_source(tfds_name, split=split, data_dir=data_dir or None, download=False)
   except Exception as e:  # pylint: disable=broad-except  # TFDS raises several types for data not prepared
@@ -164,23 +163,19 @@ def choice_sequence(tokenizer, seq_len: int, context: str, continuation: str) ->
 
 
 def choice_task(scorer: Scorer, tokenizer, items: list) -> dict:
-  """Accuracy, length-normalised accuracy and the correct choice's mean log-likelihood over `items`."""
+  """Accuracy, length-normalised accuracy (by the log-likelihood per byte of each choice) and the correct choice's
+  mean log-likelihood over `items`."""
   if not items:
     raise InputError('multiple choice: no items')
   sequences = [choice_sequence(tokenizer, scorer.seq_len, context, choice) for pairs, _ in items
                for context, choice in pairs]
-  scores, at = scorer(sequences)[0], 0
-  correct = correct_norm = 0
-  correct_loglik = []
-  for pairs, label in items:
-    ll = scores[at:at + len(pairs)]
-    at += len(pairs)
-    per_byte = ll / np.array([max(len(c.encode('utf-8')), 1) for _, c in pairs])
-    correct += int(np.argmax(ll) == label)
-    correct_norm += int(np.argmax(per_byte) == label)
-    correct_loglik.append(ll[label])
-  return {'items': len(items), 'accuracy': correct / len(items), 'accuracy_norm': correct_norm / len(items),
-          'correct_loglik': float(np.mean(correct_loglik))}
+  logliks = np.split(scorer(sequences)[0], np.cumsum([len(pairs) for pairs, _ in items])[:-1])
+  num_bytes = [np.array([max(len(c.encode('utf-8')), 1) for _, c in pairs]) for pairs, _ in items]
+  labels = [label for _, label in items]
+  mean = lambda values: float(np.mean(values))
+  return {'items': len(items), 'accuracy': mean([np.argmax(ll) == y for ll, y in zip(logliks, labels)]),
+          'accuracy_norm': mean([np.argmax(ll / n) == y for ll, n, y in zip(logliks, num_bytes, labels)]),
+          'correct_loglik': mean([ll[y] for ll, y in zip(logliks, labels)])}
 
 
 def task_name(task: str) -> str:
