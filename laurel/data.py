@@ -320,11 +320,21 @@ def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
   return next((root / v for v in versions if (root / v / 'dataset_info.json').exists()), None)
 
 
-def tfds_splits(version_dir: epath.Path) -> tuple[set[str], set[str]]:
-  """(splits, file formats) of a prepared TFDS dataset, from its dataset_info.json."""
-  info = json.loads((version_dir / 'dataset_info.json').read_text())
-  return ({s['name'] for s in info.get('splits', [])},
-          {info.get('fileFormat', 'tfrecord'), *info.get('alternativeFileFormats', [])})
+def check_tfds(cfg, prepare: str) -> None:
+  """`cfg`'s TFDS dataset (tfds_name, tfds_data_dir, train_split, eval_split) is prepared in ArrayRecord files;
+  else a one-line InputError, saying how to `prepare` it where it is missing."""
+  found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
+  require(found is not None, 'data.tfds_data_dir', cfg.tfds_data_dir, f'no prepared {cfg.tfds_name} in '
+          f'{cfg.tfds_data_dir or "$TFDS_DATA_DIR or ~/tensorflow_datasets"}; {prepare}')
+  info = json.loads((found / 'dataset_info.json').read_text())
+  formats = {info.get('fileFormat', 'tfrecord'), *info.get('alternativeFileFormats', [])}
+  require('array_record' in formats, 'data.tfds_data_dir', cfg.tfds_data_dir,
+          f'{found} holds {"/".join(sorted(formats))} files, and random access needs ArrayRecord: tfds '
+          f'convert_format --dataset_version_dir={found} --out_file_format=array_record')
+  present = {s['name'] for s in info.get('splits', [])}
+  for split in (cfg.train_split, cfg.eval_split):
+    require(split in present, 'data.tfds_data_dir', cfg.tfds_data_dir,
+            f'{found} has no split {split!r} (it has: {", ".join(sorted(present))})')
 
 
 def check_available(data_cfg, vocab_size: int | None = None) -> None:
@@ -336,26 +346,15 @@ def check_available(data_cfg, vocab_size: int | None = None) -> None:
   prepare = console.python_command() + (
       " scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output={}" if cfg.name == 'c4' else
       " scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
-  splits = (cfg.train_split, cfg.eval_split)
   if cfg.path:
-    for split in splits:
+    for split in (cfg.train_split, cfg.eval_split):
       shards = c4_shards(cfg.path, split, cfg.name)
       require(bool(shards), 'data.path', cfg.path,
               f'no {cfg.name}-{split}.*{C4_SHARD_SUFFIX} shards; write them with {prepare.format(cfg.path)}')
       require(num_records(shards) > 0, 'data.path', cfg.path,
               f'its {cfg.name}-{split} shards hold no documents: nothing to train or evaluate on')
   else:
-    found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
-    require(found is not None, 'data.tfds_data_dir', cfg.tfds_data_dir,
-            f'no prepared {cfg.tfds_name} in {cfg.tfds_data_dir or "$TFDS_DATA_DIR or ~/tensorflow_datasets"}; '
-            f'convert C4 with {prepare.format("DIR")} and set --config.data.path=DIR')
-    present, formats = tfds_splits(found)
-    require('array_record' in formats, 'data.tfds_data_dir', cfg.tfds_data_dir,
-            f'{found} holds {"/".join(sorted(formats))} files, and random access needs ArrayRecord: tfds '
-            f'convert_format --dataset_version_dir={found} --out_file_format=array_record')
-    for split in splits:
-      require(split in present, 'data.tfds_data_dir', cfg.tfds_data_dir,
-              f'{found} has no split {split!r} (it has: {", ".join(sorted(present))})')
+    check_tfds(cfg, f'convert C4 with {prepare.format("DIR")} and set --config.data.path=DIR')
   tokenizer_vocab = _vocab_size(cfg)
   if vocab_size is not None:  # validate() leaves a gs:// vocabulary to this check, where GCS is reachable
     require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,

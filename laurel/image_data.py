@@ -46,10 +46,8 @@ def check_available(data_cfg) -> None:
   """ImageNet's prepared ArrayRecord files are where the config says (never downloaded); one-line InputError."""
   cfg = build(ImageDataConfig, data_cfg, 'data')
   if cfg.name == 'imagenet':
-    found = data.tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
-    require(found is not None and 'array_record' in data.tfds_splits(found)[1], 'data.tfds_data_dir',
-            cfg.tfds_data_dir, f'no {cfg.tfds_name} in ArrayRecord files there; prepare it with tfds build '
-            f'{cfg.tfds_name} --manual_dir=<ILSVRC2012 tars> --file_format=array_record --data_dir=DIR')
+    data.check_tfds(cfg, f'prepare it with tfds build {cfg.tfds_name} --manual_dir=<ILSVRC2012 tars> '
+                    '--file_format=array_record --data_dir=DIR')
 
 
 def normalize(image_HxWx3: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Image pipelines: shapes, normalisation, determinism, sharding, iterator state, ImageNet via mocked TFDS."""
 
 import dataclasses
+import json
 import math
 import re
 
@@ -227,3 +228,20 @@ def test_validate_rejects_unknown_fields_and_uses_the_given_prefix():
   with pytest.raises(ValueError, match=r'^eval_data\.bogus: unknown field'):
     validate({'bogus': 1}, 'eval_data')
   assert validate(imagenet_resnet50.get_config('rw_lr').data).name == 'imagenet'
+
+
+def test_check_available_names_what_is_missing_and_how_to_prepare_it(tmp_path):
+  cfg = dict(name='imagenet', tfds_data_dir=str(tmp_path))
+  with pytest.raises(ValueError, match=re.escape(f"data.tfds_data_dir='{tmp_path}': no prepared imagenet2012 in "
+                                                 f'{tmp_path}; prepare it with tfds build imagenet2012')):
+    image_data.check_available(cfg)
+  version = tmp_path / 'imagenet2012' / '5.1.0'
+  version.mkdir(parents=True)
+  info = {'fileFormat': 'array_record', 'splits': [{'name': 'train'}]}
+  (version / 'dataset_info.json').write_text(json.dumps(info))
+  with pytest.raises(ValueError, match=re.escape(f"{version} has no split 'validation' (it has: train)")):
+    image_data.check_available(cfg)
+  info['splits'].append({'name': 'validation'})
+  (version / 'dataset_info.json').write_text(json.dumps(info))
+  image_data.check_available(cfg)
+  image_data.check_available({'name': 'synthetic', 'tfds_data_dir': '/nowhere'})  # reads nothing
