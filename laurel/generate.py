@@ -44,16 +44,14 @@ def sample(logits_BxV, rng, temperature: float, top_k: int = 0, top_p: float = 1
 def decode_step_costs(model_cfg: lm.LMConfig, batch: int, length: int) -> tuple[float, float]:
   """XLA's (FLOPs, bytes accessed) of one decode step of `batch` tokens against a cache of `length`, compiled from
   shapes alone with the layers unrolled (XLA counts a scanned body once)."""
-  model = lm.LM(dataclasses.replace(model_cfg, scan_layers=False), decode=True)
-  variables = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32))))
-  step = jax.jit(lambda p, c, t, pos: model.apply({'params': p, 'cache': c}, t, pos, mutable=['cache']))
-  token = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+  step, variable_shapes = _decoder(dataclasses.replace(model_cfg, scan_layers=False))
+  variables, token = variable_shapes(batch, length), jax.ShapeDtypeStruct((batch, 1), jnp.int32)
   return hardware.xla_costs(step.lower(variables['params'], variables['cache'], token, token).compile())
 
 
 @functools.lru_cache(maxsize=4)
 def _decoder(model_cfg: lm.LMConfig):
-  """(its jitted apply with the cache, cache_shapes(batch, length)), kept across calls so that a batch of a shape
+  """(its jitted apply with the cache, variable_shapes(batch, length)), kept across calls so that a batch of a shape
   seen before runs without compiling again."""
   model = lm.LM(model_cfg, decode=True)
 
@@ -63,10 +61,10 @@ def _decoder(model_cfg: lm.LMConfig):
     return logits, updated['cache']
 
   @functools.lru_cache(maxsize=16)
-  def cache_shapes(batch: int, length: int):
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32)))['cache']
+  def variable_shapes(batch: int, length: int):
+    return jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32))))
 
-  return step, cache_shapes
+  return step, variable_shapes
 
 
 def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_tokens: int, *, temperature=0.0,
@@ -87,8 +85,8 @@ def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_t
     tokens_BxT[b, :len(p)] = p
   rows_B, rng, new, new_logits = jnp.arange(len(prompts)), jax.random.key(seed), [], []
   if use_cache:
-    step, cache_shapes = _decoder(model_cfg)
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(len(prompts), total))
+    step, variable_shapes = _decoder(model_cfg)
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variable_shapes(len(prompts), total)['cache'])
     # Prefill: every prompt at once, right-padded (padding is never attended; each row decodes from its length).
     positions = jnp.broadcast_to(jnp.arange(prompt_len), (len(prompts), prompt_len))
     logits_BxLxV, cache = step(params, cache, jnp.asarray(tokens_BxT[:, :prompt_len]), positions)
