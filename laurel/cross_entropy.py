@@ -1,11 +1,8 @@
-"""Next-token cross-entropy without the full logits: one chunk of positions at a time.
-
-The (batch, length, vocabulary) float32 logits of a step at Table 5's shape are 4 GiB per chip, plus their bf16
-copy and gradient. Here a scan over chunks of `chunk` positions computes each chunk's logits once, and from them
-the loss and, when differentiated, its gradients with respect to the hidden states and the output kernel (a
-custom VJP): no chunk's logits outlive their iteration, and nothing is recomputed in the backward pass, which only
-scales the saved gradients. The label logit is a masked sum over the vocabulary (a one-hot contraction) on targets
-shifted by one, rather than a gather on sliced logits.
+"""Next-token cross-entropy without the full logits (4 GiB of float32 per chip at Table 5's shape, plus their bf16
+copy and gradient): a scan over chunks of positions computes each chunk's logits once, and from them the loss and
+its gradients with respect to the hidden states and the output kernel (a custom VJP), so no chunk's logits outlive
+their iteration and the backward pass only scales the saved gradients. The label logit is a masked sum over the
+vocabulary (a one-hot contraction) on targets shifted by one, rather than a gather on sliced logits.
 """
 
 import functools
@@ -25,19 +22,10 @@ def shifted_targets(tokens_BxL, segment_ids_BxL):
   return targets_BxL, weights_BxL
 
 
-def chunked(x_BxLxD, kernel, kernel_axes: str, targets_BxL, weights_BxL, chunk: int, dtype=None):
-  """(Σ weight·nll, Σ weight·[argmax = target]) over every position, with logits x·W computed `chunk` positions at
-  a time (0: all at once). `kernel` is the output projection, laid out as `kernel_axes` ('dv', or 'vd' for a tied
-  embedding), used in `dtype` (default: x's); matmuls accumulate in float32, as does the kernel's gradient. No
-  gradient flows to the targets or the weights."""
-  return _chunked(kernel_axes, chunk, jnp.dtype(dtype or x_BxLxD.dtype), x_BxLxD, kernel, targets_BxL,
-                  weights_BxL)
-
-
-def _scan_chunks(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL, grads: bool):
+def _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype, grads: bool):
   """The sums, and with `grads` the gradients of Σ weight·nll with respect to x and the kernel."""
   b, length, d = x_BxLxD.shape
-  chunk = chunk or length
+  chunk, dtype = chunk or length, jnp.dtype(dtype or x_BxLxD.dtype)
   pad = -length % chunk
   if pad:  # padded positions weigh nothing
     x_BxLxD, targets_BxL, weights_BxL = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
@@ -76,13 +64,17 @@ def _scan_chunks(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weight
   return (nll, correct), (grad_x_BxLxD, grad_kernel)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _chunked(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL):
-  return _scan_chunks(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL, grads=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 5, 6))
+def chunked(x_BxLxD, kernel, kernel_axes: str, targets_BxL, weights_BxL, chunk: int, dtype=None):
+  """(Σ weight·nll, Σ weight·[argmax = target]) over every position, with logits x·W computed `chunk` positions at
+  a time (0: all at once). `kernel` is the output projection, laid out as `kernel_axes` ('dv', or 'vd' for a tied
+  embedding), used in `dtype` (default: x's); matmuls accumulate in float32, as does the kernel's gradient. No
+  gradient flows to the targets or the weights."""
+  return _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype, grads=False)
 
 
-def _chunked_fwd(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL):
-  sums, grads = _scan_chunks(kernel_axes, chunk, dtype, x_BxLxD, kernel, targets_BxL, weights_BxL, grads=True)
+def _chunked_fwd(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype=None):
+  sums, grads = _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype, grads=True)
   return sums, (grads, targets_BxL, weights_BxL, jnp.zeros((), kernel.dtype))  # the last: the kernel's dtype
 
 
@@ -90,9 +82,8 @@ def _chunked_bwd(kernel_axes, chunk, dtype, saved, cotangents):
   del kernel_axes, chunk, dtype
   (grad_x_BxLxD, grad_kernel), targets_BxL, weights_BxL, kernel_like = saved
   g = cotangents[0]  # the accuracy count has no gradient
-  zero_targets = np.zeros(targets_BxL.shape, jax.dtypes.float0)
-  return ((g * grad_x_BxLxD).astype(grad_x_BxLxD.dtype), (g * grad_kernel).astype(kernel_like.dtype), zero_targets,
-          jnp.zeros_like(weights_BxL))
+  return ((g * grad_x_BxLxD).astype(grad_x_BxLxD.dtype), (g * grad_kernel).astype(kernel_like.dtype),
+          np.zeros(targets_BxL.shape, jax.dtypes.float0), jnp.zeros_like(weights_BxL))
 
 
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -1,13 +1,10 @@
 """LM input: documents -> tokens + EOS -> chunks of <= seq_len -> first-fit packing -> batches.
 
-Sources (`config.data.name`): 'c4' (SentencePiece tokens; ArrayRecord shards written by scripts/prepare_c4.py in
-`path`, or a prepared TFDS C4 in `tfds_data_dir`), 'corpus' (your own documents: SentencePiece tokens, ArrayRecord
-shards written by scripts/prepare_text.py in `path`), 'text' (files matching a glob, '' = this interpreter's standard
-library, '<installed>' = every Python source installed here: the standard library and sys.path's site-packages; a
-stable hash of each relative path holds out `validation_fraction` of them; byte tokens), 'synthetic' (a tiny
-Markov language whose loss falls clearly; byte tokens). Nothing is downloaded: `check_available` names what is
-missing. Batches are int32 (batch_size, seq_len) arrays: 'tokens', 'segment_ids' (0 = padding, then one id per packed
-chunk) and 'positions' (restarting in each segment). Long documents are split into chunks, so no token is dropped.
+Sources (`data.name`): 'c4' and 'corpus' (SentencePiece tokens; ArrayRecord shards written by scripts/prepare_c4.py
+or scripts/prepare_text.py in `path`, or for c4 a prepared TFDS C4 in `tfds_data_dir`), 'text' (files of a glob,
+byte tokens; a stable hash of each relative path holds out `validation_fraction` of them) and 'synthetic' (a tiny
+Markov language whose loss falls clearly; byte tokens). Nothing is downloaded. Batches are int32 (batch, seq_len)
+'tokens', 'segment_ids' (0 = padding, then one id per chunk) and 'positions' (restarting in each segment).
 """
 
 import dataclasses
@@ -21,7 +18,6 @@ import pathlib
 import re
 import sys
 import sysconfig
-from typing import Any
 
 from etils import epath
 import grain
@@ -35,12 +31,10 @@ from laurel.config_lib import (NON_NEGATIVE_INT, STRING, InputError, build, fiel
 BYTE_VOCAB_SIZE = 258  # ByteTokenizer's: 256 bytes, padding and end of document
 C4_VOCAB_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'  # T5's 32k SentencePiece model
 C4_SHARD_SUFFIX = '.array_record'  # scripts/prepare_c4.py writes c4-<split>.NNNNN-of-MMMMM.array_record
-# Sources tokenized with a SentencePiece model (data.vocab_path), read from <name>-<split>.*.array_record shards;
-# scripts/prepare_text.py writes the corpus ones.
-SENTENCEPIECE_SOURCES = ('c4', 'corpus')
-# Threads that read and tokenize documents ahead of packing (per process, per grain worker).
-READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)
+SENTENCEPIECE_SOURCES = ('c4', 'corpus')  # tokenized with data.vocab_path, read from <name>-<split>.* shards
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)  # threads reading and tokenizing
 MIN_PACKING_BINS = 16  # more open bins pack tighter (less padding) at the cost of a little memory
+INSTALLED = '<installed>'  # data.path of 'text': every Python source installed here (installed_roots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +43,8 @@ class LMDataConfig:
   name: str = field('synthetic', one_of('c4', 'corpus', 'text', 'synthetic'))
   seq_len: int = field(128, (lambda v: is_int(v) and v >= 2, 'must be an integer >= 2 (a row of one token has '
                                                               'no next token to predict)'))
-  # text: a glob of files, '' = the running interpreter's standard library (*.py), '<installed>' = it and every
-  # site-packages on sys.path (INSTALLED); c4: the directory of
-  # scripts/prepare_c4.py's shards, '' = a TFDS C4 in tfds_data_dir; corpus: scripts/prepare_text.py's output.
+  # text: a glob, '' = this interpreter's standard library (*.py), INSTALLED = it and every site-packages on
+  # sys.path; c4: scripts/prepare_c4.py's shards, '' = a TFDS C4 in tfds_data_dir; corpus: prepare_text.py's.
   path: str = field('', STRING)
   validation_fraction: float = field(0.05, in_range(0, 1, closed=(False, False)))  # text: files held out
   tfds_name: str = field('c4/en', STRING)  # the version found in tfds_data_dir; 'c4/en:3.0.1' pins one
@@ -74,22 +67,19 @@ class ByteTokenizer:
     return bytes(i - 1 for i in ids if 1 <= i <= 256).decode('utf-8', errors='replace')
 
   def document(self, text: str | bytes) -> np.ndarray:
-    """Tokens of one document, EOS appended; bytes are taken as they are (no decoding, lossless)."""
+    """Tokens of one document, EOS appended; bytes are taken as they are (lossless)."""
     data = text.encode('utf-8') if isinstance(text, str) else bytes(text)
-    tokens_n = np.frombuffer(data, np.uint8).astype(np.int32) + 1
-    return np.append(tokens_n, np.int32(self.eos_id))
+    return np.append(np.frombuffer(data, np.uint8).astype(np.int32) + 1, np.int32(self.eos_id))
 
 
 class SentencePieceTokenizer:
-  """SentencePiece with the model's own ids (T5's: pad 0, eos 1, unk 2); pickles as the model proto for grain's
-  workers. A model without a pad piece pads with 0: padding has segment_ids == 0, so it never reaches the loss."""
+  """The model's own ids (T5's: pad 0, eos 1, unk 2); pickles as the model proto for grain's workers. A model
+  without a pad piece pads with 0: padding has segment_ids == 0, so it never reaches the loss."""
 
   def __init__(self, model_proto: bytes):
     import sentencepiece  # pylint: disable=g-import-not-at-top
-    self._proto = model_proto
-    self._sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
-    self.vocab_size = self._sp.get_piece_size()
-    self.eos_id = self._sp.eos_id()
+    self._proto, self._sp = model_proto, sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+    self.vocab_size, self.eos_id = self._sp.get_piece_size(), self._sp.eos_id()
     self.pad_id = max(self._sp.pad_id(), 0)
 
   def __reduce__(self):
@@ -102,8 +92,7 @@ class SentencePieceTokenizer:
     return self._sp.decode([int(i) for i in ids])
 
   def document(self, text: str | bytes) -> np.ndarray:
-    if isinstance(text, bytes):
-      text = text.decode('utf-8', errors='replace')
+    text = text.decode('utf-8', errors='replace') if isinstance(text, bytes) else text
     return np.asarray(self._sp.encode(text) + [self.eos_id], np.int32)
 
 
@@ -116,8 +105,7 @@ def make_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
   if data_cfg.name not in SENTENCEPIECE_SOURCES:
     return ByteTokenizer()
   tokenizer = SentencePieceTokenizer(_read_vocab(data_cfg.vocab_path))
-  if tokenizer.eos_id < 0:
-    raise InputError(f'data.vocab_path={data_cfg.vocab_path!r}: the SentencePiece model defines no EOS id')
+  require(tokenizer.eos_id >= 0, 'data.vocab_path', data_cfg.vocab_path, 'the SentencePiece model defines no EOS id')
   return tokenizer
 
 
@@ -127,13 +115,9 @@ def _glob_root(pattern: str) -> str:
   return os.sep.join(fixed) or (os.sep if pattern.startswith(os.sep) else os.curdir)
 
 
-INSTALLED = '<installed>'  # data.path of 'text': every Python source installed here (installed_roots)
-_SKIPPED_FOLDERS = ('__pycache__',)
-
-
 def installed_roots() -> list[tuple[str, str]]:
-  """(key prefix, folder) of the Python sources installed on this machine: the standard library ('stdlib'), then
-  every site-packages or dist-packages folder on sys.path ('site-packages'), in sys.path's order."""
+  """(key prefix, folder) of the Python installed here: the standard library ('stdlib'), then each site-packages or
+  dist-packages folder on sys.path once ('site-packages'), in sys.path's order."""
   roots, seen = [('stdlib', sysconfig.get_paths()['stdlib'])], set()
   for folder in sys.path:
     real = os.path.realpath(folder or os.curdir)
@@ -144,13 +128,13 @@ def installed_roots() -> list[tuple[str, str]]:
 
 
 def python_sources(roots) -> tuple[tuple[str, str], ...]:
-  """(key, file) of every *.py under the (prefix, folder) roots, sorted by key: the prefix joined to the path
-  relative to its folder, so the same on every host wherever Python lives. A key found under two roots keeps the
-  first one's file, as an import would. site-packages inside a root are roots of their own, or not read."""
+  """(key, file) of every *.py under the (prefix, folder) roots, sorted by key (the prefix joined to the relative
+  path: the same on every host). A key under two roots keeps the first's file, as an import would; nested
+  site-packages are roots of their own, or not read."""
   found = {}
   for prefix, root in roots:
     for folder, dirs, names in os.walk(root):
-      dirs[:] = [d for d in dirs if d not in (*_SKIPPED_FOLDERS, 'site-packages', 'dist-packages')]
+      dirs[:] = [d for d in dirs if d not in ('__pycache__', 'site-packages', 'dist-packages')]
       for name in names:
         if name.endswith('.py') and os.path.isfile(path := os.path.join(folder, name)):
           found.setdefault(pathlib.PurePath(prefix, os.path.relpath(path, root)).as_posix(), path)
@@ -159,16 +143,14 @@ def python_sources(roots) -> tuple[tuple[str, str], ...]:
 
 @functools.lru_cache(maxsize=8)
 def _list_files(path: str) -> tuple[tuple[str, str], ...]:
-  """(key, file) pairs sorted by key, the key being what the split hashes: a glob's files relative to the glob's
-  fixed part; '' = the standard library's *.py (skipping installed packages); INSTALLED = installed_roots()."""
+  """(key, file) sorted by key, the key being what the split hashes: a glob's path relative to its fixed part."""
   if path == INSTALLED:
     return python_sources(installed_roots())
-  if path:
-    path = os.path.expanduser(path)
-    root = _glob_root(path)
-    return tuple(sorted((pathlib.PurePath(os.path.relpath(f, root)).as_posix(), f)
-                        for f in glob.glob(path, recursive=True) if os.path.isfile(f)))
-  return python_sources([('', sysconfig.get_paths()['stdlib'])])
+  if not path:
+    return python_sources([('', sysconfig.get_paths()['stdlib'])])
+  root = _glob_root(path := os.path.expanduser(path))
+  return tuple(sorted((pathlib.PurePath(os.path.relpath(f, root)).as_posix(), f)
+                      for f in glob.glob(path, recursive=True) if os.path.isfile(f)))
 
 
 def _unit_hash(text: str) -> float:
@@ -177,8 +159,8 @@ def _unit_hash(text: str) -> float:
 
 
 def split_files(path: str, validation_fraction: float) -> tuple[list[str], list[str]]:
-  """(train, validation) files, each sorted by key. A file is held out when its key's hash < fraction; each split
-  keeps >= 1 file."""
+  """(train, validation) files, each sorted by key; a file is held out when its key's hash < fraction, and each
+  split keeps >= 1 file."""
   keyed = sorted((_unit_hash(key), key, f) for key, f in _list_files(path))
   num_val = min(max(sum(h < validation_fraction for h, _, _ in keyed), 1), len(keyed) - 1)
   by_key = lambda part: [f for _, f in sorted((key, f) for _, key, f in part)]  # one order on every host
@@ -186,8 +168,8 @@ def split_files(path: str, validation_fraction: float) -> tuple[list[str], list[
 
 
 class SyntheticSource:
-  """Document i of a split is a walk, seeded by (split, i), on a tiny Markov language: 64 random words with 2
-  successors each (~1 bit per word), the same for every split. Deterministic and lazy."""
+  """Document i of a split: a walk, seeded by (split, i), on 64 random words with 2 successors each (~1 bit per
+  word), the same for every split. Deterministic and lazy."""
 
   def __init__(self, num_docs: int, split: int):
     self._num_docs, self._split = num_docs, split
@@ -208,25 +190,23 @@ class SyntheticSource:
     return ' '.join(out) + '.\n'
 
 
-def _source(data_cfg, train: bool) -> grain.MapDataset:
-  if data_cfg.name in SENTENCEPIECE_SOURCES:
-    split = data_cfg.train_split if train else data_cfg.eval_split
-    if data_cfg.path:  # records are the documents' UTF-8 bytes
-      return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
-          c4_shards(data_cfg.path, split, data_cfg.name)))
-    tfds = optional_import('tensorflow_datasets', 'tfds', f'data.tfds_data_dir={data_cfg.tfds_data_dir!r}')
-    # From the directory itself: any version, no builder code and never a download.
-    builder = tfds.builder_from_directory(tfds_version_dir(data_cfg.tfds_data_dir, data_cfg.tfds_name),
+def _source(cfg: LMDataConfig, train: bool) -> grain.MapDataset:
+  split = cfg.train_split if train else cfg.eval_split
+  if cfg.name in SENTENCEPIECE_SOURCES and cfg.path:  # records are the documents' UTF-8 bytes
+    return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(c4_shards(cfg.path, split, cfg.name)))
+  if cfg.name in SENTENCEPIECE_SOURCES:  # from the directory itself: any version, no builder code, no download
+    tfds = optional_import('tensorflow_datasets', 'tfds', f'data.tfds_data_dir={cfg.tfds_data_dir!r}')
+    builder = tfds.builder_from_directory(tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name),
                                           file_format='array_record')
     return grain.MapDataset.source(builder.as_data_source(split=split))
-  if data_cfg.name == 'text':  # a file is read only when its document is asked for
-    files = split_files(data_cfg.path, data_cfg.validation_fraction)[0 if train else 1]
+  if cfg.name == 'text':  # a file is read only when its document is asked for
+    files = split_files(cfg.path, cfg.validation_fraction)[0 if train else 1]
     return grain.MapDataset.source([pathlib.Path(f) for f in files]).map(pathlib.Path.read_bytes)
   return grain.MapDataset.source(SyntheticSource(1 << 20 if train else 512, split=0 if train else 1))
 
 
-def _tokenize(tokenizer, record: Any) -> np.ndarray:
-  """Record -> int32 tokens with EOS (bound with functools.partial: grain worker processes pickle it)."""
+def _tokenize(tokenizer, record) -> np.ndarray:
+  """A record -> int32 tokens with EOS (bound with functools.partial: grain's worker processes pickle it)."""
   return tokenizer.document(record['text'] if isinstance(record, dict) else record)
 
 
@@ -248,90 +228,89 @@ def _rename(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
                process_count: int = 1, max_segments: int = 0) -> grain.IterDataset:
-  """Endless batches of `batch_size` for one process. train: shuffled with `seed`, reshuffled every epoch; else
-  the validation split in a fixed order (the same batches from every fresh iterator). Document i of an epoch goes
-  to process i % process_count. The iterator's get_state()/set_state() round-trip exactly (JSON-able). Rows hold
-  at most `max_segments` chunks (model.max_segments; 0 = as many as fit, at most seq_len as each has a token)."""
-  tokenizer = make_tokenizer(data_cfg)
-  ds = _source(data_cfg, train)
-  if train:
-    ds = ds.seed(seed).shuffle()
-  ds = ds[process_index::process_count]
+  """Endless batches for one process: train shuffled with `seed` and reshuffled every epoch, else the validation
+  split in a fixed order. Document i of an epoch goes to process i % process_count. The iterator's state is
+  JSON-able. Rows hold at most `max_segments` chunks (0: as many as fit)."""
+  cfg = build(LMDataConfig, data_cfg, 'data')
+  tokenizer = make_tokenizer(cfg)
+  ds = _source(cfg, train)
+  ds = (ds.seed(seed).shuffle() if train else ds)[process_index::process_count]
   if not len(ds):  # pylint: disable=g-explicit-length-test
-    raise InputError(f'data.name={data_cfg.name!r}: no documents for process {process_index} of '
-                     f'{process_count} in the {"train" if train else "validation"} split')
+    raise InputError(f'data.name={cfg.name!r}: no documents for process {process_index} of {process_count} in '
+                     f'the {"train" if train else "validation"} split')
   # Repeat after the shard: each epoch reshuffles, and a process keeps its share of every epoch.
   ds = ds.repeat().map(functools.partial(_tokenize, tokenizer)).to_iter_dataset(READ_OPTIONS)
-  ds = grain_exp.FlatMapIterDataset(ds, _Chunk(data_cfg.seq_len))
   ds = grain_exp.FirstFitPackIterDataset(
-      ds, length_struct={'tokens': data_cfg.seq_len}, num_packing_bins=max(batch_size, MIN_PACKING_BINS),
-      seed=seed, shuffle_bins=train, padding_struct={'tokens': tokenizer.pad_id},
-      max_sequences_per_bin=max_segments or None)
+      grain_exp.FlatMapIterDataset(ds, _Chunk(cfg.seq_len)), length_struct={'tokens': cfg.seq_len},
+      num_packing_bins=max(batch_size, MIN_PACKING_BINS), seed=seed, shuffle_bins=train,
+      padding_struct={'tokens': tokenizer.pad_id}, max_sequences_per_bin=max_segments or None)
   ds = ds.map(_rename).batch(batch_size, drop_remainder=True)
-  if data_cfg.num_workers > 0:
-    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.num_workers,
-                                                       per_worker_buffer_size=max(data_cfg.prefetch, 1)))
-  if data_cfg.prefetch > 0:
-    return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=data_cfg.prefetch)
-  return ds
+  if cfg.num_workers > 0:
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers,
+                                                       per_worker_buffer_size=max(cfg.prefetch, 1)))
+  return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch) if cfg.prefetch else ds
 
 
-def validate(data_cfg, vocab_size: int, field: str = 'data') -> LMDataConfig:
+def _vocab_size(cfg: LMDataConfig) -> int:
+  """The tokenizer's vocabulary size; a one-line InputError if its model cannot be read."""
+  try:
+    return make_tokenizer(cfg).vocab_size
+  except InputError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # any filesystem's error, or sentencepiece's for a non-model
+    require(False, 'data.vocab_path', cfg.vocab_path, f'cannot read a SentencePiece model: {io_error_reason(e)}')
+
+
+def validate(data_cfg, vocab_size: int) -> LMDataConfig:
   """One-line InputErrors naming the bad field, before anything is traced or read in bulk."""
-  cfg = build(LMDataConfig, data_cfg, field)
-  fail = lambda name, why: require(False, f'{field}.{name}', getattr(cfg, name), why)
+  cfg = build(LMDataConfig, data_cfg, 'data')
+  fail = lambda name, why: require(False, f'data.{name}', getattr(cfg, name), why)
   if cfg.name == 'text':
-    num_files = len(_list_files(cfg.path))
-    if num_files < 2:
-      fail('path', 'matches no files' if not num_files else 'matches 1 file; need at least 2 to split train and '
-           'validation')
-    for split, split_files_ in zip(('train', 'validation'), split_files(cfg.path, cfg.validation_fraction)):
-      if not any(os.path.getsize(f) for f in split_files_):
-        fail('path', f'its {len(split_files_)} {split} file{"s" * (len(split_files_) > 1)} are empty: nothing to '
+    if (num_files := len(_list_files(cfg.path))) < 2:
+      fail('path', 'matches 1 file; need at least 2 to split train and validation' if num_files else
+           'matches no files')
+    for split, files in zip(('train', 'validation'), split_files(cfg.path, cfg.validation_fraction)):
+      if not any(os.path.getsize(f) for f in files):
+        fail('path', f'its {len(files)} {split} file{"s" * (len(files) > 1)} are empty: nothing to '
              f'{"train" if split == "train" else "evaluate"} on')
-  tokenizer_vocab = BYTE_VOCAB_SIZE
   if cfg.name == 'corpus' and not cfg.path:
     fail('path', "corpus reads the directory that scripts/prepare_text.py wrote (its closing line names every flag)")
-  if cfg.name in SENTENCEPIECE_SOURCES:
-    if not cfg.vocab_path:
-      fail('vocab_path', f'{cfg.name} needs a SentencePiece model')
-    if cfg.vocab_path.startswith('gs://'):
-      return cfg  # not checked here: GCS may only be reachable from the training hosts
-    if not os.path.isfile(cfg.vocab_path):
-      fail('vocab_path', 'no such file')
-    try:
-      tokenizer_vocab = make_tokenizer(cfg).vocab_size
-    except RuntimeError:  # sentencepiece's error for a file that is no model
-      fail('vocab_path', 'not a SentencePiece model')
+  if cfg.name in SENTENCEPIECE_SOURCES and not cfg.vocab_path:
+    fail('vocab_path', f'{cfg.name} needs a SentencePiece model')
+  if cfg.vocab_path.startswith('gs://') and cfg.name in SENTENCEPIECE_SOURCES:
+    return cfg  # checked by check_available: GCS may only be reachable from the training hosts
+  tokenizer_vocab = _vocab_size(cfg)
   require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,
           f"smaller than the tokenizer's {tokenizer_vocab}")
   return cfg
 
 
-def unused_fields(data_cfg, prefix: str = 'data') -> dict[str, str]:
+def unused_fields(cfg: LMDataConfig) -> dict[str, str]:
   """{field: why} of the fields the chosen source does not read."""
-  cfg = build(LMDataConfig, data_cfg, prefix)
-  name = f'{prefix}.name={cfg.name!r}'
-  tfds_unused = (cfg.name != 'c4' or bool(cfg.path), f'{name} reads no TFDS' if cfg.name != 'c4' else
-                 f'{prefix}.path is set: C4 is read from its shards there, not from TFDS')
+  name, byte_level = f'data.name={cfg.name!r}', cfg.name not in SENTENCEPIECE_SOURCES
+  no_tfds = (cfg.name != 'c4' or bool(cfg.path), f'{name} reads no TFDS' if cfg.name != 'c4' else
+             'data.path is set: C4 is read from its shards there, not from TFDS')
   checks = {'path': (cfg.name == 'synthetic', f'{name} reads no files'),
             'validation_fraction': (cfg.name != 'text', f'{name}: only text holds files out'),
-            'vocab_path': (cfg.name not in SENTENCEPIECE_SOURCES, f'{name} is byte-level'),
-            'train_split': (cfg.name not in SENTENCEPIECE_SOURCES, f'{name} has no named splits'),
-            'eval_split': (cfg.name not in SENTENCEPIECE_SOURCES, f'{name} has no named splits'),
-            'tfds_name': tfds_unused, 'tfds_data_dir': tfds_unused}
-  return {f'{prefix}.{field}': why for field, (no_effect, why) in checks.items() if no_effect}
+            'vocab_path': (byte_level, f'{name} is byte-level'),
+            'train_split': (byte_level, f'{name} has no named splits'),
+            'eval_split': (byte_level, f'{name} has no named splits'), 'tfds_name': no_tfds, 'tfds_data_dir': no_tfds}
+  return {f'data.{field}': why for field, (no_effect, why) in checks.items() if no_effect}
 
 
 def c4_shards(path: str, split: str, name: str = 'c4') -> list[str]:
-  """The shards <name>-<split>.*.array_record of `split` in directory `path` (local or gs://), in order: those of
-  scripts/prepare_c4.py (c4) or scripts/prepare_text.py (corpus)."""
+  """The shards <name>-<split>.*.array_record in directory `path` (local or gs://), in order."""
   return sorted(os.fspath(p) for p in epath.Path(path).glob(f'{name}-{split}.*{C4_SHARD_SUFFIX}'))
+
+
+def num_records(shards: list[str]) -> int:
+  """How many documents ArrayRecord shards hold, from their footers (gs:// included)."""
+  return len(grain.sources.ArrayRecordDataSource(shards))
 
 
 def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
   """<data_dir>/<name>/<version> of a prepared TFDS dataset: the version pinned in `name` ('c4/en:3.0.1'), else the
-  newest there (3.1.0 before 3.0.1); None if there is none. data_dir '' is TFDS's default."""
+  newest there; None if there is none. data_dir '' is TFDS's default."""
   constants = optional_import('tensorflow_datasets.core.constants', 'tfds', f'data.tfds_data_dir={data_dir!r}')
   name, _, version = name.partition(':')
   root = epath.Path(os.path.expanduser(data_dir or constants.DATA_DIR)) / name
@@ -341,55 +320,42 @@ def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
   return next((root / v for v in versions if (root / v / 'dataset_info.json').exists()), None)
 
 
-def tfds_splits(version_dir: epath.Path) -> tuple[set[str], set[str]]:
-  """(splits, file formats) of a prepared TFDS dataset, from its dataset_info.json."""
-  info = json.loads((version_dir / 'dataset_info.json').read_text())
-  return ({s['name'] for s in info.get('splits', [])},
-          {info.get('fileFormat', 'tfrecord'), *info.get('alternativeFileFormats', [])})
-
-
-def num_records(shards: list[str]) -> int:
-  """How many documents ArrayRecord shards hold, from their footers (gs:// included)."""
-  return len(grain.sources.ArrayRecordDataSource(shards))
+def check_tfds(cfg, prepare: str) -> None:
+  """`cfg`'s TFDS dataset (tfds_name, tfds_data_dir, train_split, eval_split) is prepared in ArrayRecord files;
+  else a one-line InputError, saying how to `prepare` it where it is missing."""
+  found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
+  require(found is not None, 'data.tfds_data_dir', cfg.tfds_data_dir, f'no prepared {cfg.tfds_name} in '
+          f'{cfg.tfds_data_dir or "$TFDS_DATA_DIR or ~/tensorflow_datasets"}; {prepare}')
+  info = json.loads((found / 'dataset_info.json').read_text())
+  formats = {info.get('fileFormat', 'tfrecord'), *info.get('alternativeFileFormats', [])}
+  require('array_record' in formats, 'data.tfds_data_dir', cfg.tfds_data_dir,
+          f'{found} holds {"/".join(sorted(formats))} files, and random access needs ArrayRecord: tfds '
+          f'convert_format --dataset_version_dir={found} --out_file_format=array_record')
+  present = {s['name'] for s in info.get('splits', [])}
+  for split in (cfg.train_split, cfg.eval_split):
+    require(split in present, 'data.tfds_data_dir', cfg.tfds_data_dir,
+            f'{found} has no split {split!r} (it has: {", ".join(sorted(present))})')
 
 
 def check_available(data_cfg, vocab_size: int | None = None) -> None:
-  """The source's data and vocabulary exist and are readable (gs:// included), read before anything compiles, and
-  the vocabulary fits `vocab_size`; a one-line InputError naming the path and how to prepare what is missing.
-  Never downloads."""
+  """The source's data and vocabulary exist and can be read (gs:// included), and the vocabulary fits `vocab_size`;
+  else a one-line InputError naming the path and how to prepare what is missing. Never downloads."""
   cfg = build(LMDataConfig, data_cfg, 'data')
   if cfg.name not in SENTENCEPIECE_SOURCES:
     return
-  splits = (cfg.train_split, cfg.eval_split)
   prepare = console.python_command() + (
       " scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output={}" if cfg.name == 'c4' else
       " scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
   if cfg.path:
-    for split in splits:
+    for split in (cfg.train_split, cfg.eval_split):
       shards = c4_shards(cfg.path, split, cfg.name)
       require(bool(shards), 'data.path', cfg.path,
               f'no {cfg.name}-{split}.*{C4_SHARD_SUFFIX} shards; write them with {prepare.format(cfg.path)}')
       require(num_records(shards) > 0, 'data.path', cfg.path,
               f'its {cfg.name}-{split} shards hold no documents: nothing to train or evaluate on')
   else:
-    found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
-    where = cfg.tfds_data_dir or '$TFDS_DATA_DIR or ~/tensorflow_datasets'
-    require(found is not None, 'data.tfds_data_dir', cfg.tfds_data_dir,
-            f'no prepared {cfg.tfds_name} in {where}; convert C4 with {prepare.format("DIR")} and set '
-            '--config.data.path=DIR')
-    present, formats = tfds_splits(found)
-    require('array_record' in formats, 'data.tfds_data_dir', cfg.tfds_data_dir,
-            f'{found} holds {"/".join(sorted(formats))} files, and random access needs ArrayRecord: tfds '
-            f'convert_format --dataset_version_dir={found} --out_file_format=array_record')
-    for split in splits:
-      require(split in present, 'data.tfds_data_dir', cfg.tfds_data_dir,
-              f'{found} has no split {split!r} (it has: {", ".join(sorted(present))})')
-  try:
-    tokenizer = make_tokenizer(cfg)
-  except InputError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except  # any filesystem's error, or sentencepiece's for a non-model
-    require(False, 'data.vocab_path', cfg.vocab_path, f'cannot read a SentencePiece model: {io_error_reason(e)}')
+    check_tfds(cfg, f'convert C4 with {prepare.format("DIR")} and set --config.data.path=DIR')
+  tokenizer_vocab = _vocab_size(cfg)
   if vocab_size is not None:  # validate() leaves a gs:// vocabulary to this check, where GCS is reachable
-    require(vocab_size >= tokenizer.vocab_size, 'model.vocab_size', vocab_size,
-            f"smaller than the tokenizer's {tokenizer.vocab_size} (data.vocab_path={cfg.vocab_path!r})")
+    require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,
+            f"smaller than the tokenizer's {tokenizer_vocab} (data.vocab_path={cfg.vocab_path!r})")

@@ -1,22 +1,14 @@
-"""Log-likelihood evaluation of an LM checkpoint.
+"""Log-likelihood evaluation of an LM checkpoint (docs/evaluation.md).
 
-  python -m laurel.evaluate --workdir=DIR --task=NAME_OR_FILE [--task=...] [--batch_size=N] [--max_items=N]
+  python -m laurel.evaluate --workdir=DIR --task=TASK [--task=...] [--batch_size=N] [--max_items=N]
 
-Tasks:
-  text:GLOB    held-out text files: perplexity per token and bits per byte (comparable across tokenizers). Each
-               file is one document, scored in windows of the run's seq_len that overlap by one token, so every
-               token but the first is predicted once; the first token's bytes are left out of the byte count.
-  FILE.jsonl   multiple choice, one item per line {"context": str, "choices": [str, ...], "label": int}: each
-               choice scored by its log-likelihood given the context (context and choice tokenised apart, the
-               context cut from the left to fit seq_len). Reports accuracy, length-normalised accuracy (the
-               log-likelihood per byte of the choice) and the mean log-likelihood of the correct choice.
-  hellaswag, piqa, arc_easy, arc_challenge, winogrande
-               the same from the TFDS copies of those datasets (read with tfds.data_source from --tfds_data_dir,
-               prepared beforehand: never downloaded), in lm-evaluation-harness's prompt formats; WinoGrande scores
-               the words after the blank given each option (partial scoring).
-Each task prints one JSON object and writes DIR/eval_<task name>.json. Batched and jitted, one compile per run.
+TASK: text:GLOB (perplexity and bits per byte of held-out files, each scored in windows of seq_len that overlap by
+one token, so every token but the first is predicted once), FILE.jsonl (multiple choice: {"context": str,
+"choices": [str, ...], "label": int} per line) or a TFDS task (TFDS_TASKS, prepared beforehand, in
+lm-evaluation-harness's prompt formats). Each prints one JSON object and writes DIR/eval_<task name>.json.
 """
 
+import contextlib
 import glob
 import importlib
 import json
@@ -54,13 +46,9 @@ class Scorer:
       return (logp_BxL * weights_BxL[:, 1:]).sum(-1), greedy_B
     self._logprobs = logprobs
 
-  def __call__(self, sequences: list[tuple[list[int], int]]) -> np.ndarray:
-    """Per sequence (tokens, first scored position): the summed log-likelihood of tokens[first:]."""
-    return self.score(sequences)[0]
-
-  def score(self, sequences: list[tuple[list[int], int]], progress=None) -> tuple[np.ndarray, np.ndarray]:
-    """(the summed log-likelihoods, whether every scored token is the argmax) per sequence; `progress(n)` is told
-    of each batch's n sequences."""
+  def __call__(self, sequences: list[tuple[list[int], int]], progress=None) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence (tokens, first scored position): the summed log-likelihood of tokens[first:] and whether each
+    of those tokens is the argmax; `progress(n)` is told of each batch's n sequences."""
     logliks, greedy = [np.zeros(0)], [np.zeros(0, bool)]
     for start in range(0, len(sequences), self.batch_size):
       chunk = sequences[start:start + self.batch_size]
@@ -101,7 +89,7 @@ def text_task(scorer: Scorer, tokenizer, pattern: str, max_items: int) -> dict:
     tokens += len(ids) - 1
     for start in range(0, len(ids) - 1, step):  # window i predicts ids[start+1 : start+seq_len]
       windows.append((ids[start:start + scorer.seq_len], 1))
-  nll = -float(scorer(windows).sum())
+  nll = -float(scorer(windows)[0].sum())
   return {'files': len(files), 'tokens': tokens, 'bytes': num_bytes, 'nll_per_token': nll / tokens,
           'perplexity': math.exp(nll / tokens), 'bits_per_byte': nll / math.log(2) / num_bytes}
 
@@ -154,10 +142,8 @@ TFDS_TASKS = {
 def tfds_items(name: str, data_dir: str, max_items: int) -> list:
   tfds = config_lib.optional_import('tensorflow_datasets', 'tfds', f'--task={name}')
   tfds_name, split, item = TFDS_TASKS[name]
-  try:  # builders of tensorflow_datasets.text register when that package loads, which needs TensorFlow; not alone
+  with contextlib.suppress(ImportError):  # tensorflow_datasets.text's builders register on import, not with tfds
     importlib.import_module(f'tensorflow_datasets.text.{tfds_name.split("/")[0]}')
-  except ImportError:
-    pass
   try:
     source = tfds.data_source(tfds_name, split=split, data_dir=data_dir or None, download=False)
   except Exception as e:  # pylint: disable=broad-except  # TFDS raises several types for data not prepared
@@ -177,23 +163,19 @@ def choice_sequence(tokenizer, seq_len: int, context: str, continuation: str) ->
 
 
 def choice_task(scorer: Scorer, tokenizer, items: list) -> dict:
-  """Accuracy, length-normalised accuracy and the correct choice's mean log-likelihood over `items`."""
+  """Accuracy, length-normalised accuracy (by the log-likelihood per byte of each choice) and the correct choice's
+  mean log-likelihood over `items`."""
   if not items:
     raise InputError('multiple choice: no items')
   sequences = [choice_sequence(tokenizer, scorer.seq_len, context, choice) for pairs, _ in items
                for context, choice in pairs]
-  scores, at = scorer(sequences), 0
-  correct = correct_norm = 0
-  correct_loglik = []
-  for pairs, label in items:
-    ll = scores[at:at + len(pairs)]
-    at += len(pairs)
-    per_byte = ll / np.array([max(len(c.encode('utf-8')), 1) for _, c in pairs])
-    correct += int(np.argmax(ll) == label)
-    correct_norm += int(np.argmax(per_byte) == label)
-    correct_loglik.append(ll[label])
-  return {'items': len(items), 'accuracy': correct / len(items), 'accuracy_norm': correct_norm / len(items),
-          'correct_loglik': float(np.mean(correct_loglik))}
+  logliks = np.split(scorer(sequences)[0], np.cumsum([len(pairs) for pairs, _ in items])[:-1])
+  num_bytes = [np.array([max(len(c.encode('utf-8')), 1) for _, c in pairs]) for pairs, _ in items]
+  labels = [label for _, label in items]
+  mean = lambda values: float(np.mean(values))
+  return {'items': len(items), 'accuracy': mean([np.argmax(ll) == y for ll, y in zip(logliks, labels)]),
+          'accuracy_norm': mean([np.argmax(ll / n) == y for ll, n, y in zip(logliks, num_bytes, labels)]),
+          'correct_loglik': mean([ll[y] for ll, y in zip(logliks, labels)])}
 
 
 def task_name(task: str) -> str:
@@ -220,48 +202,51 @@ def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_
   with checkpoint.lm_run_on_mesh(workdir) as (task, params, step, mesh):
     tokenizer = data.make_tokenizer(task.config.data)
     scorer = make_scorer(task, params, mesh, tokenizer, batch_size)
-    yield from _score(scorer, tokenizer, workdir, tasks, step, max_items, tfds_data_dir)
+    for spec in tasks:
+      if spec.startswith('text:'):
+        result = text_task(scorer, tokenizer, spec[5:], max_items)
+      else:
+        items = tfds_items(spec, tfds_data_dir, max_items) if spec in TFDS_TASKS else jsonl_items(spec, max_items)
+        result = choice_task(scorer, tokenizer, items)
+      result = {'task': task_name(spec), 'spec': spec, 'checkpoint': step, **result}
+      with console.deferred():  # Ctrl-C never leaves half a file
+        write_text_atomic(epath.Path(workdir) / f'eval_{result["task"]}.json', json.dumps(result, indent=2) + '\n')
+      yield result
 
 
-def _score(scorer, tokenizer, workdir, tasks, step, max_items, tfds_data_dir):
-  for spec in tasks:
-    if spec.startswith('text:'):
-      result = text_task(scorer, tokenizer, spec[5:], max_items)
-    elif spec in TFDS_TASKS:
-      result = choice_task(scorer, tokenizer, tfds_items(spec, tfds_data_dir, max_items))
-    else:
-      result = choice_task(scorer, tokenizer, jsonl_items(spec, max_items))
-    result = {'task': task_name(spec), 'spec': spec, 'checkpoint': step, **result}
-    with console.deferred():  # Ctrl-C never leaves half a file
-      write_text_atomic(epath.Path(workdir) / f'eval_{result["task"]}.json', json.dumps(result, indent=2) + '\n')
-    yield result
+def command(main, required: list[str], interrupted: str):
+  """Runs `main()` as a command line (flags defined by the caller, not on import, so the modules import side by
+  side): no stray arguments, the `required` flags set, the compile cache on, an InputError as one line."""
+  def checked_main(argv):
+    if len(argv) > 1:
+      config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    for name in required:
+      if not FLAGS[name].value:
+        config_lib.fail(f'--{name} is required')
+    compile_cache.setup()
+    try:
+      main()
+    except InputError as e:
+      config_lib.fail(str(e))
+  console.exit_on_interrupt(interrupted)
+  app.run(checked_main)
 
 
-def main(argv):
-  if len(argv) > 1:
-    config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  if not FLAGS.workdir or not FLAGS.task:
-    config_lib.fail('--workdir and --task are required')
-  compile_cache.setup()
-  try:
-    for task in FLAGS.task:
-      check_task(task)
-    for result in evaluate_run(FLAGS.workdir, FLAGS.task, FLAGS.batch_size, FLAGS.max_items, FLAGS.tfds_data_dir):
-      print(json.dumps(result), flush=True)
-  except InputError as e:
-    config_lib.fail(str(e))
+def main():
+  for task in FLAGS.task:
+    check_task(task)
+  for result in evaluate_run(FLAGS.workdir, FLAGS.task, FLAGS.batch_size, FLAGS.max_items, FLAGS.tfds_data_dir):
+    print(json.dumps(result), flush=True)
 
 
 def run():
-  """The command line (flags defined here, not on import, so that the modules import side by side)."""
   flags.DEFINE_string('workdir', None, 'The LM run to evaluate.')
   flags.DEFINE_multi_string('task', [], 'text:GLOB, a .jsonl multiple-choice file or a TFDS task (repeatable).')
   flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for the TFDS tasks ('' = its default).")
   flags.DEFINE_integer('batch_size', 16, 'Sequences per forward pass.', lower_bound=1)
   flags.DEFINE_integer('max_items', 0, 'Score at most this many files or items (0 = all).', lower_bound=0)
-  console.exit_on_interrupt('interrupted: exited (the eval_<task>.json files written so far are complete)')
-  app.run(main)
+  command(main, ['workdir', 'task'], 'interrupted: exited (the eval_<task>.json files written so far are complete)')
 
 
 if __name__ == '__main__':

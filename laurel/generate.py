@@ -1,14 +1,11 @@
-"""Sampling from a trained LM, with a KV cache.
+"""Sampling from a trained LM, with a KV cache (docs/evaluation.md).
 
   python -m laurel.generate --workdir=DIR --prompt=TEXT [--prompt=TEXT ...] [--max_new_tokens=N]
       [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] [--nocache]
 
-Restores the latest checkpoint of the LM run in DIR (its config is read from DIR/config.json), tokenises with
-the run's own tokenizer and prints each prompt with its continuation, below a line `=== i/n | prompt '...' | N new
-tokens` (samples span several lines). Temperature 0 is greedy. With the cache (the
-default) one prefill writes every prompt's keys and values, then each new token is one decode step; --nocache
-recomputes the whole forward pass for every new token. Prompts of different lengths form one batch: row b's
-token t sits at position t, so each row decodes at its own position.
+Prompts of different lengths form one batch, right-padded: row b's token t sits at position t, and one prefill
+writes every prompt's keys and values, then each row decodes at its own position. --nocache recomputes the whole
+forward pass for every new token.
 """
 
 import dataclasses
@@ -19,13 +16,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 
-FLAGS = flags.FLAGS
-
-from laurel import checkpoint, compile_cache, config_lib, console, data, hardware, lm
+from laurel import checkpoint, data, evaluate, hardware, lm
 from laurel.config_lib import InputError
 
+FLAGS = flags.FLAGS
 
 
 def sample(logits_BxV, rng, temperature: float, top_k: int = 0, top_p: float = 1.0):
@@ -48,16 +44,14 @@ def sample(logits_BxV, rng, temperature: float, top_k: int = 0, top_p: float = 1
 def decode_step_costs(model_cfg: lm.LMConfig, batch: int, length: int) -> tuple[float, float]:
   """XLA's (FLOPs, bytes accessed) of one decode step of `batch` tokens against a cache of `length`, compiled from
   shapes alone with the layers unrolled (XLA counts a scanned body once)."""
-  model = lm.LM(dataclasses.replace(model_cfg, scan_layers=False), decode=True)
-  variables = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32))))
-  step = jax.jit(lambda p, c, t, pos: model.apply({'params': p, 'cache': c}, t, pos, mutable=['cache']))
-  token = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+  step, variable_shapes = _decoder(dataclasses.replace(model_cfg, scan_layers=False))
+  variables, token = variable_shapes(batch, length), jax.ShapeDtypeStruct((batch, 1), jnp.int32)
   return hardware.xla_costs(step.lower(variables['params'], variables['cache'], token, token).compile())
 
 
 @functools.lru_cache(maxsize=4)
 def _decoder(model_cfg: lm.LMConfig):
-  """(its jitted apply with the cache, cache_shapes(batch, length)), kept across calls so that a batch of a shape
+  """(its jitted apply with the cache, variable_shapes(batch, length)), kept across calls so that a batch of a shape
   seen before runs without compiling again."""
   model = lm.LM(model_cfg, decode=True)
 
@@ -67,10 +61,10 @@ def _decoder(model_cfg: lm.LMConfig):
     return logits, updated['cache']
 
   @functools.lru_cache(maxsize=16)
-  def cache_shapes(batch: int, length: int):
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32)))['cache']
+  def variable_shapes(batch: int, length: int):
+    return jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32))))
 
-  return step, cache_shapes
+  return step, variable_shapes
 
 
 def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_tokens: int, *, temperature=0.0,
@@ -89,82 +83,64 @@ def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_t
   tokens_BxT = np.full((len(prompts), total), pad_id, np.int32)
   for b, p in enumerate(prompts):
     tokens_BxT[b, :len(p)] = p
-  rows_B = jnp.arange(len(prompts))
-  rng = jax.random.key(seed)
-  new, new_logits = [], []
+  rows_B, rng, new, new_logits = jnp.arange(len(prompts)), jax.random.key(seed), [], []
   if use_cache:
-    step, cache_shapes = _decoder(model_cfg)
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(len(prompts), total))
+    step, variable_shapes = _decoder(model_cfg)
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variable_shapes(len(prompts), total)['cache'])
     # Prefill: every prompt at once, right-padded (padding is never attended; each row decodes from its length).
     positions = jnp.broadcast_to(jnp.arange(prompt_len), (len(prompts), prompt_len))
     logits_BxLxV, cache = step(params, cache, jnp.asarray(tokens_BxT[:, :prompt_len]), positions)
     logits_BxV = logits_BxLxV[rows_B, lengths_B - 1]
-    for t in range(max_new_tokens):
-      rng, key = jax.random.split(rng)
-      token_B = sample(logits_BxV, key, temperature, top_k, top_p)
-      new.append(token_B)
-      new_logits.append(logits_BxV)
-      if t + 1 < max_new_tokens:
-        logits_Bx1xV, cache = step(params, cache, token_B[:, None], jnp.asarray(lengths_B + t)[:, None])
-        logits_BxV = logits_Bx1xV[:, 0]
   else:
     forward = jax.jit(lambda params, tokens: lm.LM(model_cfg).apply({'params': params}, tokens))
     tokens = jnp.asarray(tokens_BxT)
-    for t in range(max_new_tokens):
+  for t in range(max_new_tokens):
+    if not use_cache:
       logits_BxV = forward(params, tokens)[rows_B, lengths_B - 1 + t]  # causal: what lies beyond is never read
-      rng, key = jax.random.split(rng)
-      token_B = sample(logits_BxV, key, temperature, top_k, top_p)
-      new.append(token_B)
-      new_logits.append(logits_BxV)
+    rng, key = jax.random.split(rng)
+    token_B = sample(logits_BxV, key, temperature, top_k, top_p)
+    new.append(token_B)
+    new_logits.append(logits_BxV)
+    if not use_cache:
       tokens = tokens.at[rows_B, lengths_B + t].set(token_B)
+    elif t + 1 < max_new_tokens:
+      logits_Bx1xV, cache = step(params, cache, token_B[:, None], jnp.asarray(lengths_B + t)[:, None])
+      logits_BxV = logits_Bx1xV[:, 0]
   return np.stack(new, axis=1), np.stack(new_logits, axis=1)
 
 
-def main(argv):
-  if len(argv) > 1:
-    config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  if not FLAGS.workdir:
-    config_lib.fail('--workdir is required')
-  if not FLAGS.prompt:
-    config_lib.fail('--prompt is required')
+def until_eos(ids, eos_id: int) -> tuple[list[int], bool]:
+  """(the tokens before the first end of document, whether there was one): a continuation ends with its document."""
+  ids = [int(i) for i in ids]
+  return (ids[:ids.index(eos_id)], True) if eos_id in ids else (ids, False)
+
+
+def main():
   for name, ok, why in (('max_new_tokens', FLAGS.max_new_tokens >= 1, 'must be >= 1'),
                         ('temperature', FLAGS.temperature >= 0, 'must be >= 0'),
-                        ('top_k', FLAGS.top_k >= 0, 'must be >= 0'), ('top_p', 0 < FLAGS.top_p <= 1, 'must be in (0, 1]')):
+                        ('top_k', FLAGS.top_k >= 0, 'must be >= 0'),
+                        ('top_p', 0 < FLAGS.top_p <= 1, 'must be in (0, 1]')):
     if not ok:
-      config_lib.fail(f'--{name}={FLAGS[name].value!r}: {why}')
-  compile_cache.setup()
-  try:
-    with checkpoint.lm_run_on_mesh(FLAGS.workdir) as (task, params, step, _):
-      tokenizer = data.make_tokenizer(task.config.data)
-      longest = max(len(tokenizer.encode(p)) for p in FLAGS.prompt) + FLAGS.max_new_tokens
-      if longest > task.config.data.seq_len:  # positions it never trained on: seconds a token, text of no use
-        raise InputError(f'--max_new_tokens={FLAGS.max_new_tokens}: the longest prompt and the new tokens make '
-                         f'{longest}, past the context the model trained on (data.seq_len={task.config.data.seq_len})')
-      new_BxN, _ = generate(task.model_cfg, params, [tokenizer.encode(p) for p in FLAGS.prompt], FLAGS.max_new_tokens,
-                            temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                            seed=FLAGS.seed, use_cache=FLAGS.cache, pad_id=tokenizer.pad_id)
-  except InputError as e:
-    config_lib.fail(str(e))
+      raise InputError(f'--{name}={FLAGS[name].value!r}: {why}')
+  with checkpoint.lm_run_on_mesh(FLAGS.workdir) as (task, params, step, _):
+    tokenizer = data.make_tokenizer(task.config.data)
+    longest = max(len(tokenizer.encode(p)) for p in FLAGS.prompt) + FLAGS.max_new_tokens
+    if longest > task.config.data.seq_len:  # positions it never trained on: seconds a token, text of no use
+      raise InputError(f'--max_new_tokens={FLAGS.max_new_tokens}: the longest prompt and the new tokens make '
+                       f'{longest}, past the context the model trained on (data.seq_len={task.config.data.seq_len})')
+    new_BxN, _ = generate(task.model_cfg, params, [tokenizer.encode(p) for p in FLAGS.prompt], FLAGS.max_new_tokens,
+                          temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
+                          use_cache=FLAGS.cache, pad_id=tokenizer.pad_id)
   print(f'checkpoint {step} of {FLAGS.workdir}', file=sys.stderr)
   for i, (prompt, row) in enumerate(zip(FLAGS.prompt, new_BxN)):
-    ids = list(row)
-    ended = tokenizer.eos_id in ids
-    if ended:  # the continuation ends at the end of its document
-      ids = ids[:ids.index(tokenizer.eos_id)]
-    print(sample_header(i, len(FLAGS.prompt), prompt, len(ids), ended))
+    ids, ended = until_eos(row, tokenizer.eos_id)
+    # A header names each sample, as its text may span several lines: `=== 1/2 | prompt 'def ' | 64 new tokens`.
+    print(f'=== {i + 1}/{len(FLAGS.prompt)} | prompt {prompt!r} | {len(ids)} new tokens'
+          + (' (then the end of the document)' if ended else ''))
     print(prompt + tokenizer.decode(ids))
 
 
-def sample_header(index: int, count: int, prompt: str, num_tokens: int, ended: bool) -> str:
-  """The line above each sample (the prompt, then its continuation), so that samples whose text spans several
-  lines can be told apart: `=== 1/2 | prompt 'def ' | 64 new tokens`."""
-  return (f'=== {index + 1}/{count} | prompt {prompt!r} | {num_tokens} new tokens'
-          + (' (then the end of the document)' if ended else ''))
-
-
 def run():
-  """The command line (flags defined here, not on import, so that the modules import side by side)."""
   flags.DEFINE_string('workdir', None, 'The LM run to sample from.')
   flags.DEFINE_multi_string('prompt', [], 'A prompt (repeat for a batch).')
   flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate per prompt.')
@@ -173,8 +149,7 @@ def run():
   flags.DEFINE_float('top_p', 1.0, 'Sample from the smallest set of tokens with this much probability.')
   flags.DEFINE_integer('seed', 0, 'Sampling seed.')
   flags.DEFINE_bool('cache', True, 'Decode with a KV cache (--nocache recomputes every step).')
-  console.exit_on_interrupt('interrupted')
-  app.run(main)
+  evaluate.command(main, ['workdir', 'prompt'], 'interrupted')
 
 
 if __name__ == '__main__':

@@ -1,28 +1,20 @@
-"""Image classification input on grain: ImageNet through TFDS, or synthetic learnable images.
-
-Batches {'images': float32 (b, S, S, 3), normalised with the ImageNet mean/std, 'labels': int32 (b,)}; `b` is
-per process. Order: shuffle (train; reshuffled each epoch), shard `[process_index::process_count]`, repeat,
-decode and augment, batch; the iterators checkpoint with get_state/set_state.
-
-ImageNet: `tfds.data_source` over prepared ArrayRecord files (never downloads); PIL decodes, crops, resizes.
-Train: torchvision's RandomResizedCrop (area share in [min_crop_area, 1], log-uniform aspect ratio, ten tries,
-then a centre crop) and a flip, seeded per element by (seed, process, index). Eval: the centre crop of
-`eval_crop_fraction` of the shorter side, resized to S (resize to S/0.875, crop S).
-Synthetic: example i is drawn from (split, i): a label, its class's colour and stripes, plus noise.
+"""Image classification input on grain: ImageNet through TFDS (prepared ArrayRecord files, never downloaded), or
+synthetic learnable images. Batches of this process's shard: {'images': float32 (b, S, S, 3) normalised with the
+ImageNet mean/std, 'labels': int32 (b,)}. ImageNet train: torchvision's RandomResizedCrop and a flip, seeded per
+element; eval: the centre crop of `eval_crop_fraction` of the shorter side, resized to S.
 """
 
 import dataclasses
 import io
 import math
-from typing import Any
 
 import grain
 import numpy as np
 from PIL import Image  # TFDS's own numpy decoder uses pillow too
 
-from laurel import config_lib, data
+from laurel import data
 from laurel.config_lib import (BOOL, NON_EMPTY_STRING, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT, STRING, build,
-                               field, in_range, is_int, is_number, one_of, require)
+                               field, in_range, is_int, is_number, one_of, optional_import, require)
 
 MEAN_RGB = np.array([0.485, 0.456, 0.406], np.float32) * 255
 STDDEV_RGB = np.array([0.229, 0.224, 0.225], np.float32) * 255
@@ -50,19 +42,12 @@ class ImageDataConfig:
   prefetch: int = field(2, NON_NEGATIVE_INT)  # batches buffered ahead
 
 
-def validate(data_cfg: Any, field: str = 'data') -> ImageDataConfig:
-  """Checks `config.data` without touching any file; errors name the field and the value."""
-  return build(ImageDataConfig, data_cfg, field)
-
-
-def check_available(data_cfg: Any) -> None:
+def check_available(data_cfg) -> None:
   """ImageNet's prepared ArrayRecord files are where the config says (never downloaded); one-line InputError."""
-  cfg = validate(data_cfg)
+  cfg = build(ImageDataConfig, data_cfg, 'data')
   if cfg.name == 'imagenet':
-    found = data.tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
-    require(found is not None and 'array_record' in data.tfds_splits(found)[1], 'data.tfds_data_dir',
-            cfg.tfds_data_dir, f'no {cfg.tfds_name} in ArrayRecord files there; prepare it with tfds build '
-            f'{cfg.tfds_name} --manual_dir=<ILSVRC2012 tars> --file_format=array_record --data_dir=DIR')
+    data.check_tfds(cfg, f'prepare it with tfds build {cfg.tfds_name} --manual_dir=<ILSVRC2012 tars> '
+                    '--file_format=array_record --data_dir=DIR')
 
 
 def normalize(image_HxWx3: np.ndarray) -> np.ndarray:
@@ -70,7 +55,8 @@ def normalize(image_HxWx3: np.ndarray) -> np.ndarray:
 
 
 def random_crop_box(height, width, rng, min_area, max_ratio):
-  """(left, top, right, bottom) of an Inception-style crop, as torchvision's RandomResizedCrop."""
+  """(left, top, right, bottom) of torchvision's RandomResizedCrop: area share in [min_area, 1], log-uniform aspect
+  ratio, ten tries, then the whole image clamped to the allowed aspect ratios."""
   log_ratio = (-math.log(max_ratio), math.log(max_ratio))
   for _ in range(10):
     area = height * width * rng.uniform(min_area, 1.0)
@@ -79,7 +65,6 @@ def random_crop_box(height, width, rng, min_area, max_ratio):
     if 0 < w <= width and 0 < h <= height:
       top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
       return left, top, left + w, top + h
-  # Fallback: the whole image, clamped to the allowed aspect ratios.
   w, h = min(width, int(round(height * max_ratio))), min(height, int(round(width * max_ratio)))
   top, left = (height - h) // 2, (width - w) // 2
   return left, top, left + w, top + h
@@ -91,37 +76,27 @@ def centre_crop_box(height, width, fraction):
   return left, top, left + side, top + side
 
 
-def _crop_resize(cfg, example, box_fn):
-  """TFDS's decoded uint8 image (or raw encoded bytes) in RGB, its `box_fn(height, width)` crop resized to S×S."""
-  image = example['image']
-  if isinstance(image, (bytes, np.bytes_)):
-    image = Image.open(io.BytesIO(image)).convert('RGB')
-  else:
-    array = np.asarray(image, np.uint8)
-    image = Image.fromarray(array[..., 0] if array.ndim == 3 and array.shape[-1] == 1 else array).convert('RGB')
-  s = cfg.image_size
-  out_SxSx3 = np.asarray(image.resize((s, s), Image.BILINEAR, box=box_fn(image.height, image.width)))
-  return {'images': normalize(out_SxSx3), 'labels': np.int32(example['label'])}
-
-
 @dataclasses.dataclass(frozen=True)
-class TrainTransform(grain.transforms.RandomMap):
+class CropTransform(grain.transforms.RandomMap):
+  """TFDS's decoded uint8 image (or encoded bytes) -> RGB, cropped (train: a random-resized crop, then a flip;
+  eval: the centre crop), resized to S×S and normalised."""
   cfg: ImageDataConfig
+  train: bool
 
-  def random_map(self, example, rng: np.random.Generator):
-    box = lambda h, w: random_crop_box(h, w, rng, self.cfg.min_crop_area, self.cfg.max_aspect_ratio)
-    out = _crop_resize(self.cfg, example, box)  # the crop draws first, then the flip
-    if self.cfg.random_flip and rng.random() < 0.5:
-      out['images'] = out['images'][:, ::-1]
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalTransform(grain.transforms.Map):
-  cfg: ImageDataConfig
-
-  def map(self, example):
-    return _crop_resize(self.cfg, example, lambda h, w: centre_crop_box(h, w, self.cfg.eval_crop_fraction))
+  def random_map(self, example, rng: np.random.Generator | None = None):
+    image = example['image']
+    if isinstance(image, (bytes, np.bytes_)):
+      image = Image.open(io.BytesIO(image)).convert('RGB')
+    else:
+      array = np.asarray(image, np.uint8)
+      image = Image.fromarray(array[..., 0] if array.ndim == 3 and array.shape[-1] == 1 else array).convert('RGB')
+    cfg, h, w = self.cfg, image.height, image.width
+    box = (random_crop_box(h, w, rng, cfg.min_crop_area, cfg.max_aspect_ratio) if self.train else
+           centre_crop_box(h, w, cfg.eval_crop_fraction))
+    out_SxSx3 = np.asarray(image.resize((cfg.image_size, cfg.image_size), Image.BILINEAR, box=box))
+    if self.train and cfg.random_flip and rng.random() < 0.5:  # the crop draws first, then the flip
+      out_SxSx3 = out_SxSx3[:, ::-1]
+    return {'images': normalize(out_SxSx3), 'labels': np.int32(example['label'])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,26 +122,27 @@ def _source(cfg: ImageDataConfig, train: bool) -> grain.MapDataset:
   if cfg.name == 'synthetic':
     n = cfg.synthetic_train_examples if train else cfg.synthetic_eval_examples
     return grain.MapDataset.range(n).map(SyntheticExample(cfg, 0 if train else 1))
-  tfds = config_lib.optional_import('tensorflow_datasets', 'tfds', f'data.name={cfg.name!r}')
+  tfds = optional_import('tensorflow_datasets', 'tfds', f'data.name={cfg.name!r}')
   split = cfg.train_split if train else cfg.eval_split
   return grain.MapDataset.source(tfds.data_source(cfg.tfds_name, split=split, data_dir=cfg.tfds_data_dir or None,
                                                   download=False))
 
 
-def image_dataset(data_cfg: Any, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
+def image_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
                   process_count: int = 1, num_epochs: int | None = None) -> grain.IterDataset:
-  """Batches of this process's shard, `batch_size` examples each; repeats forever unless num_epochs is set."""
-  cfg = validate(data_cfg)
+  """Shuffled (train: the same permutation on every process, another each epoch), sharded, repeated (forever unless
+  num_epochs is set), decoded and augmented, batched; the iterators checkpoint with get_state/set_state."""
+  cfg = build(ImageDataConfig, data_cfg, 'data')
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index}: must be in [0, process_count={process_count})')
   ds = _source(cfg, train)
   if train:
-    ds = ds.shuffle(seed=seed % 2 ** 32)  # same permutation on every process, different each epoch
+    ds = ds.shuffle(seed=seed % 2 ** 32)
   ds = ds[process_index::process_count].repeat(num_epochs)
   if cfg.name == 'imagenet':
     # Fold the process in, so processes draw different crops for their (different) images.
     aug_seed = int(np.random.SeedSequence([seed, process_index]).generate_state(1)[0])
-    ds = ds.random_map(TrainTransform(cfg), seed=aug_seed) if train else ds.map(EvalTransform(cfg))
+    ds = ds.random_map(CropTransform(cfg, train), seed=aug_seed)
   read = grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(1, cfg.prefetch) * batch_size)
   it = ds.to_iter_dataset(read).batch(batch_size, drop_remainder=True)
   if cfg.num_workers > 0:  # grain's workers read absl flags: run under absl.app (laurel.main)

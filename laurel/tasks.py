@@ -1,7 +1,6 @@
 """Task definitions: what the one train loop needs from a model family (model, loss, metrics, data)."""
 
 import dataclasses
-from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -13,42 +12,46 @@ from laurel.hardware import xla_flops
 from laurel.config_lib import DTYPES, InputError, build
 
 
-class Task(Protocol):
-  """What the train step and loop (laurel.step, laurel.train) ask of a model family. Each metric of `loss` is a
-  (sum, weight) pair, so train and eval both report sum/weight however many batches or devices they span."""
+class Task:
+  """What the train step and loop (laurel.step, laurel.train) ask of a model family: `config` (the typed
+  step.TrainConfig once step.validate_config built it), its typed `model_cfg` and `data_cfg`, the `model`, and
+    validate(), check_data()      one-line InputErrors: the sections' cross checks; the data can be read
+    unused_fields()               {dotted field: why it changes nothing here}
+    sharded_sizes()               logical axis -> (its config field, size)
+    laurel_site_widths()          D of every LAuReL site, for parameter accounting
+    num_params(params)            of a tree of the model's parameters (or shapes), the one count
+    units_per_example(), model_flops(batch_size), example_batch(batch_size), init(rng, batch)
+    loss(params, model_state, batch, train) -> (loss, (metrics, model_state))
+    dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset
+  Each metric is a (sum, weight) pair, so train and eval report sum/weight however many batches or devices."""
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
-  config: Any  # the run's config: the typed step.TrainConfig for a task of step.validate_config
-  model_cfg: Any  # the validated `config.model` (LMConfig, ResNetConfig)
-  data_cfg: Any  # the validated `config.data` (LMDataConfig, ImageDataConfig)
 
-  def validate(self) -> None: ...  # checks the data config (data_cfg); one-line InputError
-  def check_data(self) -> None: ...  # the data (and vocabulary) exist and can be read; one-line InputError
-  def unused_fields(self) -> dict[str, str]: ...  # {dotted field: why it changes nothing here}
-  def sharded_sizes(self) -> dict[str, tuple[str, int]]: ...  # logical axis -> (its config field, size)
-  def units_per_example(self) -> int: ...
-  def laurel_site_widths(self) -> list[int]: ...  # D of every LAuReL site, for parameter accounting
-  def num_params(self, params) -> int: ...  # of a tree of the model's parameters (or shapes), the one count
-  def example_batch(self, batch_size: int) -> dict: ...  # zeros of the batch's shapes and dtypes
-  def init(self, rng, batch) -> dict: ...  # the model's variables
-  def loss(self, params, model_state, batch, train: bool): ...  # (loss, (metrics, model_state))
-  def model_flops(self, batch_size: int) -> float: ...  # per train step, from the model alone
-  def dataset(self, *, train, batch_size, seed, process_index, process_count): ...  # a grain.IterDataset
+  def __init__(self, config, model_config, data_config, model):
+    self.config = config
+    self.model_cfg = model_config.from_config(config.model)
+    self.data_cfg = build(data_config, config.data, 'data')
+    self.model = model(self.model_cfg)
+
+  def validate(self):
+    pass
+
+  def num_params(self, params) -> int:
+    return sharding.num_params(params)
+
+  def units_per_example(self) -> int:
+    return 1
 
 
-class LMTask:
+class LMTask(Task):
   """Next-token prediction on packed sequences; the loss skips padding and document boundaries."""
   unit = 'tokens'
 
   def __init__(self, config):
-    self.config = config
-    self.model_cfg = lm.LMConfig.from_config(config.model)
-    self.data_cfg = build(data.LMDataConfig, config.data, 'data')  # the typed sections, built once
-    self.model = lm.LM(self.model_cfg)
+    super().__init__(config, lm.LMConfig, data.LMDataConfig, lm.LM)
 
   def validate(self):
-    cfg = self.model_cfg
+    cfg, seq_len = self.model_cfg, self.data_cfg.seq_len
     data.validate(self.data_cfg, cfg.vocab_size)
-    seq_len = self.data_cfg.seq_len
     if cfg.attention == 'splash' and not attention.splash_block(seq_len):
       raise InputError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
     if cfg.positional == 'learned' and cfg.max_len < seq_len:  # the lookup clamps: later positions would share one
@@ -119,22 +122,16 @@ class LMTask:
     metrics = {'loss': (nll, n), 'accuracy': (correct, n)}
     return nll / jnp.maximum(n, 1.0), (metrics, model_state)
 
-  def dataset(self, **kwargs):  # Task.dataset's keyword arguments
+  def dataset(self, **kwargs):
     return data.lm_dataset(self.data_cfg, max_segments=self.model_cfg.max_segments, **kwargs)
 
 
-class ClassificationTask:
+class ClassificationTask(Task):
   """Image classification with top-1/top-5 accuracy; BatchNorm statistics are the model state."""
   unit = 'images'
 
   def __init__(self, config):
-    self.config = config
-    self.model_cfg = resnet.ResNetConfig.from_config(config.model)
-    self.data_cfg = image_data.validate(config.data)
-    self.model = resnet.ResNet(self.model_cfg)
-
-  def validate(self):
-    image_data.validate(self.data_cfg)
+    super().__init__(config, resnet.ResNetConfig, image_data.ImageDataConfig, resnet.ResNet)
 
   def check_data(self):
     image_data.check_available(self.data_cfg)
@@ -145,14 +142,8 @@ class ClassificationTask:
   def sharded_sizes(self) -> dict[str, tuple[str, int]]:
     return {'conv_out': ('model.base_width', self.model_cfg.base_width)}  # every width is a multiple of it
 
-  def units_per_example(self) -> int:
-    return 1
-
   def laurel_site_widths(self) -> list[int]:
     return list(self.model_cfg.block_channels)
-
-  def num_params(self, params) -> int:
-    return sharding.num_params(params)
 
   def model_flops(self, batch_size: int) -> float:
     """3× the compiler's FLOPs of the forward pass (backward ≈ 2× forward), as convolutions reuse weights."""
@@ -183,7 +174,7 @@ class ClassificationTask:
                'top5': ((top5_BxK == labels_B[:, None]).any(-1).sum().astype(jnp.float32), n)}
     return ce_B.mean(), (metrics, model_state)
 
-  def dataset(self, **kwargs):  # Task.dataset's keyword arguments
+  def dataset(self, **kwargs):
     return image_data.image_dataset(self.data_cfg, **kwargs)
 
 

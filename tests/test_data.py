@@ -283,10 +283,10 @@ def test_validate_vocab_sizes_and_fields(corpus, sp_model, tmp_path):
     data.validate(cfg, 39)
   (tmp_path / 'bad.model').write_bytes(b'not a model')
   cfg.vocab_path = str(tmp_path / 'bad.model')
-  with pytest.raises(ValueError, match='not a SentencePiece model'):
+  with pytest.raises(ValueError, match=r"^data.vocab_path='.*bad.model': cannot read a SentencePiece model"):
     data.validate(cfg, 32128)
   (tmp_path / 'one').mkdir()
   (tmp_path / 'one' / 'a.txt').write_text('x')
-  with pytest.raises(ValueError, match=r'^eval_data.path=.*matches 1 file'):
-    data.validate(text_cfg(tmp_path / 'one'), 258, field='eval_data')
+  with pytest.raises(ValueError, match=r'^data.path=.*matches 1 file'):
+    data.validate(text_cfg(tmp_path / 'one'), 258)
   data.validate(text_cfg(corpus), 258)

@@ -38,7 +38,7 @@ def test_scorer_sums_the_log_likelihood_of_the_scored_tokens(scorer):
   scorer, params = scorer
   rng = np.random.default_rng(0)
   sequences = [(list(rng.integers(1, 257, n)), first) for n, first in ((12, 1), (5, 3), (9, 8), (2, 1), (7, 4))]
-  got = scorer(sequences)  # two batches of three, the second padded
+  got, _ = scorer(sequences)  # two batches of three, the second padded
   want = [_direct_loglik(params, s, f) for s, f in sequences]
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
@@ -49,9 +49,9 @@ def test_scorer_tells_whether_every_scored_token_is_the_argmax(scorer):
   after_5, after_9 = int(np.argmax(logits[0])), int(np.argmax(logits[1]))
   other = 1 + after_9 % 256  # any token but the argmax
   sequences = [([5, 9, after_9], 2), ([5, 9, other], 2), ([5, 9, after_9], 1), ([5, after_5], 1)]
-  logliks, greedy = scorer.score(sequences)  # the second batch padded: padding is never scored
+  logliks, greedy = scorer(sequences)  # the second batch padded: padding is never scored
   assert list(greedy) == [True, False, after_5 == 9, True]
-  np.testing.assert_allclose(logliks, scorer(sequences))
+  np.testing.assert_allclose(logliks, [_direct_loglik(params, s, f) for s, f in sequences], rtol=1e-4, atol=1e-4)
 
 
 def test_choice_sequence_cuts_the_context_and_scores_after_eos_when_it_is_empty():
@@ -85,7 +85,7 @@ class _FixedScores:
 
   def __call__(self, sequences):
     self.seen = sequences
-    return self.scores
+    return self.scores, None
 
 
 def test_choice_task_metrics(tmp_path):

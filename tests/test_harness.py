@@ -18,6 +18,7 @@ from helpers import ROOT, TINY_LM, cli_env, run_cli  # pylint: disable=wrong-imp
 from laurel import checkpoint, data, evaluate, generate, harness  # pylint: disable=wrong-import-position
 from lm_eval.api import registry  # pylint: disable=wrong-import-position
 from lm_eval.api.instance import Instance  # pylint: disable=wrong-import-position
+from laurel.config_lib import InputError  # pylint: disable=wrong-import-position
 
 SEQ_LEN = TINY_LM['data.seq_len']  # 32: a window scores up to 31 tokens
 MC = [{'context': 'the ', 'choices': ['dog', ' d d', 'bbb'], 'label': 1},
@@ -163,11 +164,11 @@ def test_laurel_lm_from_python_greedy_flags_and_refused_generation_kwargs(run):
   for kwargs, message in [({'do_sample': True}, 'do_sample=True, temperature=0.0: the laurel backend decodes greedily'),
                           ({'top_p': 0.9}, "top_p=0.9: not supported by the laurel backend"),
                           ({'max_gen_toks': 32}, r'max_gen_toks=32: must be in \[1, 32\)')]:
-    with pytest.raises(harness.BadInput, match=message):
+    with pytest.raises(InputError, match=message):
       model.generation_settings(kwargs)
-  with pytest.raises(harness.BadInput, match="--model_args pretrained=x: the laurel backend takes workdir=RUN only"):
+  with pytest.raises(InputError, match="--model_args pretrained=x: the laurel backend takes workdir=RUN only"):
     harness.LaurelLM(workdir=str(run), pretrained='x')
-  with pytest.raises(harness.BadInput, match='--batch_size=.0.: a positive integer or auto'):
+  with pytest.raises(InputError, match='--batch_size=.0.: a positive integer or auto'):
     harness.LaurelLM(workdir=str(run), batch_size='0')
 
 

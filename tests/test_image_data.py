@@ -1,6 +1,7 @@
 """Image pipelines: shapes, normalisation, determinism, sharding, iterator state, ImageNet via mocked TFDS."""
 
 import dataclasses
+import json
 import math
 import re
 
@@ -9,13 +10,17 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import imagenet_resnet50
-from laurel import image_data
+from laurel import config_lib, image_data
 
 
 def synthetic(**overrides):
   base = dict(name='synthetic', image_size=16, num_classes=4, synthetic_train_examples=24,
               synthetic_eval_examples=10, read_threads=0, num_workers=0, prefetch=1)
   return image_data.ImageDataConfig(**{**base, **overrides})
+
+
+def validate(data_cfg, prefix='data'):
+  return config_lib.build(image_data.ImageDataConfig, data_cfg, prefix)
 
 
 def take(ds_or_it, n):
@@ -118,7 +123,7 @@ def test_synthetic_classes_are_learnable():
 
 def test_tiny_preset_data_validates():
   c = imagenet_resnet50.get_config('rw,preset=tiny')
-  cfg = image_data.validate(c.data)
+  cfg = validate(c.data)
   assert isinstance(cfg, image_data.ImageDataConfig)
   assert (cfg.name, cfg.image_size, cfg.num_classes) == ('synthetic', 32, 10)
   assert set(c.data.keys()) == {f.name for f in dataclasses.fields(image_data.ImageDataConfig)}
@@ -130,7 +135,7 @@ def test_tiny_preset_data_validates():
 
 def imagenet(image_size=24, **overrides):
   c = imagenet_resnet50.get_config('baseline')
-  cfg = image_data.validate(c.data)
+  cfg = validate(c.data)
   return dataclasses.replace(cfg, image_size=image_size, num_workers=0, read_threads=2, prefetch=1, **overrides)
 
 
@@ -148,7 +153,7 @@ def test_imagenet_eval_is_the_centre_crop_of_each_example(mock_imagenet):
   images, labels = stacked(batches, 'images'), stacked(batches, 'labels')
   assert images.shape == (8, 24, 24, 3) and images.dtype == np.float32 and labels.dtype == np.int32
   for j, i in enumerate(range(1, 16, 2)):  # process 1 of 2 reads examples 1, 3, 5, ...
-    want = image_data.EvalTransform(cfg).map(source[i])
+    want = image_data.CropTransform(cfg, train=False).random_map(source[i])
     np.testing.assert_array_equal(images[j], want['images'])
     assert labels[j] == int(source[i]['label'])
 
@@ -183,11 +188,11 @@ def test_imagenet_decodes_grayscale_and_encoded_bytes():
   from PIL import Image
   cfg = imagenet(image_size=8)
   gray = np.random.default_rng(0).integers(0, 256, (20, 30, 1), np.uint8)
-  out = image_data.EvalTransform(cfg).map({'image': gray, 'label': np.int64(3)})
+  out = image_data.CropTransform(cfg, train=False).random_map({'image': gray, 'label': np.int64(3)})
   assert out['images'].shape == (8, 8, 3) and out['labels'] == 3
   buf = io.BytesIO()
   Image.fromarray(np.full((20, 30, 3), 128, np.uint8)).save(buf, format='JPEG')
-  out = image_data.EvalTransform(cfg).map({'image': buf.getvalue(), 'label': 5})
+  out = image_data.CropTransform(cfg, train=False).random_map({'image': buf.getvalue(), 'label': 5})
   np.testing.assert_allclose(pixels(out['images']), 128, atol=2)
 
 
@@ -215,11 +220,28 @@ def test_validate_errors_name_field_and_value(name, value):
   d = imagenet_resnet50.get_config('baseline').data.to_dict()
   d[name] = value
   with pytest.raises(ValueError, match=re.escape(f'data.{name}={value!r}:')) as err:
-    image_data.validate(d)
+    validate(d)
   assert '\n' not in str(err.value)
 
 
 def test_validate_rejects_unknown_fields_and_uses_the_given_prefix():
   with pytest.raises(ValueError, match=r'^eval_data\.bogus: unknown field'):
-    image_data.validate({'bogus': 1}, field='eval_data')
-  assert image_data.validate(imagenet_resnet50.get_config('rw_lr').data).name == 'imagenet'
+    validate({'bogus': 1}, 'eval_data')
+  assert validate(imagenet_resnet50.get_config('rw_lr').data).name == 'imagenet'
+
+
+def test_check_available_names_what_is_missing_and_how_to_prepare_it(tmp_path):
+  cfg = dict(name='imagenet', tfds_data_dir=str(tmp_path))
+  with pytest.raises(ValueError, match=re.escape(f"data.tfds_data_dir='{tmp_path}': no prepared imagenet2012 in "
+                                                 f'{tmp_path}; prepare it with tfds build imagenet2012')):
+    image_data.check_available(cfg)
+  version = tmp_path / 'imagenet2012' / '5.1.0'
+  version.mkdir(parents=True)
+  info = {'fileFormat': 'array_record', 'splits': [{'name': 'train'}]}
+  (version / 'dataset_info.json').write_text(json.dumps(info))
+  with pytest.raises(ValueError, match=re.escape(f"{version} has no split 'validation' (it has: train)")):
+    image_data.check_available(cfg)
+  info['splits'].append({'name': 'validation'})
+  (version / 'dataset_info.json').write_text(json.dumps(info))
+  image_data.check_available(cfg)
+  image_data.check_available({'name': 'synthetic', 'tfds_data_dir': '/nowhere'})  # reads nothing
