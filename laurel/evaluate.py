@@ -260,6 +260,7 @@ def run():
   flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for the TFDS tasks ('' = its default).")
   flags.DEFINE_integer('batch_size', 16, 'Sequences per forward pass.', lower_bound=1)
   flags.DEFINE_integer('max_items', 0, 'Score at most this many files or items (0 = all).', lower_bound=0)
+  console.quiet_start()
   console.exit_on_interrupt('interrupted: exited (the eval_<task>.json files written so far are complete)')
   app.run(main)
 

@@ -173,6 +173,7 @@ def run():
   flags.DEFINE_float('top_p', 1.0, 'Sample from the smallest set of tokens with this much probability.')
   flags.DEFINE_integer('seed', 0, 'Sampling seed.')
   flags.DEFINE_bool('cache', True, 'Decode with a KV cache (--nocache recomputes every step).')
+  console.quiet_start()
   console.exit_on_interrupt('interrupted')
   app.run(main)
 
