@@ -18,12 +18,9 @@ from etils import epath
 from laurel.files import is_remote, write_text_atomic
 
 ALGORITHM = 'xxh3_64'
+LISTING = 'checksums.process_{}.json'  # this host's list, by process index
 # A list written before XXH3 names no algorithm and holds CRC-32s as integers.
 _HASHES = {ALGORITHM: lambda data: xxhash.xxh3_64(data).intdigest(), 'crc32': zlib.crc32}
-
-
-def _name(process: int) -> str:
-  return f'checksums.process_{process}.json'
 
 
 def _own_files(step_dir: epath.Path, process: int, process_count: int) -> list[epath.Path]:
@@ -59,15 +56,15 @@ def record(step_dir) -> None:
   threads = min(4, os.cpu_count() or 1) if sum(sizes) >= 2**26 else 1  # XXH3 hashes without the GIL
   with futures.ThreadPoolExecutor(threads) as pool:
     hashes = list(pool.map(checksum, paths))
-  listing = {'algorithm': ALGORITHM,
-             'files': {os.fspath(p.relative_to(step_dir)): [h, n] for p, h, n in zip(paths, hashes, sizes)}}
-  write_text_atomic(step_dir / _name(jax.process_index()), json.dumps(listing, indent=0, sort_keys=True) + '\n')
+  files = {os.fspath(p.relative_to(step_dir)): [h, n] for p, h, n in zip(paths, hashes, sizes)}
+  write_text_atomic(step_dir / LISTING.format(jax.process_index()),
+                    json.dumps({'algorithm': ALGORITHM, 'files': files}, indent=0, sort_keys=True) + '\n')
 
 
 def mismatch(step_dir) -> str | None:
   """Why this host's files in `step_dir` differ from its recorded checksums, as a phrase; None where they match or
   none were recorded."""
-  listing_path = epath.Path(step_dir) / _name(jax.process_index())
+  listing_path = epath.Path(step_dir) / LISTING.format(jax.process_index())
   if not listing_path.exists():
     return None
   try:

@@ -212,13 +212,11 @@ class Watchdog:
     print(f'error: {message}', file=sys.stderr, flush=True)
     for thread_id, frame in sys._current_frames().items():  # pylint: disable=protected-access  # where it hangs
       print(f'thread {thread_id}:\n{"".join(traceback.format_stack(frame))}', file=sys.stderr)
-    try:
-      self.flush()
-    except Exception as e:  # pylint: disable=broad-except  # exit regardless
-      print(f'watchdog: flushing failed: {e!r}', file=sys.stderr)
-    logging.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for flush in (self.flush, logging.flush, sys.stdout.flush, sys.stderr.flush):
+      try:
+        flush()
+      except Exception as e:  # pylint: disable=broad-except  # exit regardless
+        print(f'watchdog: flushing failed: {e!r}', file=sys.stderr)
     os._exit(WATCHDOG_EXIT)  # pylint: disable=protected-access  # the main thread is stuck: no clean exit
 
 
@@ -286,9 +284,9 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     # Utilisation only where the chip's peak is known: model FLOPs (MFU) and the compiler's, remat included (HFU).
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)
     flops = {'mfu': task.model_flops(cfg.batch_size), 'hfu': step_flops(task)} if peak_flops else {}
+    keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
     with console.deferred():  # it rewrites metrics.jsonl
-      log = MetricsLog(workdir, config, start, info, keep_later_steps='moved_aside' in info or 'fresh_start_after'
-                       in info)
+      log = MetricsLog(workdir, config, start, info, keep_later_steps=keep)
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
     profiler = metric_writers.Profiler(workdir / 'profile', cfg.profile_steps)
     actions = [metric_writers.Progress(log.writer, cfg.log_every, cfg.steps), profiler]
