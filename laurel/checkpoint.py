@@ -1,13 +1,12 @@
-"""Checkpoints: the orbax manager, resuming with a damage quarantine, the config guard, parameters for inference.
+"""Checkpoints: the orbax manager, resuming past damage, the config guard, a run's parameters for inference.
 
-  WORKDIR/checkpoints/<step>   state (TrainState), data (grain iterator), config (the config, RESUMABLE fields left
-                               out), checksums.process_<i>.json (laurel.checksums)
-  restore_latest               the latest checkpoint every host can read; a damaged one is moved aside, never deleted
-  guard_config                 refuses to resume with another config (RESUMABLE fields excepted); config.json, history
-  restore_params, lm_run_on_mesh   a run's parameters only, for sampling and evaluation
+  WORKDIR/checkpoints/<step>  state (TrainState), data (grain iterator), config (the run's config less its resumable
+                              fields: its signature), checksums.process_<i>.json (laurel.checksums)
+A resume may change only the fields declared `resumable=True` (config_lib.field) without --allow_config_change.
 """
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -15,7 +14,6 @@ import re
 import sys
 import threading
 import time
-import weakref
 
 import flax
 import flax.linen as nn
@@ -32,51 +30,53 @@ from jax.experimental import multihost_utils
 from laurel import checksums, config_lib, sharding, step, tasks
 from laurel.config_lib import InputError
 from laurel.files import write_text_atomic
-from laurel.step import validate_config
-
-# What a resumed run may change without --allow_config_change: how long it runs (the cosine decay stretches to the
-# new `steps`), what it logs and when, and how it is laid out and fed. Anything else would train new settings on
-# the old state.
-RESUMABLE = ('steps', 'log_every', 'eval_every', 'eval_steps', 'checkpoint_every', 'keep_checkpoints', 'tensorboard',
-             'wandb', 'profile_steps', 'watchdog_factor', 'watchdog_min_s', 'watchdog_s', 'mesh', 'logical_axis_rules',
-             'optimizer.grad_accum_steps', 'model.remat', 'model.loss_chunk', 'data.num_workers',
-             'data.prefetch')
-
-def _model_signature(config) -> dict:
-  """What a checkpoint must have been trained with: the task and the model, less the fields a resume may change
-  (also dropped from a saved signature, so checkpoints that recorded them still match)."""
-  signature = json.loads(ml_collections.ConfigDict({'task': config['task'], 'model': config['model']}).to_json())
-  signature['model'] = {k: v for k, v in signature['model'].items() if f'model.{k}' not in RESUMABLE}
-  return signature
 
 
-def _run_signature(config) -> dict:
-  """What a checkpoint records of its run's config: every field but the RESUMABLE ones (a checkpoint of older code
-  recorded _model_signature only)."""
-  flat = _flat(config.to_json_best_effort())
-  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if not _resumable(k)}, sep='.')
+def _flat(config) -> dict:
+  """A config (ConfigDict, JSON text or dict) as {'a.b': value}."""
+  tree = json.loads(config if isinstance(config, str) else json.dumps(config) if isinstance(config, dict)
+                    else config.to_json_best_effort())
+  return flax.traverse_util.flatten_dict(tree, sep='.')
 
 
-def _resumable(key: str) -> bool:
-  return any(key == f or key.startswith(f + '.') for f in RESUMABLE)
+def _resumable(schema, prefix: str = '') -> list[str]:
+  """The fields of a config dataclass declared `resumable`, flat, nested sections included."""
+  keys = []
+  for f in dataclasses.fields(schema):
+    if f.metadata.get('resumable'):
+      keys.append(prefix + f.name)
+    elif dataclasses.is_dataclass(f.default):
+      keys += _resumable(f.default, f'{prefix}{f.name}.')
+  return keys
 
 
-def _flat(config_json: str) -> dict:
-  return flax.traverse_util.flatten_dict(json.loads(config_json), sep='.')
-
-
-def _with_new_fields(saved: dict, config, keys) -> dict:
-  """A saved config (flat) with the `keys` it lacks at their defaults: a run saved before a field existed trained
-  with its default, so resuming with the default changes nothing."""
+def _schema(config) -> tuple[dict, list[str]]:
+  """The flat defaults of `config`'s task, and its fields declared `resumable`."""
   task = tasks.get_task(config)
-  defaults = _flat(step.base_config(model=config_lib.config_dict(type(task.model_cfg)),
-                                    data=config_lib.config_dict(type(task.data_cfg))).to_json_best_effort())
-  return {**{k: defaults[k] for k in keys if k in defaults}, **saved}
+  model, data = type(task.model_cfg), type(task.data_cfg)
+  defaults = _flat(step.base_config(model=config_lib.config_dict(model), data=config_lib.config_dict(data)))
+  return defaults, _resumable(step.TrainConfig) + _resumable(model, 'model.') + _resumable(data, 'data.')
 
 
-def _same_model(saved_signature: dict, config) -> bool:
-  now = _flat(json.dumps(_model_signature(config)))
-  return _with_new_fields(_flat(json.dumps(_model_signature(saved_signature))), config, now) == now
+def _is_resumable(key: str, resumable) -> bool:
+  return any(key == f or key.startswith(f + '.') for f in resumable)
+
+
+def config_changes(saved, config) -> tuple[dict, list[str]]:
+  """({field: (saved, now)} where a saved config (config.json or a checkpoint's signature) and `config` differ, and
+  those of them a resume may not change). A field the saved config lacks counts at its default: a run saved before
+  the field existed trained with it. A checkpoint of older code recorded the task and model only."""
+  defaults, resumable = _schema(config)
+  saved, now = _flat(saved), _flat(config)
+  if 'seed' not in saved:  # that older record
+    now = {k: v for k, v in now.items() if k == 'task' or k.startswith('model.')}
+  saved = {**{k: defaults[k] for k in now if k in defaults}, **saved}
+  changes = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
+  return changes, [k for k in changes if not _is_resumable(k, resumable)]
+
+
+def _listed(changes: dict, keys) -> str:
+  return ', '.join(f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys)
 
 
 # Tensorstore's codes for a checkpoint's own data being missing or corrupt (a truncated file: OUT_OF_RANGE; bytes
@@ -88,54 +88,50 @@ DAMAGE_STATUS = ('DATA_LOSS', 'NOT_FOUND', 'OUT_OF_RANGE', 'FAILED_PRECONDITION'
 def _damage(error: BaseException) -> str | None:
   """Why `error` (or what caused it) says the checkpoint's own files are missing or corrupt, as one line; else None."""
   while error is not None:
-    line = f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:200]}'
-    if isinstance(error, (FileNotFoundError, EOFError, json.JSONDecodeError)):
-      return line
-    if isinstance(error, KeyError) and 'not found in the checkpoint' in str(error):  # an item's directory is gone
-      return line
-    if isinstance(error, ValueError) and re.fullmatch(r'File .+ does not exist\.', str(error)):  # grain's file
-      return line
-    if any(f'{status}: ' in str(error) for status in DAMAGE_STATUS):
-      return line
+    text = str(error)
+    if (isinstance(error, (FileNotFoundError, EOFError, json.JSONDecodeError))
+        or (isinstance(error, KeyError) and 'not found in the checkpoint' in text)  # an item's directory is gone
+        or (isinstance(error, ValueError) and re.fullmatch(r'File .+ does not exist\.', text))  # grain's file
+        or any(f'{status}: ' in text for status in DAMAGE_STATUS)):
+      return f'{type(error).__name__}: {(text.splitlines() or [""])[0][:200]}'
     error = error.__cause__ or error.__context__
   return None
 
 
 def _tree_difference(saved_tree, abstract_state) -> str | None:
   """The first array path where a checkpoint's tree (orbax metadata) and the model's differ, as a phrase."""
-  flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator='.'): x.shape
+  flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator='.'): tuple(x.shape)
                        for p, x in jax.tree_util.tree_leaves_with_path(tree)}
   saved, model = flat(saved_tree), flat(abstract_state)
   for path, shape in model.items():
     if path not in saved:
       return f'{path} is in the model, not in the checkpoint'
-    if tuple(saved[path]) != tuple(shape):
-      return f'{path} has shape {tuple(saved[path])} in the checkpoint, {tuple(shape)} in the model'
+    if saved[path] != shape:
+      return f'{path} has shape {saved[path]} in the checkpoint, {shape} in the model'
   extra = next((path for path in saved if path not in model), None)
   return None if extra is None else f'{extra} is in the checkpoint, not in the model'
 
 
-def _restore_step(mngr, step, workdir, config, abstract_state, train_iter, allow_change):
-  """('ok', restored), ('damaged', why), or raises: InputError for a checkpoint of another model or parameter
-  tree, or of another config unless `allow_change`; any error that is not damage as it is."""
+def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, allow_change):
+  """('ok', restored) or ('damaged', why). Raises InputError for a checkpoint of another task or model, of another
+  config unless `allow_change`, or of another parameter tree (a code change); any error that is not damage as is."""
+  where, step_dir = f'--workdir={str(workdir)!r}', epath.Path(mngr.directory) / str(number)
   try:
-    saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-    if not _same_model(saved, config):
-      raise InputError(f'--workdir={str(workdir)!r}: holds checkpoints of a different task/model (step {step}); use '
-                       'a new workdir or the original config')
-    now = _flat(config.to_json_best_effort())
-    changed = [f'{k}={v!r} (now {now.get(k)!r})' for k, v in _flat(json.dumps(saved)).items()
-               if not _resumable(k) and now.get(k) != v and k != 'task' and not k.startswith('model.')]
-    if changed and not allow_change:  # the checkpoint's own record: config.json may be gone or replaced
-      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} was trained with {", ".join(changed)}; '
-                       'resume with that config, or pass --allow_config_change to go on with the new values')
-    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(mngr.directory) / str(step) / 'state').tree
+    saved = mngr.restore(number, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+    changes, unsafe = config_changes(saved, config)
+    if model := [k for k in unsafe if k == 'task' or k.startswith('model.')]:
+      raise InputError(f'{where}: holds checkpoints of a different task/model (step {number}: '
+                       f'{_listed(changes, model)}); use a new workdir or the original config')
+    if unsafe and not allow_change:  # the checkpoint's own record: config.json may be gone or replaced
+      raise InputError(f'{where}: checkpoint {number} was trained with {_listed(changes, unsafe)}; resume with that '
+                       'config, or pass --allow_config_change to go on with the new values')
+    tree = ocp.StandardCheckpointHandler().metadata(step_dir / 'state').tree
     if (difference := _tree_difference(tree, abstract_state)) is not None:
-      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} does not match the model: {difference} (a '
-                       'code change?); nothing was moved: resume with the code that wrote it, or use a new workdir')
-    if (why := checksums.mismatch(epath.Path(mngr.directory) / str(step))) is not None:
+      raise InputError(f'{where}: checkpoint {number} does not match the model: {difference} (a code change?); '
+                       'nothing was moved: resume with the code that wrote it, or use a new workdir')
+    if (why := checksums.mismatch(step_dir)) is not None:
       return 'damaged', why
-    restored = mngr.restore(step, args=ocp.args.Composite(
+    restored = mngr.restore(number, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
     if not is_finite(restored['state']):  # saved by code that did not check: resuming it would diverge again
       return 'damaged', 'its state is not finite'
@@ -147,37 +143,35 @@ def _restore_step(mngr, step, workdir, config, abstract_state, train_iter, allow
 
 
 def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_change: bool = False):
-  """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). A
-  checkpoint whose own data is missing or corrupt is moved aside with a warning, never deleted; a checkpoint of
-  another model or parameter tree is an InputError, and any other failure is raised: nothing in the workdir
-  changes then."""
+  """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). A damaged
+  checkpoint is moved to WORKDIR/unreadable_checkpoints, never deleted; any other failure is raised, moving nothing."""
   moved = []
-  for step in sorted(mngr.all_steps(), reverse=True):
+  for number in sorted(mngr.all_steps(), reverse=True):
     failure = None
     try:
-      outcome, result = _restore_step(mngr, step, workdir, config, abstract_state, train_iter, allow_change)
+      outcome, result = _restore_step(mngr, number, workdir, config, abstract_state, train_iter, allow_change)
     except Exception as e:  # pylint: disable=broad-except  # raised below, once every host knows
       outcome, failure = 'failed', e
     if jax.process_count() > 1:  # all hosts restore the same checkpoint, or all stop
       codes = multihost_utils.process_allgather(np.asarray(['ok', 'damaged', 'failed'].index(outcome)))
       if failure is None and np.any(codes == 2):
-        failure = RuntimeError(f'restoring checkpoint {step} failed on another host; see its log')
+        failure = RuntimeError(f'restoring checkpoint {number} failed on another host; see its log')
       elif failure is None and outcome == 'ok' and np.any(codes == 1):
         outcome, result = 'damaged', 'unreadable on another host'
     if failure is not None:
       raise failure
     if outcome == 'ok':
-      return result['state'], step, moved
-    aside, why = workdir / 'unreadable_checkpoints' / f'{step}.{int(time.time())}', result
-    logging.warning('checkpoint %d is unreadable (%s); moving it to %s', step, why, aside)
+      return result['state'], number, moved
+    aside = workdir / 'unreadable_checkpoints' / f'{number}.{int(time.time())}'
+    logging.warning('checkpoint %d is unreadable (%s); moving it to %s', number, result, aside)
     if jax.process_index() == 0:
-      print(f'warning: checkpoint {step} is unreadable ({why}); moved to {aside}', file=sys.stderr, flush=True)
+      print(f'warning: checkpoint {number} is unreadable ({result}); moved to {aside}', file=sys.stderr, flush=True)
       aside.parent.mkdir(parents=True, exist_ok=True)
-      (epath.Path(mngr.directory) / str(step)).rename(aside)
+      (epath.Path(mngr.directory) / str(number)).rename(aside)
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f'moved checkpoint {step}')
+      multihost_utils.sync_global_devices(f'moved checkpoint {number}')
     mngr.reload()
-    moved.append(step)
+    moved.append(number)
   return None, 0, moved
 
 
@@ -188,8 +182,7 @@ def _all_finite(tree) -> jax.Array:
 
 
 def is_finite(state) -> bool:
-  """Whether every floating-point value of `state` is finite (one reduction on the devices; the same answer on
-  every host)."""
+  """Whether every floating-point value of `state` is finite (one reduction; the same answer on every host)."""
   return bool(jax.device_get(_all_finite(state).addressable_data(0)))
 
 
@@ -201,8 +194,7 @@ def quarantined_steps(workdir) -> list[int]:
 
 
 def read_config(workdir) -> ml_collections.ConfigDict:
-  """The config a run saved in WORKDIR/config.json (or the JSON file itself), with the tuples JSON turned into lists
-  restored."""
+  """The config a run saved in WORKDIR/config.json (or that file), its tuples (lists in JSON) restored."""
   path = epath.Path(workdir)
   path = path if path.name.endswith('.json') else path / 'config.json'
   if not path.exists():
@@ -219,89 +211,63 @@ def run_dir(workdir) -> epath.Path:
   return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
 
 
-def restore_params(workdir, task, shardings=None):
-  """(params, step) of the latest checkpoint of a run of `task`, e.g. to sample or evaluate it: the parameters only
-  (the optimizer state is never read), each read straight into its sharding in `shardings` (a tree like the params;
-  default: device 0)."""
-  abstract = jax.eval_shape(lambda rng: nn.unbox(task.init(rng, task.example_batch(1)))['params'],
-                            jax.eval_shape(jax.random.key, 0))
-  if shardings is None:
-    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
-  item = {'params': jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)}
-  mngr = ocp.CheckpointManager(run_dir(workdir) / 'checkpoints')
-  try:
-    step = mngr.latest_step()
-    if step is None:
-      raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
-    if (why := checksums.mismatch(epath.Path(mngr.directory) / str(step))) is not None:
-      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {step} is damaged ({why}); resuming the run moves it '
-                       'aside and goes on from the one before')
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
-  finally:
-    mngr.close()
-  return restored['state']['params'], step
-
-
 @contextlib.contextmanager
 def lm_run_on_mesh(workdir):
-  """(task, params, step, mesh) of the latest checkpoint of an LM run, its params read into their shardings of
-  training on the run's mesh, inside that mesh and the logical axis rules: where generate and evaluate compile and
-  run. One-line InputErrors."""
+  """(task, params, step, mesh) of an LM run's latest checkpoint, inside the run's mesh and logical axis rules (where
+  generate and evaluate compile and run): its parameters only, each read straight into its sharding of training."""
   config = read_config(workdir)
   if config.task != 'lm':
     raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
-  task = validate_config(config, num_devices=len(jax.devices()))
+  task = step.validate_config(config, num_devices=len(jax.devices()))
   rules, mesh = task.config.logical_axis_rules, sharding.make_mesh(task.config.mesh)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), contextlib.closing(
+      ocp.CheckpointManager(run_dir(workdir) / 'checkpoints')) as mngr:
     boxed = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
-    params, step = restore_params(workdir, task, sharding.logical_shardings(boxed, mesh, rules))
-    yield task, params, step, mesh
-
-
-def _checkpoint_steps(workdir: epath.Path) -> list[int]:
-  directory = workdir / 'checkpoints'
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+    abstract = jax.eval_shape(nn.unbox, boxed)
+    item = {'params': jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                   sharding.logical_shardings(boxed, mesh, rules))}
+    number = mngr.latest_step()
+    if number is None:
+      raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
+    if (why := checksums.mismatch(epath.Path(mngr.directory) / str(number))) is not None:
+      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {number} is damaged ({why}); resuming the run moves '
+                       'it aside and goes on from the one before')
+    restored = mngr.restore(number, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+    yield task, restored['state']['params'], number, mesh
 
 
 def guard_config(config, workdir: epath.Path, allow_change: bool = False):
-  """Refuses to resume checkpoints with a config that differs from the workdir's config.json in anything but the
-  RESUMABLE fields, unless `allow_change`. Returns `record()`, which writes (on process 0) the config to config.json
-  and, when it is new or changed, a line to config_history.jsonl (every config the workdir has trained with, and
-  from which step): called once the checkpoint is restored, so that a refused one leaves both as they were. In a
-  workdir without checkpoints they are written at once."""
-  path, new = workdir / 'config.json', config.to_json_best_effort()
-  now = _flat(new)
-  saved = _with_new_fields(_flat(path.read_text()), config, now) if path.exists() else None
-  changes = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
-             if saved.get(k) != now.get(k)} if saved is not None else {}
-  unsafe = [k for k in changes if not _resumable(k)]
-  step = max(_checkpoint_steps(workdir), default=0)
-  listed = lambda keys: ', '.join(f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys)
-  if unsafe and step and not allow_change:
-    raise InputError(f'--workdir={os.fspath(workdir)!r}: its checkpoints (step {step}) were trained with '
-                     f'{listed(unsafe)}; resume with the saved config (--config={os.fspath(workdir)}), or pass '
+  """Refuses to resume a workdir's checkpoints with a config that differs from its config.json in a field that is not
+  resumable, unless `allow_change`. Returns `record()`, which writes (process 0) config.json and, when it is new or
+  changed, a line to config_history.jsonl; train calls it once the checkpoint is restored, so that a refused one
+  leaves both as they were. Without checkpoints they are written at once."""
+  path, where = workdir / 'config.json', os.fspath(workdir)
+  changes, unsafe = config_changes(path.read_text(), config) if path.exists() else ({}, [])
+  folder = workdir / 'checkpoints'
+  number = max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=0) if folder.is_dir() else 0
+  if unsafe and number and not allow_change:
+    raise InputError(f'--workdir={where!r}: its checkpoints (step {number}) were trained with '
+                     f'{_listed(changes, unsafe)}; resume with the saved config (--config={where}), or pass '
                      '--allow_config_change to go on with the new values')
-  if step and changes and jax.process_index() == 0:  # e.g. a longer run: said on the console, not only recorded
-    print(f'resuming checkpoint {step} with a changed config: {listed(changes)}', flush=True)
+  if number and changes and jax.process_index() == 0:  # e.g. a longer run: said on the console, not only recorded
+    print(f'resuming checkpoint {number} with a changed config: {_listed(changes, changes)}', flush=True)
 
   def record():
-    if jax.process_index() == 0 and (saved is None or changes):
-      entry = {'time': utc_now(), 'step': step, 'changes': {k: list(v) for k, v in changes.items()},
-               'allowed_by_flag': bool(unsafe and step), 'config': json.loads(new)}
-      history = workdir / 'config_history.jsonl'
-      # read + write, not append: not every filesystem appends
+    if jax.process_index() == 0 and (changes or not path.exists()):
+      entry = {'time': utc_now(), 'step': number, 'changes': {k: list(v) for k, v in changes.items()},
+               'allowed_by_flag': bool(unsafe and number), 'config': json.loads(config.to_json_best_effort())}
+      history = workdir / 'config_history.jsonl'  # read + write, not append: not every filesystem appends
       write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
       write_text_atomic(path, config.to_json_best_effort(indent=2))
-  if not step:  # no checkpoint that a restore could refuse: written now, before anything compiles
-    record()
-    return lambda: None
-  return record
+  if number:
+    return record
+  record()  # no checkpoint that a restore could refuse: written now, before anything compiles
+  return lambda: None
 
 
 def utc_now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
-
 
 
 def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
@@ -310,38 +276,32 @@ def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
       max_to_keep=keep, create=True, cleanup_tmp_directories=True))
 
 
-_unrecorded = weakref.WeakKeyDictionary()  # manager -> the step of its save whose checksums are not written yet
-_recording = weakref.WeakKeyDictionary()  # manager -> the thread writing a finished save's checksums
-
-
 def finish(mngr, background: bool = False) -> None:
   """Waits for the save in flight, then records its files' checksums (laurel.checksums); with `background` in a
   thread that the next call joins, so that the train loop goes on meanwhile."""
   mngr.wait_until_finished()
-  if (thread := _recording.pop(mngr, None)) is not None:
+  if (thread := getattr(mngr, 'laurel_checksums', None)) is not None:
     thread.join()
-  step_number = _unrecorded.pop(mngr, None)
-  if step_number is None or step_number not in mngr.all_steps():
-    return
-  step_dir = epath.Path(mngr.directory) / str(step_number)
-  if not background:
-    checksums.record(step_dir)
+  number, mngr.laurel_unrecorded, mngr.laurel_checksums = getattr(mngr, 'laurel_unrecorded', None), None, None
+  if number not in mngr.all_steps():
     return
 
   def record():
-    try:
-      checksums.record(step_dir)
-    except FileNotFoundError:  # max_to_keep removed the checkpoint meanwhile
-      pass
-  _recording[mngr] = threading.Thread(target=record, name=f'laurel-checksums-{step_number}')
-  _recording[mngr].start()
+    with contextlib.suppress(FileNotFoundError):  # max_to_keep removed the checkpoint meanwhile
+      checksums.record(epath.Path(mngr.directory) / str(number))
+  if not background:
+    return record()
+  mngr.laurel_checksums = threading.Thread(target=record, name=f'laurel-checksums-{number}')
+  mngr.laurel_checksums.start()
 
 
-def save(mngr, step_number: int, state, train_iter, config) -> None:
-  """Checkpoint `step_number`: the state, the input iterator's position and the run's config signature (async).
-  Orbax waits for the previous save first; its checksums are then written while this one is."""
+def save(mngr, number: int, state, train_iter, config) -> None:
+  """Checkpoint `number` (async): the state, the input's position and the config's signature. Orbax waits for the
+  previous save first; its checksums are then written while this one is."""
   finish(mngr, background=True)
-  _unrecorded[mngr] = step_number
-  mngr.save(step_number, force=True, args=ocp.args.Composite(
+  mngr.laurel_unrecorded = number
+  resumable = _schema(config)[1]
+  signature = {k: v for k, v in _flat(config).items() if not _is_resumable(k, resumable)}
+  mngr.save(number, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
-      config=ocp.args.JsonSave(_run_signature(config))))
+      config=ocp.args.JsonSave(flax.traverse_util.unflatten_dict(signature, sep='.'))))

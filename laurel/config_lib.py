@@ -58,8 +58,9 @@ def in_range(lo, hi, closed=(True, True)):
   return (ok, f'must be a number in {"[(" [not closed[0]]}{lo}, {hi}{"])" [not closed[1]]}')
 
 
-def field(default, check=None, **kwargs):
-  return dataclasses.field(default=default, metadata={'check': check} if check else {}, **kwargs)
+def field(default, check=None, resumable=False, **kwargs):  # resumable: a resume may change it (laurel.checkpoint)
+  return dataclasses.field(default=default, metadata={'resumable': resumable, **({'check': check} if check else {})},
+                           **kwargs)
 
 
 class InputError(ValueError):

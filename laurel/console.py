@@ -1,13 +1,6 @@
-"""What the command-line programs print, and how Ctrl-C stops them.
-
-  quiet_start()            before JAX starts a backend: no libtpu error lines on a machine without an accelerator
-  exit_on_interrupt(line)  Ctrl-C prints `line` and exits 130 at once (SIGTERM: 143), also while XLA compiles
-  deferred()               a section (a file being written) that Ctrl-C lets finish first
-  phase(what)              `what...`, a line every 30 s while it lasts, then how long it took
-  step_line, eval_line     one line per logged step and per evaluation
-
-Standard library only: laurel.main imports it before JAX and TensorFlow, so that Ctrl-C is handled while they load.
-"""
+"""What the command-line programs print, and how Ctrl-C stops them. Standard library only: laurel.main imports it
+before JAX and TensorFlow, so that Ctrl-C is handled while they load. Importing it changes nothing; the programs call
+quiet_start and exit_on_interrupt."""
 
 import contextlib
 import glob
@@ -30,10 +23,9 @@ def has_accelerator() -> bool:
 
 
 def quiet_start() -> None:
-  """On a machine with no accelerator, JAX would start libtpu (the TPU compiler, installed by the tpu and test
-  extras) as a TPU runtime, which prints INVALID_ARGUMENT error lines before it finds no TPU: use the CPU, unless
-  JAX_PLATFORMS says otherwise. TensorFlow, where something installed loads it (the project itself never does),
-  logs INFO lines at import: warnings only, and no oneDNN notice (its oneDNN kernels are off; it computes nothing)."""
+  """A program's start, before JAX starts a backend: where libtpu is installed but no accelerator is present, the
+  CPU (unless JAX_PLATFORMS says otherwise), not libtpu's error lines as it finds no TPU; TensorFlow, where
+  something loads it, logs warnings only and no oneDNN notice."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   if os.environ.get('JAX_PLATFORMS') or importlib.util.find_spec('libtpu') is None or has_accelerator():
@@ -70,11 +62,9 @@ def _watch_wakeups(reader: socket.socket, writer: socket.socket):
 
 
 def exit_on_interrupt(line: str) -> None:
-  """From now on Ctrl-C prints `line` on stderr and exits with status 130 at once, and SIGTERM the same line
-  naming it with status 143, until a handler of its own replaces this one (the train loop's, which saves a
-  checkpoint first). Python runs a signal handler only between bytecodes, so during a long XLA compile it would
-  wait for the compile; a thread woken through signal.set_wakeup_fd exits instead. Unwinding a KeyboardInterrupt
-  through JAX and TensorFlow crashed at exit (status 139). Call it from the main thread."""
+  """From now on Ctrl-C prints `line` and exits 130 at once (SIGTERM: the line naming it, 143), until another handler
+  replaces this one (the train loop's). A thread woken through signal.set_wakeup_fd exits even during an XLA compile,
+  where Python would wait to run a handler; no KeyboardInterrupt unwinds through JAX (it crashed, status 139)."""
   _interrupt['line'] = line
   if signal.getsignal(signal.SIGINT) is _exit_interrupted:
     return
@@ -110,9 +100,8 @@ def duration(seconds: float) -> str:
 
 @contextlib.contextmanager
 def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
-  """Prints `what...`, then `  still <what> (<time>)` every `every_s` seconds while the section lasts (a compile
-  for a large model takes minutes and prints nothing itself), then `<what>: done in <time>` (not if it raises).
-  `file`: stdout by default."""
+  """Prints `what...`, `  still <what> (<time>)` every `every_s` seconds (a large compile is silent for minutes),
+  then `<what>: done in <time>` unless it raises."""
   say = lambda line: print(line, file=file or sys.stdout, flush=True)
   say(f'{what}...')
   start, done = time.perf_counter(), threading.Event()
@@ -143,18 +132,16 @@ def _metrics(row: dict) -> str:
 
 
 def step_line(step: int, steps: int, row: dict, unit: str) -> str:
-  """`step 25/500 (5%) | mean of 25 steps: loss 3.1416 | accuracy 0.3124 | grad_norm 1.2300 | lr 1.50e-03 | 0.44
-  s/step, 4,301 tokens/s | ETA 3m32s`, with mfu and hfu where the chip's peak is known. The metrics are means over
-  the steps since the last line (row['mean_of_steps']); the learning rate is this step's."""
+  """`step 25/500 (5%) | mean of 25 steps: loss 3.1416 | grad_norm 1.2300 | lr 1.50e-03 | 0.44 s/step, 4,301
+  tokens/s | ETA 3m32s`, with mfu and hfu where the chip's peak is known."""
   mean_of = row.get('mean_of_steps', 1)
   parts = [f'step {step}/{steps} ({100 * step // steps}%)',
            f'mean of {mean_of} steps: ' * (mean_of > 1) + _metrics(row)]
   if 'learning_rate' in row:
     parts.append(f'lr {row["learning_rate"]:.2e}')
-  speed = f'{row["step_time_s"]:.3g} s/step, {row[f"{unit}_per_s"]:,.0f} {unit}/s'
-  parts.append(speed + ''.join(f', {k} {100 * row[k]:.1f}%' for k in ('mfu', 'hfu') if k in row))
-  parts.append(f'ETA {duration(row["step_time_s"] * (steps - step))}')
-  return ' | '.join(parts)
+  parts.append(f'{row["step_time_s"]:.3g} s/step, {row[f"{unit}_per_s"]:,.0f} {unit}/s'
+               + ''.join(f', {k} {100 * row[k]:.1f}%' for k in ('mfu', 'hfu') if k in row))
+  return ' | '.join(parts + [f'ETA {duration(row["step_time_s"] * (steps - step))}'])
 
 
 def eval_line(step: int, steps: int, row: dict) -> str:
@@ -163,16 +150,13 @@ def eval_line(step: int, steps: int, row: dict) -> str:
 
 
 def python_command() -> str:
-  """This interpreter as the shell that started it would run it, for the commands a program prints: `python` where
-  the PATH finds this very one (an activated venv), else its path as shown() writes it (`.venv/bin/python`), since
-  another python lacks the venv's packages."""
+  """This interpreter as the commands a program prints should name it: `python` where the PATH finds this very one
+  (an activated venv), else its path as shown() writes it (`.venv/bin/python`)."""
   found = shutil.which('python')
-  try:
+  with contextlib.suppress(OSError):
     if found and os.path.samefile(found, sys.executable) and os.path.samefile(os.path.dirname(found),
                                                                               os.path.dirname(sys.executable)):
       return 'python'
-  except OSError:
-    pass
   return shown(sys.executable)
 
 

@@ -52,8 +52,9 @@ class LMDataConfig:
   train_split: str = field('train', STRING)
   eval_split: str = field('validation', STRING)
   vocab_path: str = field('', STRING)  # c4, corpus: a SentencePiece model, e.g. C4_VOCAB_PATH
-  num_workers: int = field(0, NON_NEGATIVE_INT)  # grain worker processes, 0: none (they read absl flags: parsed)
-  prefetch: int = field(2, NON_NEGATIVE_INT)
+  # grain worker processes, 0: none (they read absl flags: parsed)
+  num_workers: int = field(0, NON_NEGATIVE_INT, resumable=True)
+  prefetch: int = field(2, NON_NEGATIVE_INT, resumable=True)
 
 
 class ByteTokenizer:

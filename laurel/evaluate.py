@@ -229,6 +229,7 @@ def command(main, required: list[str], interrupted: str):
       main()
     except InputError as e:
       config_lib.fail(str(e))
+  console.quiet_start()
   console.exit_on_interrupt(interrupted)
   app.run(checked_main)
 

@@ -1,9 +1,7 @@
-"""Writing run files so that a kill or a crash mid-write never leaves a torn or half-written file behind.
-
-A local file is written to a temporary file in the same folder, flushed to disk, then renamed over the old one:
-a reader sees the old content or the new, never part of either. A path behind '://' (gs:// through etils.epath)
-is written whole by one upload, which the object store already makes atomic.
-"""
+"""Writing run files so that a kill or a crash mid-write never leaves a torn file: a local file is written to a
+temporary file beside it, flushed to disk, then renamed over the old one; a path behind '://' (gs:// through
+etils.epath) is written whole by one upload, which the object store makes atomic."""
+import contextlib
 import os
 import tempfile
 
@@ -15,15 +13,14 @@ def is_remote(path) -> bool:
 
 
 def write_text_atomic(path, text: str) -> None:
-  """Replaces `path` by `text` (UTF-8) atomically (see the module docstring)."""
   write_bytes_atomic(path, text.encode())
 
 
-def write_bytes_atomic(path, data: bytes) -> None:
-  """Replaces `path` by `data` atomically (see the module docstring)."""
-  path = epath.Path(path)
+def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
+  """Replaces `path` by `data` atomically; with `exclusive` (local paths) creates it by a hard link, which raises
+  FileExistsError where it exists (another OSError where the filesystem has no hard links)."""
   if is_remote(path):
-    path.write_bytes(data)
+    epath.Path(path).write_bytes(data)
     return
   path = os.fspath(path)
   folder = os.path.dirname(path) or '.'
@@ -33,23 +30,13 @@ def write_bytes_atomic(path, data: bytes) -> None:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-  _fsync_folder(folder)
-
-
-def _fsync_folder(folder: str) -> None:
-  """The rename itself reaches the disk only once the folder's entry does (POSIX); best effort elsewhere."""
-  try:
-    fd = os.open(folder, os.O_RDONLY)
-  except OSError:
-    return
-  try:
-    os.fsync(fd)
-  except OSError:
-    pass
+    (os.link if exclusive else os.replace)(tmp, path)
   finally:
-    os.close(fd)
+    with contextlib.suppress(FileNotFoundError):  # renamed, or a write cut short
+      os.unlink(tmp)
+  with contextlib.suppress(OSError):  # the rename reaches the disk once the folder's entry does (POSIX)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)

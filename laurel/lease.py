@@ -1,14 +1,10 @@
 """WORKDIR/lease.json: the run that holds a workdir, so that a second, uncoordinated run on it is refused at start.
 
-A lease, not a lock, since a run killed with SIGKILL must not block its own rerun. Process 0 of a run writes it (host,
-pid, process id and count, start time, Slurm job, a heartbeat) and a thread rewrites it every HEARTBEAT_S; it is
-removed when the run ends. A run starting on a workdir takes a lease over, with one line saying why, where
-  - its heartbeat is older than STALE_S (a host that died or lost the workdir's storage),
-  - its pid is gone from this very host (a run killed with SIGKILL or by the OOM killer: the rerun starts at once),
-  - it is an earlier incarnation of this Slurm job (requeued: Slurm ended that one first),
-and is refused otherwise (Held, naming the holder). The file is written atomically (laurel.files); a lease is created
-with a hard link, which fails where another run created one first. Clocks of different hosts are compared, so they
-should agree within a fraction of STALE_S (NTP).
+A lease, not a lock: a run killed with SIGKILL must not block its rerun. Process 0 of a run creates it (a hard link,
+which fails where another run's exists), renews its heartbeat every HEARTBEAT_S and removes it at the end. A run
+starting on a held workdir takes the lease over, saying why, where its heartbeat is older than STALE_S, its pid is
+gone from this host, or it is an earlier incarnation of this Slurm job (requeued); else it is refused (Held). Hosts'
+clocks should agree within a fraction of STALE_S (NTP).
 """
 
 import contextlib
@@ -17,7 +13,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -52,14 +47,13 @@ def _pid_alive(pid) -> bool:
   except ProcessLookupError:
     return False
   except (PermissionError, ValueError, TypeError, OverflowError):
-    return True  # another user's process, or a record we cannot read: assume it lives
+    pass  # another user's process, or a record we cannot read: assume it lives
   return True
 
 
 def why_free(holder: dict, me: dict, now: float, stale_s: float = STALE_S) -> str | None:
   """Why the lease `holder` no longer holds the workdir, or None where it still does."""
-  age = now - float(holder.get('heartbeat', 0))
-  if age > stale_s:
+  if (age := now - float(holder.get('heartbeat', 0))) > stale_s:
     return f'its last heartbeat is {age:.0f} s old (stale after {stale_s:.0f} s)'
   if holder.get('host') == me['host'] and not _pid_alive(holder.get('pid')):
     return f'its pid {holder.get("pid")} is gone from this host'
@@ -87,29 +81,31 @@ class Lease:
   def read(self) -> dict | None:
     """The lease as written, None where there is none; {} where it cannot be parsed (never written by a run)."""
     try:
-      text = self.path.read_text()
+      holder = json.loads(self.path.read_text())
     except FileNotFoundError:
       return None
-    try:
-      holder = json.loads(text)
     except ValueError:
       return {}
     return holder if isinstance(holder, dict) else {}
 
+  def _mine(self) -> bool:
+    return (self.read() or {}).get('token') == self.record['token']
+
   def acquire(self) -> 'Lease':
-    holder = self.read()
-    if holder is None and self._create():
-      return self._started()
+    if self.read() is None and self._create():
+      self._thread.start()
+      return self
     holder = self.read() or {}  # created by another run a moment ago, or taken over below
     reason = why_free(holder, self.record, time.time(), self.stale_s) if holder else 'it is unreadable'
     if reason is None:
       raise Held(self._held_message(holder))
     print(f'lease: taking over {self.path} from {describe(holder)}: {reason}', file=sys.stderr, flush=True)
     self._write()
-    time.sleep(0.05)  # two runs taking over at once: the later rename wins, and the other sees it below
-    if (now := self.read() or {}).get('token') != self.record['token']:
-      raise Held(self._held_message(now))
-    return self._started()
+    time.sleep(0.05)  # two runs taking over at once: the later rename wins, and the other sees it here
+    if not self._mine():
+      raise Held(self._held_message(self.read() or {}))
+    self._thread.start()
+    return self
 
   def _held_message(self, holder: dict) -> str:
     age = time.time() - float(holder.get('heartbeat', 0))
@@ -122,44 +118,27 @@ class Lease:
     data = json.dumps(self.record, indent=1).encode()
     if not files.is_remote(self.path):
       try:
-        return self._link(data)
+        files.write_bytes_atomic(self.path, data, exclusive=True)
+        return True
       except FileExistsError:
         return False
       except OSError:
         pass  # a filesystem without hard links (some FUSE mounts): as on an object store
-    # No exclusive create: the last writer within a second wins, and the other sees it.
-    files.write_bytes_atomic(self.path, data)
+    files.write_bytes_atomic(self.path, data)  # no exclusive create: the last writer within a second wins
     time.sleep(1.0)
-    return (self.read() or {}).get('token') == self.record['token']
-
-  def _link(self, data: bytes) -> bool:
-    fd, tmp = tempfile.mkstemp(prefix=f'.{NAME}.', suffix='.tmp', dir=os.fspath(self.path.parent))
-    try:
-      with os.fdopen(fd, 'wb') as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-      os.link(tmp, os.fspath(self.path))  # atomic, and fails where the lease exists
-      return True
-    finally:
-      os.unlink(tmp)
+    return self._mine()
 
   def _write(self):
     now = time.time()
     self.record.update(heartbeat=now, heartbeat_at=_utc(now))
     files.write_text_atomic(self.path, json.dumps(self.record, indent=1))
 
-  def _started(self) -> 'Lease':
-    self._thread.start()
-    return self
-
   def _beat(self):
     while not self._stop.wait(self.heartbeat_s):
       try:
-        holder = self.read()
-        if (holder or {}).get('token') != self.record['token']:
-          print(f'warning: {self.path}: now held by {describe(holder or {})}; this run no longer renews it (was '
-                'it stopped for longer than the stale limit?)', file=sys.stderr, flush=True)
+        if not self._mine():
+          print(f'warning: {self.path}: now held by {describe(self.read() or {})}; this run no longer renews it '
+                '(was it stopped for longer than the stale limit?)', file=sys.stderr, flush=True)
           return
         self._write()
       except Exception as e:  # pylint: disable=broad-except  # a storage hiccup: try again at the next beat
@@ -170,15 +149,14 @@ class Lease:
     if self._thread.is_alive():
       self._thread.join()
     with contextlib.suppress(FileNotFoundError):
-      if (self.read() or {}).get('token') == self.record['token']:
+      if self._mine():
         self.path.unlink()
 
 
 @contextlib.contextmanager
 def held(workdir, process_id: int, processes: int, agree=None, **timing):
-  """Holds the workdir's lease for the block where this is process 0 of its run (the others hold none). With several
-  processes, all of them raise Held where process 0 does, so that every one exits with HELD: `agree(flag)` returns
-  process 0's flag on every process (default: jax's multihost broadcast)."""
+  """Holds the workdir's lease for the block where this is process 0 (the others hold none). With several processes
+  every one raises Held where process 0 does: `agree(flag)` returns process 0's flag (default: jax's broadcast)."""
   lease, refusal = None, None
   if process_id == 0:
     try:

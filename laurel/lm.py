@@ -62,8 +62,9 @@ class LMConfig:
   param_dtype: str = field('float32', one_of(*DTYPES))
   scan_layers: bool = field(True, BOOL)
   scan_unroll: int = field(1, POSITIVE_INT)  # scanned layers per loop iteration
-  remat: str = field('none', one_of(*REMAT_POLICIES))
-  loss_chunk: int = field(256, NON_NEGATIVE_INT)  # positions whose logits the loss computes at once; 0 = all
+  remat: str = field('none', one_of(*REMAT_POLICIES), resumable=True)
+  # positions whose logits the loss computes at once; 0 = all
+  loss_chunk: int = field(256, NON_NEGATIVE_INT, resumable=True)
   attention: str = field('xla', one_of(*ATTENTION))
   attention_scores: str = field('float32', one_of('float32', 'bfloat16'))  # L×L scores of the xla path and decoding
   # Most documents the loader packs into one row (grain's max_sequences_per_bin); 0 = as many as fit. cudnn attention

@@ -3,22 +3,20 @@
   laurel-train --config=c4_ablation:rw_lr,preset=tiny --workdir=runs/demo [--config.<field>=<value> ...]
   laurel-train --config=configs/c4_ablation.py:rw_lr --print_config   # the resolved config, then exit
 
---config is a config file (relative to the working directory) with its argument, or a shipped config by name
-(c4_ablation, imagenet_resnet50, llm, residual_designs). Bad input exits with status 2 and one line on stderr,
-before anything is traced or any checkpoint touched; so does resuming a workdir with another config, unless
---allow_config_change. In the train loop SIGTERM and Ctrl-C save a checkpoint and exit 0 (or --preempted_exit);
-elsewhere (start-up, compiling) Ctrl-C exits at once with status 130, SIGTERM with 143, each with one line. Rerun
-the same command to resume.
---config=WORKDIR (or WORKDIR/config.json) is the config a run saved. Any other failure keeps its traceback and exits
-with status 1; a training loss that is not finite exits with 3, a multi-process run whose processes did not all join
-(docs/clusters.md) with 4, a workdir that another live run holds with 5, a process whose loop hung (the watchdog:
-config.watchdog_*) with 75.
+--config: a config file with its argument, a shipped config by name (c4_ablation, imagenet_resnet50, llm,
+residual_designs), or WORKDIR (or WORKDIR/config.json): the config a run saved. Rerun the same command to resume.
+Exit status: 2 and one line for bad input (resuming with another config included, unless --allow_config_change),
+before anything is compiled or touched; 0 (or --preempted_exit) after SIGTERM or Ctrl-C in the train loop, which
+saves a checkpoint; 130 (143 for SIGTERM) and one line for either before the loop; 3 for a loss that is not finite;
+4 for processes that did not all join (docs/clusters.md); 5 for a workdir another live run holds; 75 for a hung loop
+(config.watchdog_*); 1 with a traceback for anything else.
 """
 
 from laurel import console  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
 
 INTERRUPTED = 'interrupted: exited; nothing was lost (rerun the same command to start or resume)'
-if __name__ == '__main__':
+if __name__ == '__main__':  # quiet and interruptible while JAX and TensorFlow load
+  console.quiet_start()
   console.exit_on_interrupt(INTERRUPTED)
 
 import logging as logging_std  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -27,7 +25,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import aot, checkpoint, cluster, compile_cache, config_lib, cost, lease, step, train
+from laurel import aot, cluster, compile_cache, config_lib, cost, lease, step, train
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -40,9 +38,9 @@ _PREEMPTED_EXIT = flags.DEFINE_integer('preempted_exit', 0, 'Exit status of a ru
                                       'with a checkpoint, before its last step: 42 has xpk, JobSet and '
                                       'scripts/slurm_train.sbatch restart it (docs/clusters.md).')
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
-    'allow_config_change', False, 'Resume checkpoints trained with another config: fields other than steps, the '
-    'log/eval/checkpoint cadence, the mesh and input workers (laurel.checkpoint.RESUMABLE), which always may change. '
-    'The change is recorded in WORKDIR/config_history.jsonl.')
+    'allow_config_change', False, 'Resume checkpoints trained with another config in fields other than the resumable '
+    'ones (steps, the log/eval/checkpoint cadence, the mesh, input workers), which always may change. The change is '
+    'recorded in WORKDIR/config_history.jsonl.')
 _ALLOW_FRESH_START = flags.DEFINE_bool(
     'allow_fresh_start', False, 'Train from step 0 in a workdir whose every checkpoint was unreadable (moved to '
     'WORKDIR/unreadable_checkpoints); without it such a run stops.')
@@ -67,32 +65,24 @@ def main(argv):
     for warning in step.check_overrides(_CONFIG.value, config_flags.get_config_filename(flags.FLAGS['config']),
                                          config_flags.get_override_values(flags.FLAGS['config'])):
       print(warning, file=sys.stderr, flush=True)
+    if _PRINT_CONFIG.value:
+      step.validate_config(_CONFIG.value)
+      print(_CONFIG.value.to_json_best_effort(indent=2, sort_keys=True))
+      return
+    compile_cache.setup()  # before anything compiles (--compilation_cache)
+    if _COMPILE_ONLY.value:  # before anything starts a backend or touches a workdir
+      aot.compile_only_process()
+      print(aot.preflight(_CONFIG.value, _TOPOLOGY.value), flush=True)
+      return
   except config_lib.InputError as e:
     config_lib.fail(str(e))
-  if _PRINT_CONFIG.value:
-    try:
-      step.validate_config(_CONFIG.value)
-    except config_lib.InputError as e:
-      config_lib.fail(str(e))
-    print(_CONFIG.value.to_json_best_effort(indent=2, sort_keys=True))
-    return
-  compile_cache.setup()  # before anything compiles (--compilation_cache)
-  if _COMPILE_ONLY.value:  # before anything starts a backend or touches a workdir
-    aot.compile_only_process()
-    try:
-      print(aot.preflight(_CONFIG.value, _TOPOLOGY.value), flush=True)
-    except config_lib.InputError as e:
-      config_lib.fail(str(e))
-    return
   if not _WORKDIR.value:
     config_lib.fail('--workdir is required')
   logging.set_verbosity(logging.INFO)
-  logging.get_absl_handler().addFilter(_console_filter)
+  logging.get_absl_handler().addFilter(lambda record: record.levelno >= logging_std.WARNING)  # we print progress
   # Joins the run's other processes where the flags or the environment name them (before any backend starts).
   cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _JOIN_TIMEOUT.value)
-  # Only bad input is one line (exit 2); anything else from jax, flax, orbax or this code is a bug or an environment
-  # failure and keeps its traceback (exit 1).
-  try:  # train.train checks the config, the data and the workdir before it compiles anything
+  try:  # only bad input is one line (exit 2); anything else keeps its traceback (exit 1)
     final = train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
                         allow_fresh_start=_ALLOW_FRESH_START.value, hold_lease=True)
   except lease.Held as e:  # another run trains in this workdir
@@ -107,12 +97,8 @@ def main(argv):
     sys.exit(_PREEMPTED_EXIT.value)
 
 
-def _console_filter(record: logging_std.LogRecord) -> bool:
-  """Warnings and errors only: the train loop prints its own progress, one line per logged step."""
-  return record.levelno >= logging_std.WARNING
-
-
 def run():
+  console.quiet_start()
   console.exit_on_interrupt(INTERRUPTED)
   if sys.modules['__main__'] is not sys.modules[__name__]:  # the laurel-train console script: --help shows ours
     sys.modules['__main__'].__doc__ = __doc__

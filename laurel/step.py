@@ -36,7 +36,7 @@ class OptimizerConfig:
   eps: float = field(1e-8, POSITIVE)
   weight_decay: float = field(0.1, NON_NEGATIVE)
   grad_clip: float = field(1.0, POSITIVE)
-  grad_accum_steps: int = field(1, POSITIVE_INT)
+  grad_accum_steps: int = field(1, POSITIVE_INT, resumable=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,27 +69,27 @@ class TrainConfig:
   baseline_row: str = ''  # the row this one is compared with
   seed: int = field(0, (is_int, 'must be an integer'))
   steps: int = field(1000, (lambda v: is_int(v) and 1 <= v < 2**31,  # TrainState.step is an int32
-                             'must be a positive integer below 2**31'))
+                             'must be a positive integer below 2**31'), resumable=True)
   batch_size: int = field(16, POSITIVE_INT)  # global, in sequences (LM) or images
-  log_every: int = field(50, POSITIVE_INT)
-  eval_every: int = field(500, POSITIVE_INT)
-  eval_steps: int = field(10, POSITIVE_INT)
-  checkpoint_every: int = field(500, POSITIVE_INT)
-  keep_checkpoints: int = field(3, POSITIVE_INT)
-  tensorboard: bool = field(True, BOOL)
-  profile_steps: tuple = field((), PROFILE_STEPS)
+  log_every: int = field(50, POSITIVE_INT, resumable=True)
+  eval_every: int = field(500, POSITIVE_INT, resumable=True)
+  eval_steps: int = field(10, POSITIVE_INT, resumable=True)
+  checkpoint_every: int = field(500, POSITIVE_INT, resumable=True)
+  keep_checkpoints: int = field(3, POSITIVE_INT, resumable=True)
+  tensorboard: bool = field(True, BOOL, resumable=True)
+  profile_steps: tuple = field((), PROFILE_STEPS, resumable=True)
   # Independent input streams, split over the processes in order; 0 = gcd(batch_size, 64). The global batch
   # sequence depends on this number only, never on the host count, so a run resumes on any slice.
   data_shards: int = field(0, NON_NEGATIVE_INT)
   # A process whose loop makes no progress (a step, an eval batch, a checkpoint save) for watchdog_factor × the
   # median step time (at least watchdog_min_s), or for watchdog_s in any case, exits with WATCHDOG_EXIT; 0 = off.
-  watchdog_factor: float = field(20.0, NON_NEGATIVE)
-  watchdog_min_s: float = field(300.0, NON_NEGATIVE)
-  watchdog_s: float = field(3600.0, NON_NEGATIVE)
+  watchdog_factor: float = field(20.0, NON_NEGATIVE, resumable=True)
+  watchdog_min_s: float = field(300.0, NON_NEGATIVE, resumable=True)
+  watchdog_s: float = field(3600.0, NON_NEGATIVE, resumable=True)
   optimizer: OptimizerConfig = OptimizerConfig()
-  mesh: MeshConfig = MeshConfig()
-  wandb: WandbConfig = WandbConfig()
-  logical_axis_rules: tuple = LOGICAL_AXIS_RULES
+  mesh: MeshConfig = field(MeshConfig(), resumable=True)
+  wandb: WandbConfig = field(WandbConfig(), resumable=True)
+  logical_axis_rules: tuple = field(LOGICAL_AXIS_RULES, resumable=True)
   model: Any = None  # the task's typed section (LMConfig, ResNetConfig)
   data: Any = None  # the task's typed section (LMDataConfig, ImageDataConfig)
 

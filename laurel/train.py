@@ -1,8 +1,6 @@
 """The train loop shared by every task (laurel.tasks): input shards, metrics, eval, preemption, the watchdog.
 
-  step    = laurel.step.compile_step: the sharded train step, compiled ahead of time
-  resume  = laurel.checkpoint.restore_latest: the latest checkpoint every host can read in WORKDIR/checkpoints
-  outputs = WORKDIR/metrics.jsonl, WORKDIR/tensorboard/, WORKDIR/final.json (and WORKDIR/profile/)
+Resumes from WORKDIR/checkpoints (laurel.checkpoint); writes WORKDIR/metrics.jsonl, tensorboard/ and final.json.
 """
 
 import collections
@@ -30,22 +28,20 @@ from absl import logging
 from etils import epath
 
 from laurel import checkpoint, config_lib, console, hardware, lease, metric_writers, sharding
-from laurel.checkpoint import guard_config, run_dir, utc_now
+from laurel.checkpoint import run_dir, utc_now
 from laurel.config_lib import InputError
 from laurel.files import write_text_atomic
 from laurel.stats import weighted_mean_se
-# LOGICAL_AXIS_RULES and NO_DECAY stay importable from here.
-from laurel.step import (LOGICAL_AXIS_RULES, NO_DECAY, check_fits_host, compile_step, num_data_shards,  # noqa: F401
-                         step_flops, validate_config)
+from laurel.step import (LOGICAL_AXIS_RULES, check_fits_host, compile_step, num_data_shards,  # noqa: F401
+                         step_flops, validate_config)  # LOGICAL_AXIS_RULES: importable from here
 
 
 class TrainingDiverged(RuntimeError):
-  """The loss is not finite."""
-
+  """The loss, or a state about to be saved, is not finite."""
 
 
 class ShardedBatches(grain.IterDataset):
-  """Batches made of several independent input shards, concatenated along the batch axis (local_dataset)."""
+  """Batches of several independent input shards, concatenated along the batch axis."""
   def __iter__(self):
     return _ShardedBatchIterator([iter(p) for p in self.parents])
 
@@ -66,28 +62,33 @@ class _ShardedBatchIterator(grain.DatasetIterator):
 def local_dataset(task, *, train: bool):
   """This process's rows of the global batch: its consecutive run of the input shards (num_data_shards)."""
   config = task.config
-  num_shards, nproc = num_data_shards(config), jax.process_count()
-  mine = range(jax.process_index() * num_shards // nproc, (jax.process_index() + 1) * num_shards // nproc)
+  num_shards, nproc, pid = num_data_shards(config), jax.process_count(), jax.process_index()
   return ShardedBatches([task.dataset(train=train, batch_size=config.batch_size // num_shards, seed=config.seed,
-                                      process_index=s, process_count=num_shards) for s in mine])
-
+                                      process_index=s, process_count=num_shards)
+                         for s in range(pid * num_shards // nproc, (pid + 1) * num_shards // nproc)])
 
 
 class MetricsLog:
-  """WORKDIR/metrics.jsonl (one object per logged step, for scripts) beside laurel.metric_writers: the log,
-  TensorBoard and, where asked, W&B. Process 0 writes files; the others only log. A local log grows by appends; one
-  behind '://' (gcsfs through etils.epath overwrites on 'a') is rewritten whole, which GCS does atomically."""
+  """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.metric_writers. Process 0 writes it: by appends
+  where local, rewritten whole behind '://' (gcsfs overwrites on 'a'; GCS replaces an object atomically)."""
 
   def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False):
     self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
-    self.path = workdir / 'metrics.jsonl'
+    self.path, self.lines = workdir / 'metrics.jsonl', []
     self.appends = '://' not in os.fspath(self.path)
-    self.lines = []
     if self.active and self.path.exists():
       text = self.path.read_text()
-      self.lines = read_log_lines(text, self.path)
-      if not keep_later_steps:  # drop lines a killed run logged past the checkpoint we resume from
-        self.lines = [l for l in self.lines if json.loads(l)['step'] <= resume_step]
+      for number, line in enumerate(text.splitlines(), 1):
+        try:
+          row = json.loads(line) if line else None
+        except ValueError:
+          row = None
+        if isinstance(row, dict) and isinstance(row.get('step'), int):
+          if keep_later_steps or row['step'] <= resume_step:  # not the lines a killed run logged past the checkpoint
+            self.lines.append(line + '\n')
+        elif line:
+          print(f'warning: {self.path}: dropped line {number}, not a JSON object with a step (cut by a kill?): '
+                f'{line[:80]!r}', file=sys.stderr, flush=True)
       if ''.join(self.lines) != text:
         write_text_atomic(self.path, ''.join(self.lines))
     flat = flax.traverse_util.flatten_dict(config.to_dict(), sep='.')
@@ -97,44 +98,25 @@ class MetricsLog:
     values = {k: float(v) if isinstance(v, (float, np.floating, jax.Array)) else v for k, v in values.items()}
     self.writer.write_scalars(step, {k: v for k, v in values.items() if v is not None})
     if self.active:
-      line = json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n'
-      self.lines.append(line)
+      self.lines.append(json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n')
       if self.appends:
         with self.path.open('a') as f:
-          f.write(line)
+          f.write(self.lines[-1])
       else:
         self.path.write_text(''.join(self.lines))
       self.info = {}
 
 
-def read_log_lines(text: str, path) -> list[str]:
-  """The JSON lines of a metrics log, newline-terminated; a line a kill cut mid-write is dropped with a warning."""
-  lines = []
-  for number, line in enumerate(text.splitlines(), 1):
-    try:
-      if line and isinstance(json.loads(line).get('step'), int):
-        lines.append(line + '\n')
-        continue
-    except (ValueError, AttributeError):
-      pass
-    if line:
-      print(f'warning: {path}: dropped line {number}, not a JSON object with a step (cut by a kill?): '
-            f'{line[:80]!r}', file=sys.stderr, flush=True)
-  return lines
-
-
-
 def check_inputs(task, workdir: epath.Path) -> None:
-  """What would otherwise fail after compiling, checked first: every gs:// path's filesystem, the data and the
-  vocabulary (task.check_data), a writable workdir. One-line InputErrors naming the path."""
-  paths = [('--workdir', os.fspath(workdir))] + [(f'data.{k}', getattr(task.data_cfg, k, '') or '') for k in
-                                                  ('path', 'tfds_data_dir', 'vocab_path')]
-  for name, path in paths:
-    if '://' in path:
-      try:
+  """What would otherwise fail after compiling, as one-line InputErrors: every gs:// path's filesystem, the data and
+  vocabulary (task.check_data), the metric writers' extras, a writable workdir."""
+  for name, path in [('--workdir', os.fspath(workdir))] + [(f'data.{k}', getattr(task.data_cfg, k, '') or '')
+                                                           for k in ('path', 'tfds_data_dir', 'vocab_path')]:
+    try:
+      if '://' in path:
         epath.Path(path).exists()
-      except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
-        raise InputError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
+    except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
+      raise InputError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
   task.check_data()
   metric_writers.check_extras(task.config)
   probe = workdir / f'.write_test.{jax.process_index()}'
@@ -146,11 +128,10 @@ def check_inputs(task, workdir: epath.Path) -> None:
     raise InputError(f'--workdir={os.fspath(workdir)!r}: not writable: {config_lib.io_error_reason(e)}') from None
 
 
-
 @functools.cache
 def code_commit() -> str | None:
-  """The repository's git commit ('+' appended if tracked files have changed), else its COMMIT file (which
-  scripts/launch_tpu.py ships with a copied tree), else None."""
+  """The repository's git commit ('+' if tracked files changed), else its COMMIT file (scripts/launch_tpu.py ships
+  one with a copied tree), else None."""
   git = lambda *args: subprocess.run(['git', '-C', str(config_lib.REPO), *args], capture_output=True, text=True,
                                      check=False)
   head = git('rev-parse', 'HEAD') if (config_lib.REPO / '.git').exists() else None  # not an enclosing repo's
@@ -158,13 +139,6 @@ def code_commit() -> str | None:
     return head.stdout.strip() + ('+' if git('status', '--porcelain', '--untracked-files=no').stdout.strip() else '')
   commit_file = config_lib.REPO / 'COMMIT'
   return commit_file.read_text().strip() if commit_file.is_file() else None
-
-
-def run_info(config) -> dict:
-  """What identifies a run: the code's commit, a hash of the resolved config, when this process started."""
-  canonical = json.dumps(json.loads(config.to_json_best_effort()), sort_keys=True)
-  return {'commit': code_commit(), 'config_hash': hashlib.sha256(canonical.encode()).hexdigest()[:16],
-          'started_at': utc_now()}
 
 
 def _preemption_handler(preempted: list, nproc: int):
@@ -186,12 +160,10 @@ WATCHDOG_EXIT = 75  # a hung process: restart it from its last checkpoint (EX_TE
 
 
 class Watchdog:
-  """A thread that ends this process when its train loop stops making progress, e.g. every host of a slice waiting
-  in a collective one host never entered, which would otherwise hang forever: it logs the host and the step, prints
-  every thread's stack, flushes what it can and exits with WATCHDOG_EXIT, so that a supervisor restarts the run from
-  its last checkpoint. `beat(step)` after each step (`beat()` after other progress). The limit is `limit_s`, and
-  once WARMUP steps have run (their times include compiling and caching), also max(factor × the median step time,
-  min_s)."""
+  """Ends this process with WATCHDOG_EXIT when its loop stops making progress (e.g. a collective one host never
+  entered), naming host and step and printing every thread's stack, so that a supervisor restarts the run. Call
+  `beat(step)` after each step, `beat()` after other progress. The limit: `limit_s`, and once WARMUP steps have run
+  (they include compiling), max(factor × the median step time, min_s)."""
   WARMUP = 3
 
   def __init__(self, factor: float, min_s: float, limit_s: float, flush=lambda: None):
@@ -200,12 +172,11 @@ class Watchdog:
     self.step_times = collections.deque(maxlen=200)
     self._stop = threading.Event()
     self._poll_s = min([1.0] + [x / 10 for x in (limit_s, min_s) if x]) if factor or limit_s else None
-    self._thread = threading.Thread(target=self._watch, name='laurel-watchdog', daemon=True)
 
   def start(self) -> 'Watchdog':
     self.last = time.monotonic()
     if self._poll_s:
-      self._thread.start()
+      threading.Thread(target=self._watch, name='laurel-watchdog', daemon=True).start()
     return self
 
   def stop(self):
@@ -224,41 +195,36 @@ class Watchdog:
     limits = [self.limit_s] if self.limit_s else []
     if self.factor and len(self.step_times) >= self.WARMUP:
       limits.append(max(self.factor * statistics.median(self.step_times), self.min_s))
-    return min(limits) if limits else None
+    return min(limits, default=None)
 
   def _watch(self):
     while not self._stop.wait(self._poll_s):
       stalled, limit = time.monotonic() - self.last, self.limit()
       if limit is not None and stalled > limit:
-        self._fire(stalled, limit)
-        return
+        return self._fire(stalled, limit)
 
   def _fire(self, stalled: float, limit: float):
-    where = f'process {jax.process_index()} of {jax.process_count()} on host {socket.gethostname()}'
     after = 'before the first step' if self.step is None else f'after step {self.step}'
-    message = (f'watchdog: no progress for {stalled:.1f}s {after} (limit {limit:.1f}s) on {where}; exiting with '
-               f'status {WATCHDOG_EXIT} so that a supervisor restarts the run from its last checkpoint')
+    message = (f'watchdog: no progress for {stalled:.1f}s {after} (limit {limit:.1f}s) on process '
+               f'{jax.process_index()} of {jax.process_count()} on host {socket.gethostname()}; exiting with status '
+               f'{WATCHDOG_EXIT} so that a supervisor restarts the run from its last checkpoint')
     logging.error(message)
     print(f'error: {message}', file=sys.stderr, flush=True)
     for thread_id, frame in sys._current_frames().items():  # pylint: disable=protected-access  # where it hangs
       print(f'thread {thread_id}:\n{"".join(traceback.format_stack(frame))}', file=sys.stderr)
-    try:
-      self.flush()
-    except Exception as e:  # pylint: disable=broad-except  # exit regardless
-      print(f'watchdog: flushing failed: {e!r}', file=sys.stderr)
-    logging.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for flush in (self.flush, logging.flush, sys.stdout.flush, sys.stderr.flush):
+      try:
+        flush()
+      except Exception as e:  # pylint: disable=broad-except  # exit regardless
+        print(f'watchdog: flushing failed: {e!r}', file=sys.stderr)
     os._exit(WATCHDOG_EXIT)  # pylint: disable=protected-access  # the main thread is stuck: no clean exit
-
 
 
 def train(config, workdir: str, devices=None, allow_config_change: bool = False, allow_fresh_start: bool = False,
           hold_lease: bool = False) -> dict:
-  """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Everything that can fail on
-  bad input is checked before anything is compiled (validate_config, check_inputs, guard_config). Where every
-  checkpoint was unreadable (moved aside) it starts from step 0 only if `allow_fresh_start`. With hold_lease,
-  process 0 holds WORKDIR/lease.json throughout, and another live run's lease raises lease.Held."""
+  """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Bad input is refused before
+  anything compiles. Where every checkpoint was unreadable (moved aside) it starts from step 0 only if
+  `allow_fresh_start`. With `hold_lease` process 0 holds WORKDIR/lease.json throughout (laurel.lease)."""
   started = time.perf_counter()
   devices = jax.devices() if devices is None else devices
   task = validate_config(config, num_devices=len(devices))
@@ -271,15 +237,17 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
 def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
                    started: float) -> dict:
   cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
-  record_config = guard_config(config, workdir, allow_config_change)
+  record_config = checkpoint.guard_config(config, workdir, allow_config_change)
   print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '
         f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)
-  info = run_info(config)
+  canonical = json.dumps(json.loads(config.to_json_best_effort()), sort_keys=True)
+  info = {'commit': code_commit(), 'config_hash': hashlib.sha256(canonical.encode()).hexdigest()[:16],
+          'started_at': utc_now()}  # what identifies the run
   mesh = sharding.make_mesh(cfg.mesh, devices)
-  pid, nproc = jax.process_index(), jax.process_count()
+  nproc, plural = jax.process_count(), 's' * (len(devices) > 1)
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules):
-    with console.phase(f'compiling the train step for {len(devices)} device{"s" * (len(devices) > 1)}'):
+    with console.phase(f'compiling the train step for {len(devices)} device{plural}'):
       compiled, init_state, abstract_state, state_shardings = compile_step(task, mesh)
     check_fits_host(task, compiled, len(devices))
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
@@ -299,7 +267,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     if state is None:
       if quarantined:  # a fresh start is fresh: a failed restore may have moved the input's position
         train_iter = iter(local_dataset(task, train=True))
-        info = {**info, 'fresh_start_after': quarantined}
+        info['fresh_start_after'] = quarantined
       with console.phase('initialising the model'):
         state = init_state(jax.random.key(cfg.seed))
     elif start >= cfg.steps and (workdir / 'final.json').exists():
@@ -308,69 +276,64 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       return json.loads((workdir / 'final.json').read_text())
     else:
       print(f'resumed from checkpoint {start} in {workdir}', flush=True)
+    if moved_aside:  # the log keeps the steps logged after `start`, and says why they come again
+      info['moved_aside'] = moved_aside
 
     num_params = task.num_params(abstract_state.params)
     peak_memory = hardware.peak_memory_bytes(compiled)
     # Utilisation only where the chip's peak is known: model FLOPs (MFU) and the compiler's, remat included (HFU).
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)
     flops = {'mfu': task.model_flops(cfg.batch_size), 'hfu': step_flops(task)} if peak_flops else {}
-    if moved_aside:  # the log keeps the steps logged after `start`, and says why they come again
-      info = {**info, 'moved_aside': moved_aside}
+    keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
     with console.deferred():  # it rewrites metrics.jsonl
-      log = MetricsLog(workdir, config, start, info, keep_later_steps=bool(moved_aside or 'fresh_start_after' in info))
+      log = MetricsLog(workdir, config, start, info, keep_later_steps=keep)
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
     profiler = metric_writers.Profiler(workdir / 'profile', cfg.profile_steps)
     actions = [metric_writers.Progress(log.writer, cfg.log_every, cfg.steps), profiler]
-    devices_shown = f'{jax.device_count()} device{"s" * (jax.device_count() > 1)}'
-    print(f'{num_params:,} params | {devices_shown}, mesh {dict(mesh.shape)} | peak memory of the compiled step '
-          f'{peak_memory / 2**20:,.1f} MiB', flush=True)
+    print(f'{num_params:,} params | {jax.device_count()} device{"s" * (jax.device_count() > 1)}, mesh '
+          f'{dict(mesh.shape)} | peak memory of the compiled step {peak_memory / 2**20:,.1f} MiB', flush=True)
 
     def evaluate():
-      it = iter(local_dataset(task, train=False))
-      totals, loss_batches = {}, []
+      it, totals, loss_batches = iter(local_dataset(task, train=False)), {}, []
       with console.phase(f'evaluating on {cfg.eval_steps} batches'):
         for _ in range(cfg.eval_steps):
           batch_metrics = jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh)))
-          for name, (s, w) in batch_metrics.items():
-            ts, tw = totals.get(name, (0.0, 0.0))
-            totals[name] = (ts + float(s), tw + float(w))
+          for name, sum_and_weight in batch_metrics.items():  # weighted means over the batches
+            totals[name] = totals.get(name, 0.0) + np.asarray(sum_and_weight, np.float64)
           loss_batches.append(batch_metrics['loss'])
           watchdog.beat()
       # final.json's held_out: the eval set's size and own sampling noise (eval_loss's standard error over batches).
       eval_noise.update(loss_se=weighted_mean_se(*zip(*loss_batches)), batches=len(loss_batches),
                         **{task.unit: int(totals['loss'][1])})
-      return {f'eval_{k}': s / max(w, 1.0) for k, (s, w) in totals.items()}
+      return {f'eval_{k}': float(s / max(w, 1.0)) for k, (s, w) in totals.items()}
 
     def check_finite(step, metrics, saving=None):
       """The loss; before a save, also the state `saving`: only a finite state becomes a checkpoint."""
       loss = float(metrics['loss'])
-      if not math.isfinite(loss):
-        diverged = f'loss is {loss}'
-      elif saving is not None and not checkpoint.is_finite(saving):
-        diverged = f'the state (parameters or optimizer state) is not finite (loss {loss:.4f})'
-      else:
+      if math.isfinite(loss) and (saving is None or checkpoint.is_finite(saving)):
         return
+      diverged = (f'loss is {loss}' if not math.isfinite(loss) else
+                  f'the state (parameters or optimizer state) is not finite (loss {loss:.4f})')
+      good = mngr.latest_step()
       raise TrainingDiverged(f'{diverged} at step {step}; not saved; last good checkpoint: '
-                             f'{mngr.latest_step() if mngr.latest_step() is not None else "none"} in '
-                             f'{workdir / "checkpoints"}')
+                             f'{"none" if good is None else good} in {workdir / "checkpoints"}')
 
     # One process: our own flag. Several: only orbax's reached_preemption, which every host agrees on (JAX's
     # preemption service catches SIGTERM), so no host starts a collective save alone.
     preempted = []
     handler = _preemption_handler(preempted, nproc)
-    signals = (signal.SIGTERM, signal.SIGINT) if nproc == 1 else (signal.SIGINT,)
-    previous = {s: signal.signal(s, handler) for s in signals}
+    previous = {s: signal.signal(s, handler) for s in ((signal.SIGTERM, signal.SIGINT) if nproc == 1 else
+                                                       (signal.SIGINT,))}
     eval_metrics, eval_noise, pending, step_times, interval = {}, {}, None, [], []
     t0, interval_start = time.time(), start
     watchdog.start()
     try:
       for step in range(start, cfg.steps):
-        batch = sharding.global_batch(next(train_iter), mesh)
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, sharding.global_batch(next(train_iter), mesh))
         if pending is not None:  # one step behind, so the host never waits on the step in flight
           check_finite(*pending)
         pending, done = (step + 1, metrics), step + 1
-        interval.append(metrics)  # on the device until logged: no wait on the step in flight
+        interval.append(metrics)  # on the device until logged
         for action in actions:
           action.after_step(done)
         last = done == cfg.steps
@@ -383,8 +346,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
           row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
                      peak_memory_bytes=peak_memory, params=num_params,
                      **{k: f / dt / (peak_flops * jax.device_count()) for k, f in flops.items()})
-          stats = jax.local_devices()[0].memory_stats()
-          if stats and 'peak_bytes_in_use' in stats:
+          if 'peak_bytes_in_use' in (stats := jax.local_devices()[0].memory_stats() or {}):
             row['device_peak_bytes'] = stats['peak_bytes_in_use']
           log.write(done, row)
           print(console.step_line(done, cfg.steps, row, task.unit), flush=True)
@@ -418,7 +380,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       log.writer.close()
       mngr.close()
 
-  if pid == 0:
+  if jax.process_index() == 0:
     with console.deferred():
       write_text_atomic(workdir / 'final.json', json.dumps(final, indent=2) + '\n')
     print(summary(cfg, workdir, final, time.perf_counter() - started), flush=True)
@@ -426,8 +388,8 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
 
 
 def interval_mean(rows: list[dict]) -> dict:
-  """The metrics of a logging interval's steps as one row: each metric's mean over them (the learning rate: the
-  last step's), and how many steps that is (`mean_of_steps`)."""
+  """A logging interval's steps as one row: each metric's mean (the learning rate: the last step's), and how many
+  steps that is (`mean_of_steps`)."""
   row = {k: statistics.fmean(float(r[k]) for r in rows) for k in rows[-1] if k != 'learning_rate'}
   if 'learning_rate' in rows[-1]:
     row['learning_rate'] = float(rows[-1]['learning_rate'])
@@ -440,22 +402,22 @@ def summary(config, workdir: epath.Path, final: dict, seconds: float) -> str:
   logged = [r for r in map(json.loads, path.read_text().splitlines() if path.exists() else []) if 'loss' in r]
   evals = ', '.join(f'{k} {final[k]:.4f}' for k in sorted((k for k in final if k.startswith('eval_')),
                                                               key=lambda k: (k != 'eval_loss', k)))
-  last = logged[-1] if logged else {}
-  steps = last.get('mean_of_steps', 1)
-  train_loss = (f'; train loss {last["loss"]:.4f} (the mean of steps {last["step"] - steps + 1}-{last["step"]})'
-                if steps > 1 else f'; train loss {last["loss"]:.4f} at step {last["step"]}') if logged else ''
-  shown = console.shown(workdir)
+  train_loss = ''
+  if logged:
+    last, steps = logged[-1], logged[-1].get('mean_of_steps', 1)
+    train_loss = f'; train loss {last["loss"]:.4f} ' + (f'(the mean of steps {last["step"] - steps + 1}-{last["step"]})'
+                                                        if steps > 1 else f'at step {last["step"]}')
   lines = [f'finished {config.row or config.task} at step {final["step"]} in {console.duration(seconds)}: '
            f'{evals}{train_loss}',
            f'  final.json    {console.shown(workdir / "final.json")}',
            f'  checkpoints   {console.shown(workdir / "checkpoints")} (the last: step {final["step"]})',
-           f'  metrics       {console.shown(workdir / "metrics.jsonl")}']
+           f'  metrics       {console.shown(path)}']
   if config.tensorboard:
     lines.append(f'  TensorBoard   tensorboard --logdir {console.shown(workdir / "tensorboard")}')
   if config.task == 'lm':
     prompt = 'def ' if config.data.name == 'text' and not config.data.path else 'The '
     new_tokens = min(64, config.data.seq_len // 2)  # prompt and new tokens within the context it trained on
-    python = console.python_command()  # the venv's python unless the shell's `python` is the same
+    python, shown = console.python_command(), console.shown(workdir)  # the venv's python unless it is `python`
     lines += ['next:',
               f"  {python} -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens={new_tokens}",
               f"  {python} -m laurel.evaluate --workdir={shown} --task='text:HELD_OUT/*.txt'   # or a .jsonl or "

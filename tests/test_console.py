@@ -181,6 +181,36 @@ def test_quiet_start_skips_the_tpu_probe_only_without_an_accelerator(monkeypatch
   assert os.environ['TF_CPP_MIN_LOG_LEVEL'] and os.environ['TF_ENABLE_ONEDNN_OPTS'] == '0'
 
 
+IMPORT_EVERY_MODULE = '''
+import contextlib, importlib, json, os, pkgutil, sys
+import jax  # sets its own defaults (TF_CPP_MIN_LOG_LEVEL) on import, as lm_eval does: not laurel's doing
+with contextlib.suppress(ImportError):
+  import lm_eval
+from absl import flags
+before = dict(os.environ)
+import laurel
+names = sorted(m.name for m in pkgutil.walk_packages(laurel.__path__, 'laurel.'))
+for name in names:
+  importlib.import_module(name)
+  for flag in flags.FLAGS.get_key_flags_for_module(name):  # modules that define the same flags import side by side
+    delattr(flags.FLAGS, flag.name)
+changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+print(json.dumps({'modules': names, 'changed': changed}))
+'''
+
+
+@pytest.mark.slow
+def test_importing_every_laurel_module_changes_no_environment_variable():
+  env = {k: v for k, v in cli_env().items() if k not in ('JAX_PLATFORMS', 'TF_CPP_MIN_LOG_LEVEL',
+                                                          'TF_ENABLE_ONEDNN_OPTS')}
+  result = subprocess.run([sys.executable, '-c', IMPORT_EVERY_MODULE], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  seen = json.loads(result.stdout.splitlines()[-1])
+  assert {'laurel.main', 'laurel.train', 'laurel.generate', 'laurel.evaluate'} <= set(seen['modules'])
+  assert seen['changed'] == []
+
+
 def test_phase_prints_a_heartbeat_and_its_duration(capsys):
   with console.phase('compiling the step', every_s=0.05):
     time.sleep(0.18)

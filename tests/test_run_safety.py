@@ -423,10 +423,10 @@ def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_an
   (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
   (tmp_path / 'config.json').write_text(json.dumps(saved))
   checkpoint.guard_config(config, tmp_path)
-  assert checkpoint._same_model(saved, config)  # pylint: disable=protected-access
+  assert checkpoint.config_changes(saved, config) == ({}, [])
 
   (tmp_path / 'config.json').write_text(json.dumps(saved))
   config.model.attention_scores = 'bfloat16'
-  assert not checkpoint._same_model(saved, config)  # pylint: disable=protected-access
+  assert checkpoint.config_changes(saved, config)[1] == ['model.attention_scores']
   with pytest.raises(config_lib.InputError, match=r"model\.attention_scores='float32' \(now 'bfloat16'\)"):
     checkpoint.guard_config(config, tmp_path)
