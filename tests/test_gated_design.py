@@ -6,12 +6,14 @@ import math
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from design_chain import D, LAYERS, T, init, inputs, randomize, run
 from helpers import TINY_LM, cli_env, losses, run_cli
-from laurel import config_lib, designs, lm
+from laurel import config_lib, designs, lm, step
 from reference import np_rms
 
 DESIGN = 'tests.gated_design:gated'
@@ -49,6 +51,17 @@ def test_gated_section_is_read_checked_and_named_in_errors(gated):
     lm.LMConfig.from_config(config_lib.load(spec, [f'model.stream.design={DESIGN}', 'model.gated.gate=vector']).model)
   with pytest.raises(config_lib.InputError, match=r"^model\.stream\.design='tests\.no_such:gated': cannot import"):
     config_lib.load(spec, ['model.stream.design=tests.no_such:gated'])
+
+
+def test_the_step_built_after_the_import_keeps_its_gate_out_of_weight_decay(gated):
+  """The optimizer reads the registry's no-decay names when it is built: a design imported late counts."""
+  params = {'site': {'gate': jnp.ones((4, 4)), 'kernel': jnp.ones((4, 4))}}
+  tx, _ = step.make_optimizer(step.OptimizerConfig(warmup_steps=1, weight_decay=0.5), steps=10)
+  state, zero = tx.init(params), {'site': {'gate': jnp.zeros((4, 4)), 'kernel': jnp.zeros((4, 4))}}
+  for _ in range(2):  # the first step's learning rate is the warmup's 0
+    updates, state = tx.update(zero, state, params)
+    params = optax.apply_updates(params, updates)
+  assert np.all(np.asarray(params['site']['gate']) == 1) and np.all(np.asarray(params['site']['kernel']) < 1)
 
 
 @pytest.mark.slow
