@@ -160,7 +160,7 @@ def test_spec_expansion_message_pinned():
 
 @pytest.mark.parametrize('sections,message', [
     (dict(hc={'expanson': 2}), r'^model\.hc\.expanson: unknown field'),
-    (dict(stream={'design': 'hc', 'expansion': 2}), r'^model\.stream\.expansion: unknown field \(known: design\)'),
+    (dict(stream={'design': 'hc', 'expanson': 2}), r'^model\.stream\.expanson: unknown field \(known: design\)'),
     (dict(gated={'gate': 'scalar'}), r'^model\.gated: unknown field')], ids=['field', 'stream_field', 'section'])
 def test_spec_rejects_unknown_field(sections, message):
   with pytest.raises(ValueError, match=message):
@@ -173,6 +173,14 @@ def test_spec_rejects_unknown_field(sections, message):
                          ids=['defaults', 'dwa_unused', 'hc_n1', 'dwa_equal_layers'])
 def test_spec_accepts(design, sections):
   assert _build(design, **sections) == StreamSpec(design, **sections.get(design, {}))
+
+
+def test_a_config_saved_with_every_field_in_model_stream_still_builds():
+  old = {'design': 'mhc', 'expansion': 3, 'hc_dynamic': False, 'sinkhorn_iters': 5, 'mhc_readout': 'authors',
+         'mhc_lite_init': 'plain', 'fractions': 2, 'layerscale_init': 1e-5, 'dwa_dilation': 1, 'dwa_period': 1,
+         'attnres_block': 2, 'attnres_heads': 1, 'attnres_delta': False, 'mudd_streams': 'qkvr', 'dca_k': 8}
+  assert _build(stream=old) == StreamSpec('mhc', expansion=3, sinkhorn_iters=5)
+  assert _build(stream={**old, 'design': 'residual'}, laurel={'variant': 'rw'}) == StreamSpec(variant='rw')
 
 
 def test_unused_sections_are_every_other_designs_fields():

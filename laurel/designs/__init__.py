@@ -163,9 +163,14 @@ def _build(default, values: dict, prefix: str):
     return stream
   stream = dict(stream or {})
   name = stream.pop('design', default.design)
+  design = lookup(name, f'{prefix}.stream.design')
+  if stream and set(stream) <= {  # a run saved before each design had its own section: every field in model.stream
+      f.name for d in REGISTRY.values() if d.section != 'laurel' for f in dataclasses.fields(d.config)}:
+    own = {f.name for f in dataclasses.fields(design.config)}
+    values.setdefault(design.section, {k: v for k, v in stream.items() if k in own})
+    stream = {}
   if stream:
     raise InputError(f'{prefix}.stream.{sorted(stream)[0]}: unknown field (known: design)')
-  design = lookup(name, f'{prefix}.stream.design')
   spec = default if type(default) is design.config else design.config()
   for d in list(REGISTRY.values()):
     if d.section in values:
