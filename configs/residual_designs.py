@@ -26,31 +26,37 @@ from laurel import config_lib
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # configs/ itself: this table is built on Table 5's
 import c4_ablation  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+
+def _design(name, **fields):
+  """Model overrides choosing design `name`, with `fields` of its section `model.<name>`."""
+  return dict(stream=dict(design=name), **({name: fields} if fields else {}))
+
+
 ROWS = {
     # row: (layers at paper preset, model overrides); sharing's rank R is filled in per preset
     'baseline_24': (24, {}),
     'baseline_28': (28, {}),
     'laurel_rw_lr': (24, dict(laurel=dict(variant='rw+lr'))),
     'laurel_rw_lr_pa': (24, dict(laurel=dict(variant='rw+lr+pa'))),
-    'rezero': (24, dict(stream=dict(design='rezero'))),
-    'layerscale': (24, dict(stream=dict(design='layerscale'))),
-    'hc': (24, dict(stream=dict(design='hc'))),
-    'hc_dynamic': (24, dict(stream=dict(design='hc', hc_dynamic=True))),
-    'mhc': (24, dict(stream=dict(design='mhc'))),  # the mHC paper's form (2512.24880): streams summed at the end
-    'mhc_v4_readout': (24, dict(stream=dict(design='mhc', mhc_readout='v4'))),  # DeepSeek-V4's weighted read-out
-    'mhc_lite': (24, dict(stream=dict(design='mhc_lite'))),  # n = 4: 24 permutation matrices
-    'frac': (24, dict(stream=dict(design='frac'))),  # m = 2 fractions
-    'frac_dynamic': (24, dict(stream=dict(design='frac', hc_dynamic=True))),
-    'denseformer': (24, dict(stream=dict(design='denseformer'))),
-    'attnres': (24, dict(stream=dict(design='attnres'))),
-    'attnres_block': (24, dict(stream=dict(design='attnres_block'))),
-    'attnres_delta': (24, dict(stream=dict(design='attnres', attnres_delta=True))),
-    'attnres_block_delta': (24, dict(stream=dict(design='attnres_block', attnres_delta=True))),
-    'attnres_heads': (24, dict(stream=dict(design='attnres', attnres_heads=4))),
-    'mudd': (24, dict(stream=dict(design='mudd'))),  # MUDDFormer: Q, K, V, R streams, the paper's base form
-    'mudd_r': (24, dict(stream=dict(design='mudd', mudd_streams='r'))),  # the R stream alone
-    'dca': (24, dict(stream=dict(design='dca'))),  # DeepCrossAttention: GRN sums as q, k, v inputs
-    'dca_8': (24, dict(stream=dict(design='dca_k'))),  # 8-DCA (its Table 6): the last 8 layers apart
+    'rezero': (24, _design('rezero')),
+    'layerscale': (24, _design('layerscale')),
+    'hc': (24, _design('hc')),
+    'hc_dynamic': (24, _design('hc', hc_dynamic=True)),
+    'mhc': (24, _design('mhc')),  # the mHC paper's form (2512.24880): streams summed at the end
+    'mhc_v4_readout': (24, _design('mhc', mhc_readout='v4')),  # DeepSeek-V4's weighted read-out
+    'mhc_lite': (24, _design('mhc_lite')),  # n = 4: 24 permutation matrices
+    'frac': (24, _design('frac')),  # m = 2 fractions
+    'frac_dynamic': (24, _design('frac', hc_dynamic=True)),
+    'denseformer': (24, _design('denseformer')),
+    'attnres': (24, _design('attnres')),
+    'attnres_block': (24, _design('attnres_block')),
+    'attnres_delta': (24, _design('attnres', attnres_delta=True)),
+    'attnres_block_delta': (24, _design('attnres_block', attnres_delta=True)),
+    'attnres_heads': (24, _design('attnres', attnres_heads=4)),
+    'mudd': (24, _design('mudd')),  # MUDDFormer: Q, K, V, R streams, the paper's base form
+    'mudd_r': (24, _design('mudd', mudd_streams='r')),  # the R stream alone
+    'dca': (24, _design('dca')),  # DeepCrossAttention: GRN sums as q, k, v inputs
+    'dca_8': (24, _design('dca_k')),  # 8-DCA (its Table 6): the last 8 layers apart
     'value_residual': (24, dict(value_residual=True)),
     'laurel_rw_lr_value_residual': (24, dict(laurel=dict(variant='rw+lr'), value_residual=True)),
     'gemma3n_laurel': (24, dict(laurel=dict(variant='lr', form='gemma3n', site='attention'))),
@@ -65,8 +71,9 @@ def get_config(arg=None):
   model = {k: dict(v) if isinstance(v, dict) else v for k, v in model.items()}
   if 'share' in model:
     model['share']['rank'] = 16 if opts['preset'] == 'paper' else 4
-  if model.get('stream', {}).get('design') == 'dca_k':  # k = 8 of 24 layers; 2 of 6 at tiny (8 would keep them all)
-    model['stream']['dca_k'] = 8 if opts['preset'] == 'paper' else 2
-  if model.get('stream', {}).get('design') == 'attnres_block':  # the paper's ~8 blocks: 8 of 3 layers, 6 of 1 at tiny
-    model['stream']['attnres_block'] = 6 if opts['preset'] == 'paper' else 2
+  design = model.get('stream', {}).get('design')
+  if design == 'dca_k':  # k = 8 of 24 layers; 2 of 6 at tiny (8 would keep them all)
+    model['dca_k'] = dict(dca_k=8 if opts['preset'] == 'paper' else 2)
+  if design == 'attnres_block':  # the paper's ~8 blocks: 8 of 3 layers, 6 of 1 at tiny
+    model['attnres_block'] = dict(model.get('attnres_block', {}), attnres_block=6 if opts['preset'] == 'paper' else 2)
   return c4_ablation.table5_config(row, opts['preset'], layers, **model)

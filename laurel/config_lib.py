@@ -80,6 +80,9 @@ def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
   out = ml_collections.ConfigDict()
   for f in dataclasses.fields(base):
     default = getattr(base, f.name)
+    if 'sections' in f.metadata:  # a model's residual design: `stream.design` and each design's section
+      out.update(f.metadata['sections'](default, overrides))
+      continue
     value = overrides.pop(f.name, default)
     if dataclasses.is_dataclass(default) and isinstance(value, dict):
       value = config_dict(default, **value)
@@ -100,6 +103,7 @@ def build(cls, cfg, prefix: str, skip: Sequence[str] = ()):
   fields = {f.name: f for f in dataclasses.fields(cls)}
   path = lambda name: f'{prefix}.{name}' if prefix else name
   values = {k: v for k, v in dict(cfg.items() if cfg is not None else {}).items() if k not in skip}
+  built = {f.name: f.metadata['build'](f.default, values, prefix) for f in fields.values() if 'build' in f.metadata}
   unknown = sorted(set(values) - set(fields))
   if unknown:
     raise InputError(f'{path(unknown[0])}: unknown field (known: {", ".join(sorted(set(fields) - set(skip)))})')
@@ -110,7 +114,7 @@ def build(cls, cfg, prefix: str, skip: Sequence[str] = ()):
     elif 'check' in f.metadata:
       ok, why = f.metadata['check']
       require(bool(ok(value)), path(name), value, why)
-  obj = cls(**values)
+  obj = cls(**values, **built)
   if hasattr(obj, 'check'):
     obj.check(prefix)
   return obj
@@ -207,11 +211,25 @@ def parse_flags(argv):
   if {'--help', '-h', '-?'} & set(argv[1:]):
     app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
   try:
+    import_designs(argv[1:])
     argv = [argv[0]] + ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a
                         for a in argv[1:]]
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     fail(flag_error_message(e, argv[1:]))
+
+
+def import_designs(argv: Sequence[str]) -> None:
+  """Imports the module of a design named by import path, `--config.model.stream.design=module:name`, before the
+  config file runs: the design registers itself, so the config has its section for the overrides that set it."""
+  for arg in argv:
+    name, _, value = arg.partition('=')
+    module = value.rpartition(':')[0]
+    if name.endswith('.stream.design') and module:
+      try:
+        importlib.import_module(module)
+      except ImportError as e:
+        raise InputError(f"{name.removeprefix('--config.')}={value!r}: cannot import {module} ({e})") from None
 
 
 def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -221,6 +239,7 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
   for o in argv:
     if not o.startswith('--config.') or '=' not in o:
       raise InputError(f'{o}: write config overrides as --config.<field>=<value>')
+  import_designs(argv)
   try:
     argv = ['laurel', f'--config={resolve_spec(spec)}', *argv]
     flag_values = flags.FlagValues()

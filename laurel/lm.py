@@ -70,8 +70,7 @@ class LMConfig:
   # Most documents the loader packs into one row (grain's max_sequences_per_bin); 0 = as many as fit. cudnn attention
   # needs a bound: it keeps softmax statistics for max_segments + 1 runs per row (the documents and the padding).
   max_segments: int = field(0, NON_NEGATIVE_INT)
-  laurel: LaurelSpec = LaurelSpec()
-  stream: designs.StreamSpec = designs.StreamSpec()
+  stream: Any = designs.stream_field(LaurelSpec())  # the residual design's config (laurel.designs)
   value_residual: bool = field(False, BOOL)  # ResFormer (arXiv 2410.17897)
   share: ShareSpec = ShareSpec()
 
@@ -85,12 +84,9 @@ class LMConfig:
             f'must divide d_model={self.d_model}')
     require(self.positional != 'rope' or (self.d_model // self.num_heads) % 2 == 0, f'{prefix}.num_heads',
             self.num_heads, 'RoPE needs an even head width')
-    self.laurel.check_sizes(self.d_model, self.num_sites, f'{prefix}.laurel')
-    design = designs.REGISTRY[self.stream.design]
-    designs.check(self, prefix)
-    require(design.post_norm or self.norm_position == 'pre', f'{prefix}.norm_position', self.norm_position,
-            f"stream design '{design.name}' is defined on pre-norm sublayers")
-    self.stream.check_sizes(self.num_layers, f'{prefix}.stream', self.d_model)
+    designs.check(self, prefix, self.num_layers, self.d_model, self.num_sites)
+    require(designs.select(self)[0].post_norm or self.norm_position == 'pre', f'{prefix}.norm_position',
+            self.norm_position, f"stream design '{self.stream.design}' is defined on pre-norm sublayers")
     k = self.share.group_size
     require(self.num_layers % k == 0, f'{prefix}.share.group_size', k, f'must divide num_layers={self.num_layers}')
     require(not self.scan_layers or self.num_layers % self.scan_unroll == 0, f'{prefix}.scan_unroll',
@@ -99,7 +95,7 @@ class LMConfig:
             f'must be <= min(d_model, d_ff)={min(self.d_model, self.d_ff)}')
 
   def unused_fields(self, prefix: str) -> dict[str, str]:
-    """{field: why} of the fields that change nothing given the others (laurel.*, stream.*, share.* included)."""
+    """{field: why} of the fields that change nothing given the others (design sections and share.* included)."""
     no_sharing = f'{prefix}.share.group_size=1 shares nothing'
     checks = {'max_len': (self.positional != 'learned', f'{prefix}.positional={self.positional!r}: only learned '
                           'positions read it'),
@@ -108,7 +104,7 @@ class LMConfig:
               'share.rank': (self.share.group_size == 1, no_sharing),
               'share.diagonal': (self.share.group_size == 1, no_sharing)}
     unused = {f'{prefix}.{name}': why for name, (no_effect, why) in checks.items() if no_effect}
-    return {**unused, **self.laurel.unused_fields(f'{prefix}.laurel'), **self.stream.unused_fields(f'{prefix}.stream')}
+    return {**unused, **designs.unused_fields(self.stream, prefix)}
 
   @classmethod
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'LMConfig':
@@ -344,7 +340,7 @@ class LM(nn.Module):
     if cfg.value_residual:
       values_BxLxHxK = jnp.zeros((b, length, cfg.num_heads, cfg.d_model // cfg.num_heads), DTYPES[cfg.dtype])
     chain_N = design.chain(spec, cfg.num_layers, cfg.sites_per_layer, cfg.d_model, DTYPES[cfg.param_dtype],
-                           name=design.chain_name)()
+                           name=design.chain.module_name)()
     layer_xs = (jnp.arange(cfg.num_layers), chain_N)
     shared_G = SharedKernels(cfg, name='shared')() if cfg.share.group_size > 1 else None
     block, policy = Block, None

@@ -42,8 +42,7 @@ class ResNetConfig:
   bn_momentum: float = field(0.9, in_range(0, 1, closed=(True, False)))
   bn_epsilon: float = field(1e-5, POSITIVE)
   zero_init_last_bn: bool = field(True, BOOL)  # each block starts as its shortcut (Goyal et al. 2017)
-  laurel: LaurelSpec = LaurelSpec(a_init='xavier')
-  stream: designs.StreamSpec = designs.StreamSpec()
+  stream: Any = designs.stream_field(LaurelSpec(a_init='xavier'))  # the residual design's config (laurel.designs)
 
   def __post_init__(self):
     object.__setattr__(self, 'stage_sizes', tuple(self.stage_sizes))
@@ -54,19 +53,20 @@ class ResNetConfig:
     return tuple(EXPANSION * self.base_width * 2 ** s for s, n in enumerate(self.stage_sizes) for _ in range(n))
 
   def check(self, prefix: str) -> None:
-    design, lfield = designs.REGISTRY[self.stream.design], f'{prefix}.laurel'
+    design, spec = designs.select(self)
     require(design.per_bottleneck, f'{prefix}.stream.design', design.name, 'the ResNet takes one of ' + ', '.join(
         d.name for d in designs.REGISTRY.values() if d.per_bottleneck) + ' (a carry of x per bottleneck block)')
-    designs.check(self, prefix)
-    require(self.laurel.site == 'block', f'{lfield}.site', self.laurel.site,
-            "the ResNet has one LAuReL site per bottleneck block; only 'block' is supported")
-    require(self.laurel.form != 'gemma3n', f'{lfield}.form', self.laurel.form,
-            "Gemma 3n's form reads a pre-norm input the ResNet does not have; use 'paper'")
+    if design.name == 'residual':
+      require(spec.site == 'block', f'{prefix}.laurel.site', spec.site,
+              "the ResNet has one LAuReL site per bottleneck block; only 'block' is supported")
+      require(spec.form != 'gemma3n', f'{prefix}.laurel.form', spec.form,
+              "Gemma 3n's form reads a pre-norm input the ResNet does not have; use 'paper'")
     # The rank must fit the narrowest block (stage 0, D = 4·base_width); k may span the whole network.
-    self.laurel.check_sizes(min(self.block_channels), sum(self.stage_sizes), lfield)
+    blocks = sum(self.stage_sizes)
+    designs.check(self, prefix, blocks, min(self.block_channels), blocks)
 
   def unused_fields(self, prefix: str) -> dict[str, str]:
-    return {**self.laurel.unused_fields(f'{prefix}.laurel'), **self.stream.unused_fields(f'{prefix}.stream')}
+    return designs.unused_fields(self.stream, prefix)
 
   @classmethod
   def from_config(cls, model_cfg: Any, field: str = 'model') -> 'ResNetConfig':
@@ -109,7 +109,7 @@ class Bottleneck(nn.Module):
         x_BxHxWxC = _bn(cfg, train, 'proj_bn')(_conv(cfg, out_ch, 1, self.strides, 'proj_conv')(x_BxHxWxC))
       carry = design.start(spec, x_BxHxWxC, None)
     site = design.site(spec, out_ch, param_dtype=DTYPES[cfg.param_dtype], axes=ACT_AXES, embed_axis='conv_out',
-                       name=design.site_name(''))
+                       name=design.section)
     return site(carry, lambda x, xn, scale: designs.scaled(fx_BxHxWxC, scale), lambda x: x, nn.relu, chain_l)
 
 
@@ -130,7 +130,7 @@ class ResNet(nn.Module):
     for s, blocks in enumerate(cfg.stage_sizes):
       width, carry = cfg.base_width * 2 ** s, x_BxHxWxC
       chain = design.chain(spec, blocks, 1, EXPANSION * width, DTYPES[cfg.param_dtype], embed_axis='conv_out',
-                           name=f'stage{s + 1}_{design.chain_name}')()
+                           name=f'stage{s + 1}_{design.chain.module_name}')()
       for j in range(blocks):
         carry = Bottleneck(cfg, width, 2 if s > 0 and j == 0 else 1, name=f'stage{s + 1}_block{j}')(
             carry, jax.tree.map(lambda a, j=j: a[j], chain), train, j == 0)

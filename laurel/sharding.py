@@ -10,6 +10,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from laurel.config_lib import InputError
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
+# Logical axis -> mesh axes. Parameters shard over fsdp (and tensor for the wide dims); activations shard their
+# batch over data x fsdp. Each residual design adds its own (laurel.designs.logical_axis_rules); override
+# `logical_axis_rules` in a config to try other layouts.
+LOGICAL_AXIS_RULES = (
+    ('act_batch', ('data', 'fsdp')), ('act_len', None), ('act_embed', None), ('act_heads', 'tensor'),
+    ('act_mlp', 'tensor'), ('act_vocab', 'tensor'), ('act_channels', None), ('embed', 'fsdp'), ('vocab', 'tensor'),
+    ('mlp', 'tensor'), ('heads', 'tensor'), ('kv', None), ('layers', None), ('conv_in', None), ('conv_out', 'fsdp'),
+    ('classes', None), ('spatial', None), ('share_rank', None), ('share_diag', None))
 
 
 def num_params(tree) -> int:

@@ -16,9 +16,11 @@ import optax
 from laurel import config_lib, cross_entropy, lm, sharding, tasks
 from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, STRING, InputError,
                                field, in_range, is_int, one_of, require)
-from laurel.designs import LOGICAL_AXIS_RULES, NO_DECAY  # assembled from the registry
+from laurel import designs
 from laurel.hardware import available_host_bytes, peak_memory_bytes, xla_costs
 
+LOGICAL_AXIS_RULES = designs.logical_axis_rules()  # sharding's and each registered design's
+NO_DECAY = ('scale', 'bias', 'value_mix')  # norms, biases, value residual's mix; each design adds its own
 UNIT_INTERVAL = in_range(0, 1, closed=(True, False))
 MESH_AXIS = (lambda v: is_int(v) and (v >= 1 or v == -1), 'must be a positive integer or -1')
 PROFILE_STEPS = (lambda v: v == () or (isinstance(v, tuple) and len(v) == 2 and all(map(is_int, v))
@@ -116,7 +118,8 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   task's typed model and data sections). Errors are one line naming field and value."""
   train_cfg = config_lib.build(TrainConfig, config, '', skip=('model', 'data'))
   task = tasks.get_task(config)
-  train_cfg = dataclasses.replace(train_cfg, model=task.model_cfg, data=task.data_cfg)
+  train_cfg = dataclasses.replace(train_cfg, model=task.model_cfg, data=task.data_cfg,  # a design imported later too
+                                  logical_axis_rules=designs.logical_axis_rules(train_cfg.logical_axis_rules))
   task = tasks.get_task(train_cfg)  # the same sections, already built
   task.validate()
   num_devices = jax.device_count() if num_devices is None else num_devices
@@ -163,8 +166,9 @@ def check_overrides(config, spec: str, overridden) -> list[str]:
 def make_optimizer(o, steps):
   schedule = optax.warmup_cosine_decay_schedule(0.0, o.learning_rate, o.warmup_steps,
                                                 max(steps, o.warmup_steps + 1), o.learning_rate * o.min_lr_ratio)
+  no_decay = NO_DECAY + designs.no_decay()
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, p: p.ndim >= 2 and path[-1].key not in NO_DECAY, params)
+      lambda path, p: p.ndim >= 2 and path[-1].key not in no_decay, params)
   tx = optax.chain(optax.clip_by_global_norm(o.grad_clip),
                    optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask))
   return tx, schedule

@@ -38,13 +38,14 @@ def count(config) -> dict:
             if jax.tree_util.keystr(p).startswith(("['layers", "['shared']"))]
   state = [(p, x) for k, v in variables.items() if k != 'params' for p, x in jax.tree_util.tree_leaves_with_path(v)]
   widths = task.laurel_site_widths()
-  spec = task.model_cfg.laurel
+  spec = task.model_cfg.stream  # LAuReL's config where the design is 'residual'
+  laurel_sites = spec.design == 'residual' and bool(spec.components)
   total = task.num_params([x for _, x in params])
   return {'total_params': total, 'layer_params': size(layers), 'padded_params': size(params) - total,
           'laurel_params': size(laurel),
           'model_state_size': size(state),
-          'laurel_sites': len(widths) if spec.components else 0,
-          'closed_form_laurel_params': sum(closed_form_params(spec, d) for d in widths)}
+          'laurel_sites': len(widths) if laurel_sites else 0,
+          'closed_form_laurel_params': sum(closed_form_params(spec, d) for d in widths) if laurel_sites else 0}
 
 
 def report(config, config_file: str) -> dict:

@@ -70,9 +70,9 @@ def test_chain_starts_as_its_init_claim_BxLxD(name, case, scan):
 @pytest.mark.parametrize('name', list(designs.REGISTRY))
 def test_design_declares_its_axes_no_decay_names_and_chain_layout(name):
   design, specs = designs.REGISTRY[name], REFERENCES[name].cases.values()
-  rules = {axis for axis, _ in designs.LOGICAL_AXIS_RULES}
+  rules = {axis for axis, _ in designs.logical_axis_rules()}
   own = {'embed', 'layers'} | {axis for axis, _ in design.logical_axes}
-  assert own <= rules and set(design.no_decay) <= set(designs.NO_DECAY)
+  assert own <= rules
   seen = set()
   for spec in specs:
     boxed = init(name, spec, boxed=True)
@@ -257,7 +257,7 @@ def test_residual_transformer_is_the_lm_with_composed_kernels_BxLxV(diagonal):
 
 
 def test_residual_transformer_shares_scan_and_unrolled_layers_BxLxV():
-  cfg = _cfg(share=lm.ShareSpec(group_size=2, rank=3), laurel=LaurelSpec(variant='rw+lr', rank=4))
+  cfg = _cfg(share=lm.ShareSpec(group_size=2, rank=3), stream=LaurelSpec(variant='rw+lr', rank=4))
   unrolled = _random_params(cfg, 3)
   stacked = {k: v for k, v in unrolled.items() if not k.startswith('layers_')}
   stacked['layers'] = jax.tree.map(lambda *a: jnp.stack(a), *(unrolled[f'layers_{i}'] for i in range(LAYERS)))
@@ -361,7 +361,7 @@ def test_attention_projects_query_key_and_value_from_their_own_inputs_BxLxD():
 # Gemma 3n's placement: LAuReL on attention only, (x + attn + laurel(norm(x)))/√2, then a plain MLP residual.
 
 def test_gemma3n_layer_matches_a_transcription_of_gemma3n_BxLxD():
-  cfg = _cfg(laurel=LaurelSpec(variant='lr', rank=4, form='gemma3n', site='attention'))
+  cfg = _cfg(stream=LaurelSpec(variant='lr', rank=4, form='gemma3n', site='attention'))
   params = _random_params(cfg, 7)
   tokens = _tokens(8)
   blocks = _calls(cfg, params, tokens, lm.Block)
@@ -444,12 +444,12 @@ DESIGN_CFGS = {
     'layerscale': dict(stream=StreamSpec(design='layerscale')),
     'attnres': dict(stream=StreamSpec(design='attnres')),
     'attnres_block': dict(stream=StreamSpec(design='attnres_block', attnres_block=4)),
-    'value_residual': dict(value_residual=True, laurel=LaurelSpec(variant='rw+lr', rank=4)),
-    'gemma3n_attention': dict(laurel=LaurelSpec(variant='rw+lr', rank=4, form='gemma3n', site='attention')),
+    'value_residual': dict(value_residual=True, stream=LaurelSpec(variant='rw+lr', rank=4)),
+    'gemma3n_attention': dict(stream=LaurelSpec(variant='rw+lr', rank=4, form='gemma3n', site='attention')),
     'residual_transformer_laurel': dict(share=lm.ShareSpec(group_size=2, rank=3),
-                                        laurel=LaurelSpec(variant='rw+lr+pa', rank=4, k=2)),
+                                        stream=LaurelSpec(variant='rw+lr+pa', rank=4, k=2)),
 }
-RULE_NAMES = {name for name, _ in designs.LOGICAL_AXIS_RULES}
+RULE_NAMES = {name for name, _ in designs.logical_axis_rules()}
 
 
 @pytest.mark.parametrize('name', list(DESIGN_CFGS))
@@ -554,7 +554,7 @@ def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
     (StreamSpec(design='dca'), {'remat': 'dots_no_batch'}),
     (StreamSpec(design='dca_k', dca_k=2), {'remat': 'minimal'}),
     (StreamSpec(), {'value_residual': True}),
-    (StreamSpec(), {'value_residual': True, 'remat': 'save_qkv', 'laurel': LaurelSpec(variant='rw+lr+pa', rank=4)})],
+    (LaurelSpec(variant='rw+lr+pa', rank=4), {'value_residual': True, 'remat': 'save_qkv'})],
     ids=['mudd', 'mudd_value_residual', 'mudd_shared', 'dca', 'dca_k1', 'dca_k2_value_residual',
          'mudd_save_qkv_value_residual', 'mudd_r_full', 'dca_dots_no_batch', 'dca_k2_minimal', 'value_residual',
          'laurel_value_residual_save_qkv'])
@@ -665,38 +665,29 @@ def test_dca_8_params_at_the_paper_shape_are_its_equations():
 # Config checks and the comparison table.
 
 @pytest.mark.parametrize('model,message', [
-    (dict(stream=dict(design='hc'), laurel=dict(variant='rw')),
-     "model.laurel.variant='rw': LAuReL replaces the residual sum, which stream design 'hc' also replaces"),
     (dict(stream=dict(design='mhc'), norm_position='post'),
      "model.norm_position='post': stream design 'mhc' is defined on pre-norm sublayers"),
     (dict(share=dict(group_size=3)), 'model.share.group_size=3: must divide num_layers=4'),
-    (dict(stream=dict(design='attnres_block', attnres_block=3)),
-     'model.stream.attnres_block=3: sites per block must divide the 2·num_layers=8 sites'),
-    (dict(stream=dict(design='attnres_block'), laurel=dict(variant='rw+lr', rank=4)),
-     "model.laurel.variant='rw+lr': LAuReL replaces the residual sum, which stream design 'attnres_block' also"),
-    (dict(stream=dict(design='attnres', attnres_heads=3)),
-     'model.stream.attnres_heads=3: must divide d_model=16 (each head mixes its own channels)'),
+    (dict(stream=dict(design='attnres_block'), attnres_block=dict(attnres_block=3)),
+     'model.attnres_block.attnres_block=3: sites per block must divide the 2·num_layers=8 sites'),
+    (dict(stream=dict(design='attnres'), attnres=dict(attnres_heads=3)),
+     'model.attnres.attnres_heads=3: must divide d_model=16 (each head mixes its own channels)'),
     (dict(stream=dict(design='attnres'), norm_position='post'),
      "model.norm_position='post': stream design 'attnres' is defined on pre-norm sublayers"),
     (dict(share=dict(group_size=2, rank=17)), 'model.share.rank=17: must be <= min(d_model, d_ff)=16'),
-    (dict(stream=dict(design='frac', fractions=3)), 'model.stream.fractions=3: must divide d_model=16'),
-    (dict(stream=dict(design='frac', fractions=1)), "model.stream.fractions=1: must be >= 2 for design 'frac'"),
-    (dict(stream=dict(design='frac'), laurel=dict(variant='rw+lr', rank=4)),
-     "model.laurel.variant='rw+lr': LAuReL replaces the residual sum, which stream design 'frac' also replaces"),
-    (dict(stream=dict(design='mhc_lite', expansion=6)),
-     "model.stream.expansion=6: must be <= 5 for design 'mhc_lite': it mixes all n! permutations (720 logits"),
-    (dict(stream=dict(design='mhc_lite', expansion=1)), "model.stream.expansion=1: must be >= 2 for design 'mhc_lite'"),
-    (dict(stream=dict(design='mhc_lite'), laurel=dict(variant='lr', rank=4)),
-     "model.laurel.variant='lr': LAuReL replaces the residual sum, which stream design 'mhc_lite' also replaces"),
-    (dict(stream=dict(design='mhc', mhc_readout='v3')),
-     "model.stream.mhc_readout='v3': must be one of authors, sum, norm_sum, v4"),
-    (dict(stream=dict(design='mudd'), laurel=dict(variant='rw', rank=4)),
-     "model.laurel.variant='rw': LAuReL replaces the residual sum, which stream design 'mudd' also replaces"),
+    (dict(stream=dict(design='frac'), frac=dict(fractions=3)), 'model.frac.fractions=3: must divide d_model=16'),
+    (dict(stream=dict(design='frac'), frac=dict(fractions=1)),
+     "model.frac.fractions=1: must be >= 2 for design 'frac'"),
+    (dict(stream=dict(design='mhc_lite'), mhc_lite=dict(expansion=6)),
+     "model.mhc_lite.expansion=6: must be <= 5 for design 'mhc_lite': it mixes all n! permutations (720 logits"),
+    (dict(stream=dict(design='mhc_lite'), mhc_lite=dict(expansion=1)),
+     "model.mhc_lite.expansion=1: must be >= 2 for design 'mhc_lite'"),
+    (dict(stream=dict(design='mhc'), mhc=dict(mhc_readout='v3')),
+     "model.mhc.mhc_readout='v3': must be one of authors, sum, norm_sum, v4"),
     (dict(stream=dict(design='mudd'), norm_position='post'),
      "model.norm_position='post': stream design 'mudd' is defined on pre-norm sublayers"),
-    (dict(stream=dict(design='mudd', mudd_streams='qkv')), "model.stream.mudd_streams='qkv': must be one of qkvr, r"),
-    (dict(stream=dict(design='dca'), laurel=dict(variant='rw+lr', rank=4)),
-     "model.laurel.variant='rw+lr': LAuReL replaces the residual sum, which stream design 'dca' also replaces"),
+    (dict(stream=dict(design='mudd'), mudd=dict(mudd_streams='qkv')),
+     "model.mudd.mudd_streams='qkv': must be one of qkvr, r"),
     (dict(stream=dict(design='dca'), norm_position='post'),
      "model.norm_position='post': stream design 'dca' is defined on pre-norm sublayers"),
     (dict(stream=dict(design='lstm')), "model.stream.design='lstm': must be one of residual, rezero"),
@@ -725,8 +716,8 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
       if preset == 'tiny':
         got = config.to_dict()
         assert {k for k in got if got[k] != base[k]} <= {'row', 'model'}, row
-        assert {k for k in got['model'] if got['model'][k] != base['model'][k]} <= {
-            'laurel', 'stream', 'value_residual', 'share', 'num_layers'}, row
+        assert {k for k in got['model'] if got['model'][k] != base['model'][k]} <= {  # and the design's own section
+            'laurel', 'stream', 'value_residual', 'share', 'num_layers', got['model']['stream']['design']}, row
 
 
 @pytest.mark.parametrize('row', ['mhc', 'residual_transformer_laurel', 'mudd'])

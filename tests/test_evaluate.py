@@ -15,7 +15,7 @@ from laurel import data, evaluate, lm
 from laurel.designs.laurel import LaurelSpec
 
 CFG = lm.LMConfig(vocab_size=258, d_model=16, num_heads=2, d_ff=32, num_layers=2,
-                  laurel=LaurelSpec(variant='rw+lr', rank=4))
+                  stream=LaurelSpec(variant='rw+lr', rank=4))
 
 
 @pytest.fixture(scope='module')

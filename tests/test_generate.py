@@ -20,18 +20,18 @@ BASE = lm.LMConfig(vocab_size=32, d_model=16, num_heads=2, d_ff=32, num_layers=4
 DESIGNS = {
     'baseline': BASE,
     'rw_lr_pa_block_post_norm': dataclasses.replace(
-        BASE, norm_position='post', laurel=LaurelSpec(variant='rw+lr+pa', rank=4, k=3)),
+        BASE, norm_position='post', stream=LaurelSpec(variant='rw+lr+pa', rank=4, k=3)),
     'rw_lr_pa_sublayer_learned': dataclasses.replace(
-        BASE, positional='learned', laurel=LaurelSpec(variant='rw+lr+pa', rank=4, k=3, site='sublayer')),
+        BASE, positional='learned', stream=LaurelSpec(variant='rw+lr+pa', rank=4, k=3, site='sublayer')),
     'rw_per_dim_pa_low_rank_h': dataclasses.replace(
-        BASE, laurel=LaurelSpec(variant='rw+pa', rank=4, k=3, pa_h='low_rank', rw_per_dim=True)),
+        BASE, stream=LaurelSpec(variant='rw+pa', rank=4, k=3, pa_h='low_rank', rw_per_dim=True)),
     'rw_per_dim_lr_pa': dataclasses.replace(
-        BASE, laurel=LaurelSpec(variant='rw+lr+pa', rank=4, k=2, rw_per_dim=True)),
+        BASE, stream=LaurelSpec(variant='rw+lr+pa', rank=4, k=2, rw_per_dim=True)),
     'gemma3n_attention': dataclasses.replace(
-        BASE, laurel=LaurelSpec(variant='rw+lr', rank=4, form='gemma3n', site='attention')),
+        BASE, stream=LaurelSpec(variant='rw+lr', rank=4, form='gemma3n', site='attention')),
     'value_residual': dataclasses.replace(BASE, value_residual=True, scan_layers=False),
     'residual_transformer': dataclasses.replace(BASE, share=lm.ShareSpec(group_size=2, rank=3)),
-    **{d: dataclasses.replace(BASE, stream=StreamSpec(design=d, hc_dynamic=True))
+    **{d: dataclasses.replace(BASE, stream=StreamSpec(d, **({'hc_dynamic': True} if d in ('hc', 'frac') else {})))
        for d in ('rezero', 'layerscale', 'hc', 'mhc', 'mhc_lite', 'frac', 'denseformer', 'attnres')},
     'mhc_v4_readout': dataclasses.replace(BASE, stream=StreamSpec(design='mhc', mhc_readout='v4')),
     'frac_m4_static': dataclasses.replace(BASE, stream=StreamSpec(design='frac', fractions=4)),
@@ -136,7 +136,7 @@ def test_generate_cli_samples_a_trained_run(tmp_path):
   assert empty.returncode == 2 and 'no config.json' in empty.stderr and len(empty.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize('design', [dict(laurel=LaurelSpec(variant='rw')),
+@pytest.mark.parametrize('design', [dict(stream=LaurelSpec(variant='rw')),
                                     dict(stream=StreamSpec(design='layerscale'))])
 def test_decode_scales_outputs_not_kernels(design):
   """RW's α (LayerScale's λ) folded into a kernel costs a multiply per kernel entry, half the matmul's FLOPs for

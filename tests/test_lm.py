@@ -33,7 +33,7 @@ def _cfg(variant='none', site='block', k=2, laurel=None, **model):
   fields = dict(vocab_size=VOCAB, d_model=D, num_heads=HEADS, d_ff=FF, num_layers=LAYERS, max_len=16,
                 scan_layers=False)
   fields.update(model)
-  cfg = LMConfig(**fields, laurel=spec)
+  cfg = LMConfig(**fields, stream=spec)
   cfg.check('model')
   return cfg
 
@@ -247,22 +247,22 @@ def test_sites_follow_the_paper_equations_BxLxD(name, norm_position):
   cfg = dataclasses.replace(BY_ID[name], norm_position=norm_position)
   params = _random_params(cfg, 13)
   calls = _site_calls(cfg, params, _tokens(14))
-  per_block = ['laurel'] if cfg.laurel.site == 'block' else ['laurel_attn', 'laurel_mlp']
+  per_block = ['laurel'] if cfg.stream.site == 'block' else ['laurel_attn', 'laurel_mlp']
   assert [c[0] for c in calls] == per_block * cfg.num_layers and len(calls) == cfg.num_sites
   site_params = [params[f'layers_{i // len(per_block)}'].get(n, {}) for i, n in enumerate(per_block * cfg.num_layers)]
-  rw_w_S = np.asarray(params['laurel_rw']['rw_w']) if cfg.laurel.rw else None
+  rw_w_S = np.asarray(params['laurel_rw']['rw_w']) if cfg.stream.rw else None
   xs = [c[2] for c in calls]  # x_i, the input of site i
   for i, (site, fx, x, xn, out) in enumerate(calls):
-    p = pull_params(cfg.laurel, site_params, i)
-    if cfg.laurel.rw:  # the LM folds α into f's last projection: the site receives α·f(x_i)
+    p = pull_params(cfg.stream, site_params, i)
+    if cfg.stream.rw:  # the LM folds α into f's last projection: the site receives α·f(x_i)
       p['rw_w'] = rw_w_S[i]
-      fx = fx / np_rw(cfg.laurel, rw_w_S[i])[0]
-    history = [xs[i - j] if i >= j else np.zeros_like(x) for j in range(1, cfg.laurel.history_len + 1)]
-    np.testing.assert_allclose(out, np_reference(cfg.laurel, p, fx, x, history, xn), rtol=2e-5, atol=2e-5,
+      fx = fx / np_rw(cfg.stream, rw_w_S[i])[0]
+    history = [xs[i - j] if i >= j else np.zeros_like(x) for j in range(1, cfg.stream.history_len + 1)]
+    np.testing.assert_allclose(out, np_reference(cfg.stream, p, fx, x, history, xn), rtol=2e-5, atol=2e-5,
                                err_msg=f'site {i}')
     if norm_position == 'pre' and i > 0:  # pre-norm: a site's output is the next site's input
       np.testing.assert_array_equal(x, calls[i - 1][4])
-    if cfg.laurel.form == 'gemma3n':  # the normed input f read: RMSNorm(x) pre-norm, x itself post-norm
+    if cfg.stream.form == 'gemma3n':  # the normed input f read: RMSNorm(x) pre-norm, x itself post-norm
       layer = params[f'layers_{i // len(per_block)}']
       norm = 'norm_attn' if site in ('laurel', 'laurel_attn') else 'norm_mlp'
       want = np_rmsnorm(x, np.asarray(layer[norm]['scale'])) if norm_position == 'pre' else x
@@ -308,7 +308,7 @@ PAPER_FORM_CASES += [(n, 'post') for n in ('rw', 'rw_lr_pa_block', 'rw_lr_pa_sub
 def test_paper_form_lm_starts_as_baseline_BxLxV(name, norm_position):
   # LAuReL parameters at their init, every other weight shared with the baseline: the same logits.
   cfg = dataclasses.replace(BY_ID[name], norm_position=norm_position)
-  base_cfg = dataclasses.replace(cfg, laurel=LaurelSpec())
+  base_cfg = dataclasses.replace(cfg, stream=LaurelSpec())
   base = _random_params(base_cfg, 7)
   init = nn.unbox(LM(cfg).init(jax.random.key(0), _tokens(8))['params'])
   graft = lambda b, i: {k: graft(b[k], v) if k in b and isinstance(v, dict) else b.get(k, v) for k, v in i.items()}
@@ -344,7 +344,7 @@ def test_gradients_reach_every_laurel_param(cfg):
     g = np.asarray(g)
     assert np.all(np.isfinite(g)), path
     assert np.any(g != 0), path
-  if cfg.laurel.pa and cfg.laurel.site == 'block':
+  if cfg.stream.pa and cfg.stream.site == 'block':
     # PA's params are indexed by the sending site: the last site's terms for sites past the end (j ≥ 1)
     # reach nothing and get no gradient.
     key = f"['layers_{cfg.num_layers - 1}']['laurel']['pa_gamma']"
@@ -460,9 +460,9 @@ LM_COUNTS = [
 def test_lm_laurel_param_count_is_sites_times_closed_form(cfg, expected, scan_layers):
   cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
   shapes = nn.unbox(_boxed_shapes(cfg))
-  assert cfg.num_sites * closed_form_params(cfg.laurel, cfg.d_model) == expected
+  assert cfg.num_sites * closed_form_params(cfg.stream, cfg.d_model) == expected
   assert _count(_laurel_leaves(shapes)) == expected
-  base = nn.unbox(_boxed_shapes(dataclasses.replace(cfg, laurel=LaurelSpec())))
+  base = nn.unbox(_boxed_shapes(dataclasses.replace(cfg, stream=LaurelSpec())))
   assert _count(shapes) - _count(base) == expected
 
 
@@ -495,7 +495,7 @@ def test_table5_baselines_match_paper(table5_counts):
 def test_table5_laurel_deltas_match_paper(table5_counts, row, paper_delta_m, delta):
   cfg, total, laurel = table5_counts[row]
   got = total - table5_counts['baseline_24'][1]
-  assert got == delta == laurel == cfg.num_sites * closed_form_params(cfg.laurel, cfg.d_model)
+  assert got == delta == laurel == cfg.num_sites * closed_form_params(cfg.stream, cfg.d_model)
   assert abs(got / 1e6 - paper_delta_m) <= 0.1
   assert abs(total / 1e6 - paper.TABLE5[row]['params_m']) / paper.TABLE5[row]['params_m'] < 2e-3
 
@@ -518,10 +518,10 @@ def test_c4_ablation_rows_parse():
   for row, (layers, overrides) in c4_ablation.ROWS.items():
     for preset in ('paper', 'tiny'):
       cfg = LMConfig.from_config(c4_ablation.get_config(f'{row},preset={preset}').model)
-      assert cfg.laurel.variant == overrides['variant']
+      assert cfg.stream.variant == overrides['variant']
       assert cfg.num_layers == (layers if preset == 'paper' else layers // 4)
   cfg = LMConfig.from_config(_model_cfg(laurel=dict(variant='pa', k=12, site='sublayer')))
-  assert cfg.num_sites == 12 and cfg.laurel.k == 12
+  assert cfg.num_sites == 12 and cfg.stream.k == 12
 
 
 BAD_LAUREL = [
@@ -584,4 +584,4 @@ def test_from_config_names_bad_types_in_plain_dicts(field, value, message):
   node[leaf] = value
   with pytest.raises(ValueError, match=message):
     LMConfig.from_config(m)
-  assert LMConfig.from_config(_model_cfg().to_dict()).laurel == LaurelSpec(variant='rw+lr', rank=8, k=3)
+  assert LMConfig.from_config(_model_cfg().to_dict()).stream == LaurelSpec(variant='rw+lr', rank=8, k=3)

@@ -15,7 +15,7 @@ import pytest
 
 from configs import imagenet_resnet50
 from laurel import resnet
-from laurel.designs import LOGICAL_AXIS_RULES, StreamSpec
+from laurel.designs import StreamSpec, logical_axis_rules
 from laurel.designs.laurel import LaurelSpec, closed_form_params
 from scripts import paper
 
@@ -40,7 +40,7 @@ def paper_cfg(row, preset='paper'):
 
 
 def small_cfg(**laurel):
-  return dataclasses.replace(SMALL, laurel=LaurelSpec(a_init='xavier', rank=2, k=3, **laurel))
+  return dataclasses.replace(SMALL, stream=LaurelSpec(a_init='xavier', rank=2, k=3, **laurel))
 
 
 def images(n=4, size=16, seed=0):
@@ -92,9 +92,9 @@ def test_baseline_plus_one_block_adds_one_identity_bottleneck():
 @pytest.mark.parametrize('row,added', [('rw', 32), ('rw_lr', 483_360), ('rw_lr_pa', 1_450_064)])
 def test_table1_laurel_rows_add_the_closed_form(row, added):
   cfg = paper_cfg(row)
-  assert cfg.laurel.a_init == 'xavier'
-  closed = sum(closed_form_params(cfg.laurel, d) for d in (256,) * 3 + (512,) * 4 + (1024,) * 6 + (2048,) * 3)
-  assert closed == sum(closed_form_params(cfg.laurel, d) for d in cfg.block_channels) == added
+  assert cfg.stream.a_init == 'xavier'
+  closed = sum(closed_form_params(cfg.stream, d) for d in (256,) * 3 + (512,) * 4 + (1024,) * 6 + (2048,) * 3)
+  assert closed == sum(closed_form_params(cfg.stream, d) for d in cfg.block_channels) == added
   assert param_counts(cfg) == (RESNET50 + added, RESNET50_BATCH_STATS)
 
 
@@ -103,7 +103,7 @@ def test_every_variant_adds_the_closed_form_per_block(name):
   cfg = small_cfg(**VARIANTS[name])
   base, base_stats = param_counts(SMALL)
   params, stats = param_counts(cfg)
-  assert params - base == sum(closed_form_params(cfg.laurel, d) for d in (16, 32, 32)) > 0
+  assert params - base == sum(closed_form_params(cfg.stream, d) for d in (16, 32, 32)) > 0
   assert stats == base_stats
 
 
@@ -347,8 +347,8 @@ def test_stages_match_numpy_paper_equations_at_random_params(name):
   p = variables['params']
   for s, n in enumerate(cfg.stage_sizes):
     site_params = [p[f'stage{s + 1}_block{i}'].get('laurel', {}) for i in range(n)]
-    rw_w_S = p[f'stage{s + 1}_laurel_rw']['rw_w'] if cfg.laurel.rw else None
-    want = np_stage_outputs(cfg.laurel, site_params, rw_w_S, [inputs[(s, i)] for i in range(n)])
+    rw_w_S = p[f'stage{s + 1}_laurel_rw']['rw_w'] if cfg.stream.rw else None
+    want = np_stage_outputs(cfg.stream, site_params, rw_w_S, [inputs[(s, i)] for i in range(n)])
     for i in range(n):
       np.testing.assert_allclose(outs[(s, i)], want[i], rtol=1e-4, atol=1e-4, err_msg=f'stage {s + 1} block {i}')
       fx, x_i = inputs[(s, i)]
@@ -363,7 +363,6 @@ def test_stages_match_numpy_paper_equations_at_random_params(name):
     (('laurel', 'rank'), 33, 'model.laurel.rank=33'),  # tiny: the narrowest block has D = 32
     (('laurel', 'variant'), 'rw+xx', "model.laurel.variant='rw+xx'"),
     (('stream', 'design'), 'hc', "model.stream.design='hc': the ResNet takes one of residual, rezero, layerscale"),
-    (('stream', 'design'), 'rezero', "model.laurel.variant='rw+lr+pa': LAuReL replaces the residual sum"),
     (('stage_sizes',), (), 'model.stage_sizes=()'),
     (('stage_sizes',), (2, 0), 'model.stage_sizes=(2, 0)'),
     (('base_width',), 0, 'model.base_width=0'),
@@ -391,7 +390,7 @@ def test_config_rows(row, preset):
   c = imagenet_resnet50.get_config(f'{row},preset={preset}')
   cfg = resnet.ResNetConfig.from_config(c.model)
   assert c.task == 'classification' and c.row == row
-  assert set(c.model.keys()) == {f.name for f in dataclasses.fields(resnet.ResNetConfig)}
+  assert set(c.model.keys()) >= {f.name for f in dataclasses.fields(resnet.ResNetConfig)} | {'laurel'}
   assert set(c.model.laurel.keys()) == {f.name for f in dataclasses.fields(LaurelSpec)}
   assert row in paper.TABLE1 and c.baseline_row == 'baseline'
   if row != 'baseline_plus_1':  # LAuReL sits on the baseline's network
@@ -420,7 +419,7 @@ def test_sharded_train_step_matches_single_device():
   variables = init_vars(cfg)
   want_logits, want_state = apply_fn(cfg, True)(variables, x)
 
-  rules = LOGICAL_AXIS_RULES
+  rules = logical_axis_rules()
   param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh, rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     sharded = jax.device_put(variables, param_shardings)

@@ -1,6 +1,6 @@
 """Tests of the stream designs (laurel/designs: scale, hyper, denseformer) beyond their registry tests
 (test_designs.py runs every design's chain against its NumPy reference and its init claim): gradients through the
-layer scan, the site-dependent inits, mHC's manifold, and `model.stream` validation.
+layer scan, the site-dependent inits, mHC's manifold, and the validation of each design's section `model.<design>`.
 """
 
 import functools
@@ -13,7 +13,7 @@ import pytest
 
 from design_chain import BATCH, D, LAYERS, LEN, T, Net, inputs, randomize, rms, stacked, toy_fn
 from design_chain import init as chain_init
-from laurel import config_lib
+from laurel import lm
 from laurel.designs import StreamSpec
 from laurel.designs.hyper import MHCSite, sinkhorn
 from reference import STREAM_CASES, np_sigmoid, np_sinkhorn
@@ -21,10 +21,9 @@ from reference import STREAM_CASES, np_sigmoid, np_sinkhorn
 N_STREAMS = 3
 
 
-def _build(cfg):
-  spec = config_lib.build(StreamSpec, cfg, 'model.stream')
-  spec.check_sizes(LAYERS, 'model.stream')
-  return spec
+def _build(design='residual', **sections):
+  """The design config an LM of LAYERS layers builds from `model.stream.design` and the sections `model.<name>`."""
+  return lm.LMConfig.from_config({'num_layers': LAYERS, 'stream': {'design': design}, **sections}).stream
 
 
 def _init(spec):
@@ -123,49 +122,72 @@ def test_sinkhorn_matches_eq9_BxNxN():
 
 
 # ---------------------------------------------------------------------------------------------------
-# StreamSpec: one-line ValueErrors naming `model.stream.<field>` and the value.
+# Design sections: one-line ValueErrors naming `model.<section>.<field>` and the value.
 
 BAD = [
-    ('design', dict(design='dense'), 'design', "'dense'"),
-    ('expansion_0', dict(expansion=0), 'expansion', '0'),
-    ('expansion_bool', dict(expansion=True), 'expansion', 'True'),
-    ('expansion_float', dict(expansion=4.0), 'expansion', '4.0'),
-    ('mhc_expansion_1', dict(design='mhc', expansion=1), 'expansion', '1'),
-    ('hc_dynamic_string', dict(hc_dynamic='yes'), 'hc_dynamic', "'yes'"),
-    ('sinkhorn_iters_0', dict(sinkhorn_iters=0), 'sinkhorn_iters', '0'),
-    ('layerscale_init_0', dict(layerscale_init=0.0), 'layerscale_init', '0.0'),
-    ('layerscale_init_negative', dict(layerscale_init=-1e-5), 'layerscale_init', '-1e-05'),
-    ('dwa_dilation_0', dict(dwa_dilation=0), 'dwa_dilation', '0'),
-    ('dwa_period_float', dict(dwa_period=1.5), 'dwa_period', '1.5'),
-    ('dwa_dilation_above_layers', dict(design='denseformer', dwa_dilation=LAYERS + 1), 'dwa_dilation', '5'),
-    ('dwa_period_above_layers', dict(design='denseformer', dwa_period=LAYERS + 1), 'dwa_period', '5'),
+    ('design', dict(design='dense'), 'stream.design', "'dense'"),
+    ('design_module', dict(design='no_such_module:gated'), 'stream.design', "'no_such_module:gated'"),
+    ('expansion_0', dict(design='hc', hc=dict(expansion=0)), 'hc.expansion', '0'),
+    ('expansion_bool', dict(design='hc', hc=dict(expansion=True)), 'hc.expansion', 'True'),
+    ('expansion_float', dict(design='mhc', mhc=dict(expansion=4.0)), 'mhc.expansion', '4.0'),
+    ('mhc_expansion_1', dict(design='mhc', mhc=dict(expansion=1)), 'mhc.expansion', '1'),
+    ('hc_dynamic_string', dict(design='hc', hc=dict(hc_dynamic='yes')), 'hc.hc_dynamic', "'yes'"),
+    ('sinkhorn_iters_0', dict(design='mhc', mhc=dict(sinkhorn_iters=0)), 'mhc.sinkhorn_iters', '0'),
+    ('layerscale_init_0', dict(layerscale=dict(layerscale_init=0.0)), 'layerscale.layerscale_init', '0.0'),
+    ('layerscale_init_negative', dict(layerscale=dict(layerscale_init=-1e-5)), 'layerscale.layerscale_init',
+     '-1e-05'),
+    ('dwa_dilation_0', dict(denseformer=dict(dwa_dilation=0)), 'denseformer.dwa_dilation', '0'),
+    ('dwa_period_float', dict(denseformer=dict(dwa_period=1.5)), 'denseformer.dwa_period', '1.5'),
+    ('dwa_dilation_above_layers', dict(design='denseformer', denseformer=dict(dwa_dilation=LAYERS + 1)),
+     'denseformer.dwa_dilation', '5'),
+    ('dwa_period_above_layers', dict(design='denseformer', denseformer=dict(dwa_period=LAYERS + 1)),
+     'denseformer.dwa_period', '5'),
 ]
 
 
-@pytest.mark.parametrize('overrides,name,value', [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_spec_rejects_bad_value(overrides, name, value):
+@pytest.mark.parametrize('sections,name,value', [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_spec_rejects_bad_value(sections, name, value):
   with pytest.raises(ValueError) as info:
-    _build(overrides)
+    _build(**sections)
   message = str(info.value)
-  assert message.startswith(f'model.stream.{name}={value}: ') and '\n' not in message
+  assert message.startswith(f'model.{name}={value}: ') and '\n' not in message
 
 
 def test_spec_expansion_message_pinned():
-  with pytest.raises(ValueError, match=r'^model\.stream\.expansion=0: must be a positive integer$'):
-    config_lib.build(StreamSpec, {'expansion': 0}, 'model.stream')
+  with pytest.raises(ValueError, match=r'^model\.hc\.expansion=0: must be a positive integer$'):
+    _build('hc', hc={'expansion': 0})
 
 
-def test_spec_rejects_unknown_field():
-  with pytest.raises(ValueError, match=r'model\.stream\.expanson: unknown field'):
-    config_lib.build(StreamSpec, {'expanson': 2}, 'model.stream')
+@pytest.mark.parametrize('sections,message', [
+    (dict(hc={'expanson': 2}), r'^model\.hc\.expanson: unknown field'),
+    (dict(stream={'design': 'hc', 'expanson': 2}), r'^model\.stream\.expanson: unknown field \(known: design\)'),
+    (dict(gated={'gate': 'scalar'}), r'^model\.gated: unknown field')], ids=['field', 'stream_field', 'section'])
+def test_spec_rejects_unknown_field(sections, message):
+  with pytest.raises(ValueError, match=message):
+    lm.LMConfig.from_config({'num_layers': LAYERS, **sections})
 
 
-@pytest.mark.parametrize('overrides', [{}, dict(design='residual', dwa_period=100), dict(design='hc', expansion=1),
-                                       dict(design='denseformer', dwa_dilation=LAYERS, dwa_period=LAYERS)],
+@pytest.mark.parametrize('design,sections', [
+    ('residual', {}), ('residual', dict(denseformer=dict(dwa_period=100))), ('hc', dict(hc=dict(expansion=1))),
+    ('denseformer', dict(denseformer=dict(dwa_dilation=LAYERS, dwa_period=LAYERS)))],
                          ids=['defaults', 'dwa_unused', 'hc_n1', 'dwa_equal_layers'])
-def test_spec_accepts(overrides):
-  assert _build(overrides) == StreamSpec(**overrides)
+def test_spec_accepts(design, sections):
+  assert _build(design, **sections) == StreamSpec(design, **sections.get(design, {}))
+
+
+def test_a_config_saved_with_every_field_in_model_stream_still_builds():
+  old = {'design': 'mhc', 'expansion': 3, 'hc_dynamic': False, 'sinkhorn_iters': 5, 'mhc_readout': 'authors',
+         'mhc_lite_init': 'plain', 'fractions': 2, 'layerscale_init': 1e-5, 'dwa_dilation': 1, 'dwa_period': 1,
+         'attnres_block': 2, 'attnres_heads': 1, 'attnres_delta': False, 'mudd_streams': 'qkvr', 'dca_k': 8}
+  assert _build(stream=old) == StreamSpec('mhc', expansion=3, sinkhorn_iters=5)
+  assert _build(stream={**old, 'design': 'residual'}, laurel={'variant': 'rw'}) == StreamSpec(variant='rw')
+
+
+def test_unused_sections_are_every_other_designs_fields():
+  unused = lm.LMConfig(stream=StreamSpec('hc')).unused_fields('model')
+  assert unused['model.mhc.sinkhorn_iters'] == "only design 'mhc' reads it, not model.stream.design='hc'"
+  assert 'model.laurel.rank' in unused and not any(name.startswith('model.hc.') for name in unused)
 
 
 def test_layerscale_default_is_caits_eps_at_depth_24():
-  assert StreamSpec().layerscale_init == 1e-5
+  assert StreamSpec('layerscale').layerscale_init == 1e-5

@@ -1,21 +1,23 @@
 """Residual designs behind one protocol (`Design`), and their registry; `model.stream.design` picks one.
 
 A site is one residual connection: `site(carry, fn, norm_in, norm_out, chain_l) -> carry`, fn(x, xn, scale) =
-scale·f(x) reading xn = norm_in(x) (scale None, or folded into f's last kernel), norm_out the post-norm (identity
-for pre-norm; a ResNet's ReLU), chain_l this layer's slice of the design's chain parameters (those whose init
-depends on the site index: LAuReL's RW, HC's A_m, DenseFormer's α). An LM's attention fn also takes xn as a
-(query, key, value) triple of normed inputs, each projected from its own (MUDDFormer's X^Q, X^K, X^V). Each family
-file registers its designs.
+scale·f(x) reading xn = norm_in(x) (scale None, or folded into f's last kernel; for an LM's attention xn may be a
+normed (query, key, value) triple), norm_out the post-norm (identity for pre-norm; a ResNet's ReLU), chain_l this
+layer's slice of the design's chain parameters (those whose init depends on the site index). Each design file
+declares its config (a frozen dataclass, the section `model.<section>`) and registers its designs; one outside the
+package does the same in its own module, named by import path `model.stream.design='module:name'`.
 """
 
 import dataclasses
+import importlib
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
+import ml_collections
 
-from laurel.config_lib import BOOL, POSITIVE, POSITIVE_INT, field, one_of, require
-from laurel.designs.buffer import start_buffer, write_slot  # noqa: F401  # mudd's and dca's
+from laurel import sharding
+from laurel.config_lib import InputError, build, config_dict, require
 
 ACT = ('act_batch', 'act_len', 'act_embed')
 STREAM_ACT = (None,) + ACT  # a stack of activations: n streams, or DenseFormer's running sums
@@ -74,6 +76,7 @@ class Chain(nn.Module):
   features: int
   param_dtype: Any = F32
   embed_axis: str = 'embed'
+  module_name = 'stream_chain'  # its name in the model's parameters
 
   def __call__(self):
     return None
@@ -83,17 +86,15 @@ class Chain(nn.Module):
 class Design:
   name: str  # its `model.stream.design`
   site: type  # a Site
-  section: str = 'stream'  # the config section it reads
-  fields: tuple = ()  # the `model.stream` fields it reads (others are unused with it)
+  config: type | None = None  # its frozen config dataclass, read from `model.<section>`; None: no fields
+  section: str = ''  # '' = the design's name; also its sites' name prefix
   placement: Callable[[Any], str] = lambda spec: 'sublayer'  # a key of PLACEMENTS
   chain: type = Chain
-  chain_name: str = 'stream_chain'
-  prefix: str = ''  # site names: prefix + PLACEMENTS' suffix; '' = the design's name
   start: Callable = lambda spec, x, num_layers: x  # the carry after the embedding
   finish: Callable = lambda spec, carry: carry  # the read-out before the final norm
   norm_first: Callable = lambda spec: False  # the final norm applies to each stream before `finish` (mHC-lite's)
-  check: Callable = lambda spec, num_layers, prefix: None  # checks across fields (one-line InputError)
-  check_width: Callable = lambda spec, d_model, prefix: None  # checks against the model width
+  # checks against the model (one-line InputError): (spec, its section's prefix, num_layers, width D, sites)
+  check: Callable = lambda spec, prefix, num_layers, width, sites: None
   post_norm: bool = False  # defined on post-norm sublayers too
   per_bottleneck: bool = False  # a ResNet bottleneck's residual (carry: x, or x first)
   no_decay: tuple = ()  # parameter names kept out of weight decay
@@ -102,9 +103,6 @@ class Design:
   saved_names: tuple = ()  # checkpoint names every remat policy saves (AttnRes's push form: its site inputs)
   # (spec, num_layers, d_model) -> stored parameters that are structurally 0 (per-layer shapes padded for a scan)
   padded_params: Callable = lambda spec, num_layers, d_model: 0
-
-  def site_name(self, suffix):
-    return (self.prefix or self.name) + suffix
 
   def read_out(self, spec, carry, final_norm):
     """The final-normed read-out: `finish`, then the final norm; or with `norm_first`, the final norm on each stream,
@@ -116,78 +114,116 @@ REGISTRY: dict[str, Design] = {}
 
 
 def register(*designs: Design) -> None:
+  """Adds designs to the registry; each config class (an empty one where None) learns its design's name."""
   for d in designs:
-    REGISTRY[d.name] = d
+    config = d.config or dataclasses.make_dataclass(f'{d.name}_config', [], frozen=True)
+    config.design = d.name  # spec.design: which design a config instance configures
+    REGISTRY[d.name] = dataclasses.replace(d, config=config, section=d.section or d.name)
 
 
-# The families register themselves, in the order `model.stream.design` lists them.
-from laurel.designs import (  # pylint: disable=wrong-import-position  # noqa: E402,F401
-    laurel, scale, hyper, denseformer, attnres, mudd, dca)
+def lookup(name: str, field_name: str = 'model.stream.design') -> Design:
+  """The design `name` names: a registered one, or 'module:name' whose module (imported here) registers it."""
+  module, _, short = name.rpartition(':') if isinstance(name, str) else ('', '', name)
+  if module:
+    try:
+      importlib.import_module(module)
+    except ImportError as e:
+      raise InputError(f'{field_name}={name!r}: cannot import {module} ({e})') from None
+  require(short in REGISTRY, field_name, name,
+          f"must be one of {', '.join(REGISTRY)}, or 'module:name' of a design that module registers")
+  return REGISTRY[short]
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamSpec:
-  """`model.stream`: the residual design ('residual' = plain or LAuReL, configured in `model.laurel`)."""
-  design: str = field('residual', one_of(*REGISTRY))
-  expansion: int = field(4, POSITIVE_INT)  # HC/mHC n
-  hc_dynamic: bool = field(False, BOOL)  # HC eqs. 10–13
-  sinkhorn_iters: int = field(20, POSITIVE_INT)  # mHC t_max (eq. 9)
-  # mHC's streams -> one: each design's authors' ('sum' for mhc, 'norm_sum' for mhc_lite); HC §2.1's sum, then the
-  # final norm; the final norm on each stream, then the sum (mHC-lite's code); or DeepSeek-V4's weighted sum
-  mhc_readout: str = field('authors', one_of('authors', 'sum', 'norm_sum', 'v4'))
-  mhc_lite_init: str = field('plain', one_of('plain', 'authors'))  # mHC-lite's start: mHC's plain one, or its code's
-  fractions: int = field(2, POSITIVE_INT)  # Frac-Connections m
-  layerscale_init: float = field(1e-5, POSITIVE)  # CaiT's ε for depth 24
-  dwa_dilation: int = field(1, POSITIVE_INT)  # DenseFormer k
-  dwa_period: int = field(1, POSITIVE_INT)  # DenseFormer p
-  attnres_block: int = field(2, POSITIVE_INT)  # Block AttnRes: sites (attention, MLP) per block
-  attnres_heads: int = field(1, POSITIVE_INT)  # AttnRes: independent depth softmaxes over channel groups
-  attnres_delta: bool = field(False, BOOL)  # AttnRes over the increments, added to the ordinary stream
-  mudd_streams: str = field('qkvr', one_of('qkvr', 'r'))  # MUDDFormer's dense streams: Q, K, V, R, or R alone
-  dca_k: int = field(8, POSITIVE_INT)  # k-DCA: the last k layers their own columns, the intermediate ones summed
+def StreamSpec(design: str = 'residual', **fields):  # pylint: disable=invalid-name  # tests/reference.py's name
+  """Design `design`'s config with `fields`."""
+  return REGISTRY[design].config(**fields)
 
-  def check_sizes(self, num_layers: int, prefix: str, d_model: int | None = None) -> None:
-    REGISTRY[self.design].check(self, num_layers, prefix)
-    if d_model is not None:
-      REGISTRY[self.design].check_width(self, d_model, prefix)
 
-  def unused_fields(self, prefix: str) -> dict[str, str]:
-    """{field: why} of the fields only other designs read."""
-    readers = {f.name: [d.name for d in REGISTRY.values() if f.name in d.fields] for f in dataclasses.fields(self)}
-    return {f'{prefix}.{name}': f"only design {' or '.join(map(repr, used))} reads it, not "
-            f'{prefix}.design={self.design!r}' for name, used in readers.items() if used and self.design not in used}
+def _sections(default, overrides: dict) -> dict:
+  """The ConfigDict entries of a model's `stream` field (config_lib.config_dict): `stream.design`, and each
+  registered design's section (the default design's at `default`); pops them from `overrides`."""
+  stream = dict(overrides.pop('stream', {}))
+  name = stream.pop('design', default.design)
+  lookup(name)
+  if stream:
+    raise InputError(f'stream: unknown fields {", ".join(sorted(stream))} (a design reads model.<its section>)')
+  out = {'stream': ml_collections.ConfigDict({'design': name})}
+  for d in list(REGISTRY.values()):
+    if dataclasses.fields(d.config):
+      out[d.section] = config_dict(default if type(default) is d.config else d.config,
+                                   **overrides.pop(d.section, {}))
+  return out
+
+
+def _build(default, values: dict, prefix: str):
+  """The chosen design's config from a model's values (config_lib.build): pops `stream` and every design's section,
+  each checked, and returns the chosen one built."""
+  stream = values.pop('stream', None)
+  if dataclasses.is_dataclass(stream):  # a config already built
+    return stream
+  stream = dict(stream or {})
+  name = stream.pop('design', default.design)
+  design = lookup(name, f'{prefix}.stream.design')
+  if stream and set(stream) <= {  # a run saved before each design had its own section: every field in model.stream
+      f.name for d in REGISTRY.values() if d.section != 'laurel' for f in dataclasses.fields(d.config)}:
+    own = {f.name for f in dataclasses.fields(design.config)}
+    values.setdefault(design.section, {k: v for k, v in stream.items() if k in own})
+    stream = {}
+  if stream:
+    raise InputError(f'{prefix}.stream.{sorted(stream)[0]}: unknown field (known: design)')
+  spec = default if type(default) is design.config else design.config()
+  for d in list(REGISTRY.values()):
+    if d.section in values:
+      built = build(d.config, values.pop(d.section), f'{prefix}.{d.section}')
+      spec = built if d is design else spec
+  return spec
+
+
+def stream_field(default):
+  """A model config's `stream`: the chosen design's config (its class's `design` names it), `default` unless set."""
+  return dataclasses.field(default=default, metadata={'sections': _sections, 'build': _build})
 
 
 def select(model_cfg) -> tuple[Design, Any]:
-  """(the design `model_cfg.stream.design` names, its config section)."""
-  design = REGISTRY[model_cfg.stream.design]
-  return design, getattr(model_cfg, design.section)
+  """(the design `model_cfg.stream` configures, its config)."""
+  return REGISTRY[model_cfg.stream.design], model_cfg.stream
 
 
-def check(model_cfg, prefix: str) -> None:
-  """Checks across a model's design sections: a LAuReL variant needs design 'residual'."""
-  name = model_cfg.stream.design
-  require(REGISTRY[name].section == 'laurel' or not model_cfg.laurel.components, f'{prefix}.laurel.variant',
-          model_cfg.laurel.variant, f"LAuReL replaces the residual sum, which stream design '{name}' also replaces; "
-          "use variant 'none'")
+def check(model_cfg, prefix: str, num_layers: int, width: int, sites: int) -> None:
+  design, spec = select(model_cfg)
+  design.check(spec, f'{prefix}.{design.section}', num_layers, width, sites)
+
+
+def unused_fields(spec, prefix: str) -> dict[str, str]:
+  """{field: why} of every field of the other designs' sections (only their design reads them), and the chosen
+  config's own (its `unused_fields`, where it has one)."""
+  chosen = REGISTRY[spec.design]
+  out = {f'{prefix}.{d.section}.{f.name}': f'only design {d.name!r} reads it, not {prefix}.stream.design='
+         f'{spec.design!r}' for d in REGISTRY.values() if d is not chosen for f in dataclasses.fields(d.config)}
+  if hasattr(spec, 'unused_fields'):
+    out.update(spec.unused_fields(f'{prefix}.{chosen.section}'))
+  return out
 
 
 def layer_sites(design: Design, spec) -> tuple:
   """((site name or None for a plain residual, sublayer), ...) of one layer."""
-  return tuple((None if s is None else design.site_name(s), part) for s, part in PLACEMENTS[design.placement(spec)])
+  return tuple((None if s is None else design.section + s, part) for s, part in PLACEMENTS[design.placement(spec)])
 
 
 def _union(*groups):
   return tuple(dict.fromkeys(x for g in groups for x in g))
 
 
-# Norms, biases and value residual's mix, then every design's scales and mixing weights.
-NO_DECAY = _union(('scale', 'bias', 'value_mix'), *(d.no_decay for d in REGISTRY.values()))
-# Logical axis -> mesh axes. Parameters shard over fsdp (and tensor for the wide dims); activations shard their
-# batch over data x fsdp. Override `logical_axis_rules` in a config to try other layouts.
-LOGICAL_AXIS_RULES = _union(
-    (('act_batch', ('data', 'fsdp')), ('act_len', None), ('act_embed', None), ('act_heads', 'tensor'),
-     ('act_mlp', 'tensor'), ('act_vocab', 'tensor'), ('act_channels', None), ('embed', 'fsdp'), ('vocab', 'tensor'),
-     ('mlp', 'tensor'), ('heads', 'tensor'), ('kv', None), ('layers', None), ('conv_in', None), ('conv_out', 'fsdp'),
-     ('classes', None), ('spatial', None), ('share_rank', None), ('share_diag', None)),
-    *(d.logical_axes for d in REGISTRY.values()))
+def no_decay() -> tuple:
+  """Every registered design's parameter names kept out of weight decay (its scales and mixing weights)."""
+  return _union(*(d.no_decay for d in REGISTRY.values()))
+
+
+def logical_axis_rules(base: tuple = sharding.LOGICAL_AXIS_RULES) -> tuple:
+  """`base`, then every registered design's rules (flax takes the first rule of a name)."""
+  return _union(base, *(d.logical_axes for d in REGISTRY.values()))
+
+
+# The families register themselves, in the order `model.stream.design` lists them.
+from laurel.designs import (  # pylint: disable=wrong-import-position  # noqa: E402,F401
+    laurel, scale, hyper, denseformer, attnres, mudd, dca)

@@ -1,29 +1,20 @@
-"""Attention Residuals: each sublayer's input is a softmax over depth (Kimi Team, arXiv 2603.15031, §3; the
-reference code file `modeling_qwen3_attnres.py`, functions `block_attn_res` and its 'full' and 'block' modes).
+"""Attention Residuals: each sublayer's input is a softmax over depth (Kimi Team, arXiv 2603.15031, §3; reference
+code `modeling_qwen3_attnres.py`, `block_attn_res`, modes 'full' and 'block').
 
   Full    h_s = Σ_{j ≤ s} α_{j→s}·v_j,  α_{j→s} = softmax_j(w_sᵀ RMSNorm_s(v_j)),  v_0 = x_0, v_{j+1} = F_j(norm_j(h_j))
-  Block   the same over [b_0, …, b_{n−1}, p_s]: b_0 = x_0, b_n the plain sum of block n's outputs, p_s the partial
-          sum of the current block before site s (absent at a block's first site); `attnres_block` sites per block
-  delta   `attnres_delta`: the sources are the increments x_{j+1} − x_j (the outputs v_{j+1}; δ_0 = x_0) and the
-          input is x_s + h_s, x the ordinary stream (arXiv 2605.18855; reference code `delta_attn_res`, 'delta' and
-          'delta_block' modes; the formula at site 0, 2·x_0, where the code takes x_0: equal after the pre-norm)
-  heads   `attnres_heads` = H: H independent softmaxes, each over its group of D/H channels with its own RMSNorm over
-          them (arXiv 2607.27230; its text was not read: the per-group RMSNorm is this module's choice)
-Without delta there is no running residual: the stream is the set of sources. The read-out (a final site S with its
-own w_S and RMSNorm, before the final norm) follows the reference code; with delta it is the ordinary stream x_S,
-with no final mix, as the delta code's 'delta' and 'delta_block' modes read out. w_s = 0 and the RMSNorm scale
-γ_s = 1 at init, so every site starts as a uniform average of its sources (the documented exception to "equals the plain
-model"; with delta, x_s plus that average, x_s·(s+2)/(s+1) for Full: the plain model's input after the pre-norm, up
-to its epsilon).
-
-Push form: a logit depends on the sender's content and on the receiver's parameters only, ℓ_{j→s} =
-(w_s ⊙ γ_s)ᵀ v_j / rms(v_j), so each source is added into running softmax sums (U, Z) of every later receiver as
-soon as it exists (the chain hands each layer the queries w̃ rotated to its offset, as DenseFormer's α). Each sum
-keeps a running max M as stabiliser (online softmax) under stop_gradient: the softmax is invariant to the shift, so
-the gradient is exact and the update stays linear in (U, Z) with constant factors; no logit can overflow or
-underflow. Under remat the site inputs are saved by name (`SAVED`) and the average differentiated through them, so a
-layer's backward never reads the sums. Full AttnRes is Block AttnRes with one site per block.
+  Block   the same over [b_0, …, b_{n−1}, p_s]: b_n the sum of block n's outputs, p_s the current block's partial sum
+  delta   sources the increments x_{j+1} − x_j (δ_0 = x_0), input x_s + h_s, x the ordinary stream (arXiv 2605.18855,
+          code `delta_attn_res`; at site 0 the formula's 2·x_0 where the code takes x_0: equal after the pre-norm)
+  heads   H independent softmaxes, each over D/H channels with its own RMSNorm (arXiv 2607.27230, text not read)
+The read-out is a final site S before the final norm (with delta: the stream x_S, as the delta code). w_s = 0 and
+γ_s = 1 at init: every site starts as the uniform average of its sources (the documented exception to "equals the
+plain model"). Push form: ℓ_{j→s} = (w_s ⊙ γ_s)ᵀ v_j / rms(v_j) depends on the sender's content and the receiver's
+parameters only, so each source joins the running softmax sums (U, Z) of every later receiver as soon as it exists,
+with an online-softmax max M under stop_gradient (exact gradient, no overflow). Under remat the site inputs are
+saved by name (`SAVED`), so a layer's backward never reads the sums. Full is Block with one site per block.
 """
+
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -31,12 +22,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from laurel.config_lib import require
+from laurel.config_lib import BOOL, POSITIVE_INT, field, require
 from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register
 
 EPS = 1e-6  # flax RMSNorm's
 SAVED = 'attnres_input'  # each site's input h_s, which every remat policy keeps (Design.saved_names)
 NEG = -1e30  # the logit of an absent source (exp underflows to 0; never -inf, so no inf − inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResSpec:
+  """`model.attnres` (Full AttnRes)."""
+  attnres_heads: int = field(1, POSITIVE_INT)  # independent depth softmaxes over channel groups
+  attnres_delta: bool = field(False, BOOL)  # over the increments, added to the ordinary stream
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResBlockSpec(AttnResSpec):
+  """`model.attnres_block` (Block AttnRes)."""
+  attnres_block: int = field(2, POSITIVE_INT)  # sites (attention, MLP) per block
 
 
 def block_size(spec) -> int:
@@ -167,20 +171,16 @@ def _finish(spec, carry):
   return _read(sums, p_BxLxD, logit_p) if x_BxLxD is None else x_BxLxD
 
 
-def _check_width(spec, d_model, prefix):
-  require(d_model % spec.attnres_heads == 0, f'{prefix}.attnres_heads', spec.attnres_heads,
-          f'must divide d_model={d_model} (each head mixes its own channels)')
+def _check(spec, prefix, num_layers, width, sites):
+  require(width % spec.attnres_heads == 0, f'{prefix}.attnres_heads', spec.attnres_heads,
+          f'must divide d_model={width} (each head mixes its own channels)')
+  if spec.design == 'attnres_block':
+    require(2 * num_layers % spec.attnres_block == 0, f'{prefix}.attnres_block', spec.attnres_block,
+            f'sites per block must divide the 2·num_layers={2 * num_layers} sites (attention and MLP per layer)')
 
 
-def _check_block(spec, num_layers, prefix):
-  sites = 2 * num_layers
-  require(sites % spec.attnres_block == 0, f'{prefix}.attnres_block', spec.attnres_block,
-          f'sites per block must divide the 2·num_layers={sites} sites (attention and MLP per layer)')
-
-
-_ATTNRES = dict(chain=AttnResChain, start=_start, finish=_finish, check_width=_check_width,
+_ATTNRES = dict(site=AttnResSite, chain=AttnResChain, start=_start, finish=_finish, check=_check,
                 no_decay=('attnres_query', 'attnres_key_scale'), logical_axes=(('attnres_sites', None),),
                 saved_names=(SAVED,))
-_OPTIONS = ('attnres_heads', 'attnres_delta')
-register(Design('attnres', AttnResSite, fields=_OPTIONS, **_ATTNRES),
-         Design('attnres_block', AttnResSite, fields=('attnres_block',) + _OPTIONS, check=_check_block, **_ATTNRES))
+register(Design('attnres', config=AttnResSpec, **_ATTNRES),
+         Design('attnres_block', config=AttnResBlockSpec, **_ATTNRES))

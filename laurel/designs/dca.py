@@ -1,31 +1,18 @@
 """DCA, DeepCrossAttention (Heddes et al., arXiv 2502.06785, ICML 2025): GRN-v3 (§3.1), the DCA block (§3.2,
-Fig. 4) and the read-out y = GRN(G_{N+1}) (§4.1; the "Outputs" GRN of App. H, Fig. 10).
+Fig. 4) and the read-out y = GRN(G_{N+1}) (§4.1; App. H, Fig. 10).
 
   y_0 the embedding, y_{i+1} = layer i's block output a_i + m_i (its skip is not added, §3.2)
-  GRN-v3 of receiver i over the stack G_i = [y_0, …, y_i], per token and per dimension:
-    GRN(G_i) = Σ_{j ≤ i} ReLU(b_{i,j} + w_iᵀ y_j) ⊙ y_j                     b_{i,j}, w_i ∈ R^D
-  layer i, a GRN for each of Q, K, V:
-    a_i = Attn(norm(u^Q), norm_k(u^K), norm_v(u^V)),  h = u^Q + a_i,  m_i = MLP(norm(h))
-  read-out (before the final norm): a GRN of receiver N over y_0, …, y_N
-Init b = 1, w = 0 (the retrofitting paragraph: "identical to a standard residual network at initialization"): every
-GRN is Σ y_j = x_i, the plain model up to the rounding of that sum (tested).
-
-Two readings are taken where the text is loose. The ReLU: App. A writes the weight as b + ReLU(wᵀy), but with w = 0
-at init ReLU'(0) = 0 gives w no gradient, ever; App. H's biases "filtered out as a result of the ReLU" are
-ReLU(b + wᵀy), the form here, in which w trains. No norm before wᵀ (the text has none; lucidrains'
-deep-cross-attention normalises).
-
-`dca`: every earlier layer its own column, the paper's "DCA" (Tables 1, 5, 7). `dca_k`: its k-DCA (§3.1, §5;
-Tables 3 and 6 use 8-DCA): the stack is [y_0, Σ_{1 ≤ j ≤ i−k} y_j, y_{i−k+1}, …, y_i], the intermediate layers
-summed into one column (its own b and gate), at most k + 2 columns.
-
-Pull form over a buffer of every block output, as MUDDFormer's: slot i + 1 is written once, by layer i
-(`Design.buffer`), so the scanned stack's backward rebuilds each layer's buffer from the final one instead of
-keeping O(N) outputs per layer (laurel.lm; it recomputes what `model.remat` does not save). Each layer reads its
-k + 2 columns as fixed sums of slots (`dca` is k = N, its merged column always empty). The read-out's GRN is a
-module of its own, called after the last layer. `padded_params` counts the weights of columns still empty at a receiver.
+  GRN(G_i) = Σ_{j ≤ i} ReLU(b_{i,j} + w_iᵀ y_j) ⊙ y_j, per token and dimension, b_{i,j}, w_i ∈ R^D
+  layer i, a GRN for each of Q, K, V: a_i = Attn(norm(u^Q), norm_k(u^K), norm_v(u^V)), h = u^Q + a_i,
+  m_i = MLP(norm(h)); the read-out (before the final norm) a GRN of receiver N
+b = 1, w = 0 at init: every GRN is Σ y_j = x_i, the plain model. ReLU(b + wᵀy) is App. H's reading (App. A's
+b + ReLU(wᵀy) would leave w without gradient at w = 0). `dca_k` is k-DCA (§3.1, §5): the stack [y_0,
+Σ_{1 ≤ j ≤ i−k} y_j, y_{i−k+1}, …, y_i], at most k + 2 columns (`dca` is k = N). Pull form over a write-once buffer
+of every block output (laurel.designs.buffer, as MUDDFormer's): each layer reads its columns as fixed sums of slots.
+`padded_params` counts the weights of columns still empty at a receiver.
 """
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -33,9 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register, start_buffer, write_slot
+from laurel.config_lib import POSITIVE_INT, field
+from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register
+from laurel.designs.buffer import start_buffer, write_slot
 
 STREAMS = 3  # Q, K, V
+
+
+@dataclasses.dataclass(frozen=True)
+class DCAKSpec:
+  """`model.dca_k`: k-DCA's k (`dca` has no fields)."""
+  dca_k: int = field(8, POSITIVE_INT)  # the last k layers their own columns, the intermediate ones summed
 
 
 def grn_sum(b_CxKxD, w_CxD, g_KxBxLxD):
@@ -146,4 +141,4 @@ def padded_params(spec, num_layers, d_model):
 _DCA = dict(chain=DCAChain, start=_start, finish=_finish, buffer=2, no_decay=('dca_bias', 'dca_query'),
             padded_params=padded_params,
             logical_axes=(('dca_sources', None), ('dca_streams', None)))
-register(Design('dca', DCASite, **_DCA), Design('dca_k', DCASite, fields=('dca_k',), **_DCA))
+register(Design('dca', DCASite, **_DCA), Design('dca_k', DCASite, config=DCAKSpec, **_DCA))

@@ -4,12 +4,21 @@
   (§3, §3.2–3.3; k = dwa_dilation, p = dwa_period). Init α_{i,i} = 1, the rest 0 (§3): exactly the plain chain.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from laurel.config_lib import require
+from laurel.config_lib import POSITIVE_INT, field, require
 from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseFormerSpec:
+  """`model.denseformer`."""
+  dwa_dilation: int = field(1, POSITIVE_INT)  # k
+  dwa_period: int = field(1, POSITIVE_INT)  # p
 
 
 class DWAChain(Chain):
@@ -54,13 +63,13 @@ class DenseFormerSite(Site):
     return nn.with_logical_constraint(x_BxLxD, ACT), nn.with_logical_constraint(s_RxBxLxD, STREAM_ACT)
 
 
-def _check(spec, num_layers, prefix):
+def _check(spec, prefix, num_layers, width, sites):
   for name in ('dwa_dilation', 'dwa_period'):
     require(getattr(spec, name) <= num_layers, f'{prefix}.{name}', getattr(spec, name),
             f'must be <= num_layers={num_layers}')
 
 
-register(Design('denseformer', DenseFormerSite, fields=('dwa_dilation', 'dwa_period'), chain=DWAChain, check=_check,
+register(Design('denseformer', DenseFormerSite, config=DenseFormerSpec, chain=DWAChain, check=_check,
                 start=lambda spec, x, num_layers: (x, nn.with_logical_constraint(
                     jnp.zeros((num_layers,) + x.shape, x.dtype), STREAM_ACT)),
                 finish=lambda spec, carry: carry[0], no_decay=('dwa_alpha',), logical_axes=(('layers_dwa', None),)))

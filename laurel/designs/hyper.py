@@ -1,43 +1,24 @@
 """Hyper-connections: n residual streams mixed at every site; equation numbers are each paper's.
 
-  HC           h_0ᵀ = A_mᵀH, H' = A_rᵀH, Ĥ = Bᵀ(F h_0)ᵀ + H'           Zhu et al., arXiv 2409.19606, eqs. 3–5
-    dynamic    H̄ = norm(H); B(H) = s_β∘tanh(H̄W_β)ᵀ + B,                eqs. 10–13
-               A_m(H) = s_α∘tanh(H̄W_m) + A_m, A_r(H) = s_α∘tanh(H̄W_r) + A_r
-  mHC          x_{l+1} = H_res·x_l + H_postᵀ·F(H_pre·x_l)               Xie et al., arXiv 2512.24880, eq. 3
-               H̃ = α·(RMSNorm(vec x_l)·φ) + b (pre, post, res)          eq. 7
-               H_pre = σ(H̃_pre), H_post = 2σ(H̃_post), H_res = SK(H̃_res) eq. 8
-               SK: M⁽⁰⁾ = exp(H̃_res), M⁽ᵗ⁾ = T_r(T_c(M⁽ᵗ⁻¹⁾)), t_max = sinkhorn_iters   eq. 9
-    read-out   'sum' (the paper's, HC §2.1): Σ_k X_k, then the final norm. 'v4' (`mhc_readout`): DeepSeek-V4's
-               hc_head before the final norm, Σ_k (σ(s·(RMSNorm(vec X)·φ_head)_k + b_k) + ε)·X_k (`V4Readout`). V4's
-               other changes are not here: ε added to H_pre and H_post, Sinkhorn from softmax + ε, projections
-               ordered (pre, post, comb). 'norm_sum': Σ_k norm(X_k), the final norm on each stream (mHC-lite's).
-  mHC-lite     H_res = Σ_{r=1}^{n!} a_r P_rᵀ, a = softmax(α_res·(x̂φ_res) + b_res), P_r = I[σ_r] the permutation
-               matrices in itertools order: exactly doubly stochastic, no Sinkhorn   arXiv 2601.05732
-               (reference code: FFTYYY/mhc-lite, hyper_conn/mhc_lite.py, whose mix of the streams by Σ_r a_r P_r
-               reads as H_res = Σ_r a_r P_rᵀ here); the rest as mHC. Its read-out (the code's model.py): the final
-               norm on each stream, then their sum ('norm_sum', the default `mhc_readout='authors'` for mhc_lite)
-  Frac         H = split(x) into m fractions of D/m; x_in = merge(ΓᵀH),   Zhu et al., arXiv 2503.14125
-               H' = diag(β)·split(F(norm(x_in))) + AᵀH; dynamic: HC eqs. 10–13 per fraction. Carried as x (B, L, D):
-               no stream copies.
+  HC         h_0ᵀ = A_mᵀH, H' = A_rᵀH, Ĥ = Bᵀ(F h_0)ᵀ + H'                 Zhu et al., arXiv 2409.19606, eqs. 3–5
+    dynamic  H̄ = norm(H); B(H) = s_β∘tanh(H̄W_β)ᵀ + B, A_m(H) = s_α∘tanh(H̄W_m) + A_m, A_r likewise   eqs. 10–13
+  mHC        x_{l+1} = H_res·x_l + H_postᵀ·F(H_pre·x_l)                     Xie et al., arXiv 2512.24880, eq. 3
+             H̃ = α·(RMSNorm(vec x_l)·φ) + b; H_pre = σ(H̃_pre), H_post = 2σ(H̃_post), H_res = SK(H̃_res)   eqs. 7–8
+             SK: M⁽⁰⁾ = exp(H̃_res), M⁽ᵗ⁾ = T_r(T_c(M⁽ᵗ⁻¹⁾)), t_max = sinkhorn_iters                      eq. 9
+  read-out   'sum' (HC §2.1, mHC's); 'norm_sum' (mHC-lite's code): the final norm on each stream, then the sum;
+             'v4' (DeepSeek-V4's hc_head): Σ_k (σ(s·(RMSNorm(vec X)·φ_head)_k + b_k) + ε)·X_k
+  mHC-lite   H_res = Σ_r a_r P_rᵀ over the n! permutation matrices P_r = I[σ_r] (itertools order),
+             a = softmax(α_res·(x̂φ_res) + b_res): exactly doubly stochastic, no Sinkhorn   arXiv 2601.05732
+  Frac       H = split(x) into m fractions, x_in = merge(ΓᵀH), H' = diag(β)·split(F(norm(x_in))) + AᵀH
+             (dynamic: HC eqs. 10–13 per fraction), carried as x itself      Zhu et al., arXiv 2503.14125
 
-Initialisation, against the pre-norm chain x + F(norm(x)):
-  * HC, eq. 14: A_m = e_{k mod n} (k the global site index; in `HyperChain`), A_r = I, B = 1, W = 0; s_α = s_β = 0.01
-    and norm = LayerNorm per stream (Algorithm 2). H⁰ is n copies of the embedding, the readout sums the streams
-    (§2.1): n·(plain chain), a factor the final RMSNorm removes.
-  * mHC: α = 0.01 (Table 5); the paper leaves φ and b open. φ = 0, H_post = 2σ(0) = 1, H_pre = (1/n + e_{k mod n})/2
-    (b_pre in `HyperChain`), H_res = (I + 11ᵀ/n)/2: the streams stay equal and the (HC) readout is n·(plain chain) up
-    to rounding. Not H_pre = 1/n: with equal streams and φ = 0 every stream would get the same gradient and never
-    part; the tilt to stream k mod n breaks that, as HC's A_m does. H_res only half-way to HC's A_r = I, where the
-    Sinkhorn gradient would vanish. Needs n ≥ 2. The RMSNorm weight is absorbed into φ, as in the paper's kernel
-    (§4.3.1). V4's read-out at φ_head = 0, b = 0 weighs each stream ½ + ε: (½ + ε)·n·(plain chain).
-  * mHC-lite: mHC's, with H_res at exactly mHC's (I + 11ᵀ/n)/2, reached as a = ½e_I + ½/n!; its read-out of n
-    equal streams normed, then summed, is n·(the plain model's final-normed stream). The authors' code starts
-    elsewhere (b_res = (0, −8, …), H_res ≈ 0.99·I; b_pre, b_post ±1 tilted to stream l mod n), which does not
-    start as the plain chain: `mhc_lite_init='authors'` offers it. n ≤ 5: n! logits per token and site.
-  * Frac: Γ = A = I, β = 1, W = 0: exactly the plain chain. Needs m ≥ 2 dividing D.
-The streams are carried stream-leading, h_NxBxLxD, logical axes (None, 'act_batch', 'act_len', 'act_embed').
+Each starts as the plain pre-norm chain up to a factor the final RMSNorm removes (docs/designs.md says how): HC eq. 14
+(A_m = e_{k mod n}, A_r = I, B = 1, W = 0); mHC with φ = 0, H_post = 1, H_pre = (1/n + e_{k mod n})/2 (the tilt
+lets the equal streams part), H_res = (I + 11ᵀ/n)/2; mHC-lite at that H_res exactly (`mhc_lite_init='authors'`:
+its code's start instead); Frac with Γ = A = I, β = 1. Streams are carried stream-leading, h_NxBxLxD.
 """
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -48,11 +29,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laurel.config_lib import is_int, require
+from laurel.config_lib import BOOL, POSITIVE_INT, field, is_int, one_of, require
 from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
 
 V4_HC_EPS = 1e-6  # DeepSeek-V4's hc_eps
 MHC_LITE_MAX_N = 5  # 5! = 120 logits per token and site; 6! = 720 would dwarf the layer's own mixing
+
+
+_expansion = lambda: field(4, POSITIVE_INT)  # HC/mHC n
+_dynamic = lambda: field(False, BOOL)  # HC eqs. 10–13
+# the streams -> one: each design's authors' ('sum' for mhc, 'norm_sum' for mhc_lite); HC §2.1's sum, then the final
+# norm; the final norm on each stream, then the sum (mHC-lite's code); or DeepSeek-V4's weighted sum
+_readout = lambda: field('authors', one_of('authors', 'sum', 'norm_sum', 'v4'))
+
+
+@dataclasses.dataclass(frozen=True)
+class HCSpec:
+  """`model.hc`."""
+  expansion: int = _expansion()
+  hc_dynamic: bool = _dynamic()
+
+
+@dataclasses.dataclass(frozen=True)
+class MHCSpec:
+  """`model.mhc`."""
+  expansion: int = _expansion()
+  sinkhorn_iters: int = field(20, POSITIVE_INT)  # t_max (eq. 9)
+  mhc_readout: str = _readout()
+
+
+@dataclasses.dataclass(frozen=True)
+class MHCLiteSpec:
+  """`model.mhc_lite`."""
+  expansion: int = _expansion()
+  mhc_readout: str = _readout()
+  mhc_lite_init: str = field('plain', one_of('plain', 'authors'))  # mHC's plain start, or the authors' code's
+
+
+@dataclasses.dataclass(frozen=True)
+class FracSpec:
+  """`model.frac`."""
+  fractions: int = field(2, POSITIVE_INT)  # m
+  hc_dynamic: bool = _dynamic()
 
 
 @functools.partial(jax.checkpoint, static_argnums=(1,))
@@ -71,9 +89,7 @@ def sinkhorn(logits, iters: int):
 
 class HyperChain(Chain):
   """HC's A_m (N×T×n), or mHC's b_pre stacked with a constant shift of b_post (N×T×2×n): inits that depend on the
-  global site index k. The shift is 0 but for mHC-lite's authors' init, where b_pre and the shift are ±1 tilted to
-  stream l mod n, l the layer: b_post = 0 + shift trains as b_post initialised at the shift would (no weight
-  decay)."""
+  global site index k. The shift is 0 but for mHC-lite's authors' init (±1 tilted to stream l mod n)."""
 
   @nn.compact
   def __call__(self):
@@ -108,26 +124,33 @@ def _hyper_update(h_NxBxLxD, a_m_BxLxN, a_r_BxLxNxN, b_BxLxN, fn, norm_in):
   return nn.with_logical_constraint(out, STREAM_ACT)
 
 
+def _dynamic(site, h, h_axes: str, out_axes: str, axis: str, coeffs: int):
+  """HC eqs. 10–13's input-dependent terms (s_α∘tanh(H̄W_α), s_β∘tanh(H̄w_β)), H̄ = LayerNorm over h's last axis (the
+  logical `axis`), W_α with `coeffs` columns; `h_axes` names h's axes and `out_axes` the token and stream ones."""
+  ones, zeros = nn.initializers.ones, nn.initializers.zeros
+  hbar = nn.LayerNorm(dtype=F32, param_dtype=site.param_dtype, name='norm',
+                      scale_init=nn.with_logical_partitioning(ones, (axis,)),
+                      bias_init=nn.with_logical_partitioning(zeros, (axis,)))(h)
+  w_alpha = site.make('w_alpha', zeros, (h.shape[-1], coeffs), (axis, 'stream_coeff')).astype(F32)
+  w_beta = site.make('w_beta', zeros, h.shape[-1:], (axis,)).astype(F32)
+  s_alpha, s_beta = (site.make(k, const(0.01), (), ()).astype(F32) for k in ('s_alpha', 's_beta'))
+  w = h_axes[-1]
+  return (s_alpha * jnp.tanh(jnp.einsum(f'{h_axes},{w}c->{out_axes}c', hbar, w_alpha)),
+          s_beta * jnp.tanh(jnp.einsum(f'{h_axes},{w}->{out_axes}', hbar, w_beta)))
+
+
 class HCSite(Site):
   """Hyper-connections, static (eqs. 3–5) or dynamic (eqs. 10–13); A_m comes from `HyperChain` (chain_l[t])."""
 
   @nn.compact
   def __call__(self, h_NxBxLxD, fn, norm_in, norm_out, chain_l):
-    n, d, tokens = self.spec.expansion, self.features, h_NxBxLxD.shape[1:3]
+    n, tokens = self.spec.expansion, h_NxBxLxD.shape[1:3]
     a_r = self.make('a_r', const(np.eye(n)), (n, n), ('stream', None)).astype(F32)
     b = self.make('b', nn.initializers.ones, (n,), ('stream',)).astype(F32)
     a_m, a_r, b = (jnp.broadcast_to(a, tokens + a.shape) for a in (chain_l[self.t].astype(F32), a_r, b))
     if self.spec.hc_dynamic:
-      ones, zeros = nn.initializers.ones, nn.initializers.zeros
-      hbar_NxBxLxD = nn.LayerNorm(dtype=F32, param_dtype=self.param_dtype, name='norm',
-                                  scale_init=nn.with_logical_partitioning(ones, ('embed',)),
-                                  bias_init=nn.with_logical_partitioning(zeros, ('embed',)))(h_NxBxLxD)
-      w_alpha = self.make('w_alpha', zeros, (d, n + 1), ('embed', 'stream_coeff')).astype(F32)  # (W_m, W_r)
-      w_beta = self.make('w_beta', zeros, (d,), ('embed',)).astype(F32)
-      s_alpha, s_beta = (self.make(k, const(0.01), (), ()).astype(F32) for k in ('s_alpha', 's_beta'))
-      dyn_BxLxNxC = s_alpha * jnp.tanh(jnp.einsum('nbld,dc->blnc', hbar_NxBxLxD, w_alpha))
-      a_m, a_r = a_m + dyn_BxLxNxC[..., 0], a_r + dyn_BxLxNxC[..., 1:]
-      b = b + s_beta * jnp.tanh(jnp.einsum('nbld,d->bln', hbar_NxBxLxD, w_beta))
+      dyn_BxLxNxC, dyn_b_BxLxN = _dynamic(self, h_NxBxLxD, 'nbld', 'bln', 'embed', n + 1)  # (W_m, W_r), W_β
+      a_m, a_r, b = a_m + dyn_BxLxNxC[..., 0], a_r + dyn_BxLxNxC[..., 1:], b + dyn_b_BxLxN
     return _hyper_update(h_NxBxLxD, a_m, a_r, b, fn, norm_in)
 
 
@@ -176,11 +199,9 @@ def permutations(n: int) -> np.ndarray:
 
 
 class MHCLiteSite(MHCSite):
-  """mHC-lite: mHC with H_res = Σ_r a_r P_rᵀ over the n! permutation matrices, a = softmax(α_res·x̂φ_res + b_res)
-  (exactly doubly stochastic, no Sinkhorn): the authors' labels, a_r on P_r = I[σ_r] moves stream i to σ_r(i).
-  b_res starts H_res at mHC's (I + 11ᵀ/n)/2 exactly: J/n is the mean of all n! permutations, so a_I = ½ + ½/n!,
-  a_{k≠I} = ½/n!. `mhc_lite_init='authors'`: their code's start, b_res = (0, −8, …) on (I, the others):
-  H_res ≈ 0.99·I at n = 4, and ±1 tilts of b_pre, b_post (HyperChain)."""
+  """mHC-lite: H_res = Σ_r a_r P_rᵀ (a_r on P_r = I[σ_r] moves stream i to σ_r(i), the authors' labels). b_res
+  starts H_res at mHC's (I + 11ᵀ/n)/2 exactly (a_I = ½ + ½/n!, the others ½/n!); `mhc_lite_init='authors'`: their
+  code's b_res = (0, −8, …), H_res ≈ 0.99·I at n = 4."""
 
   def res_logits(self) -> int:
     return math.factorial(self.spec.expansion)
@@ -197,9 +218,8 @@ class MHCLiteSite(MHCSite):
 
 
 class V4Readout(nn.Module):
-  """DeepSeek-V4's read-out of the n streams before the final norm (its `hc_head`): Σ_k w_k X_k with
-  w = σ(s·(RMSNorm(vec X)·φ_head) + b) + ε, ε = hc_eps = 1e-6, the RMSNorm unweighted. φ_head = 0, b = 0 and
-  s = 0.01 (mHC's α, Table 5) at init: w = ½ + ε, (½ + ε)·(the streams' sum), which the final RMSNorm removes."""
+  """DeepSeek-V4's read-out (`hc_head`): Σ_k w_k X_k, w = σ(s·(RMSNorm(vec X)·φ_head) + b) + ε. φ_head = 0, b = 0
+  and s = 0.01 at init: (½ + ε)·(the streams' sum), which the final RMSNorm removes."""
   spec: Any
   features: int
 
@@ -216,10 +236,8 @@ class V4Readout(nn.Module):
 
 
 class FracSite(Site):
-  """Frac-Connections: hyper-connections over m fractions of the width, H = split(x) (m × D/m), carried as x itself.
-  x_in = merge(ΓᵀH), H' = diag(β)·split(F(norm(x_in))) + AᵀH; dynamic (`hc_dynamic`) as HC eqs. 10–13 per fraction,
-  H̄ = LayerNorm over each fraction's D/m: Γ(H) = Γ + s_α∘tanh(H̄W_Γ), A(H) = A + s_α∘tanh(H̄W_A),
-  β(H) = β + s_β∘tanh(H̄w_β). Γ = A = I, β = 1, W = 0 at init: exactly the plain residual."""
+  """Frac-Connections over m fractions of the width, H = split(x) (m × D/m); dynamic as HC eqs. 10–13 per fraction
+  (H̄ = LayerNorm over each fraction): Γ(H) = Γ + s_α∘tanh(H̄W_Γ), A(H) likewise, β(H) = β + s_β∘tanh(H̄w_β)."""
 
   @nn.compact
   def __call__(self, x_BxLxD, fn, norm_in, norm_out, chain_l):
@@ -233,16 +251,8 @@ class FracSite(Site):
     # Per token, as HC's: a token-batched einsum is no dot that `dots_no_batch` remat would save (3 D-wide a layer).
     gamma, a = (jnp.broadcast_to(c, x_BxLxD.shape[:-1] + c.shape) for c in (gamma, a))
     if self.spec.hc_dynamic:
-      ones, zeros = nn.initializers.ones, nn.initializers.zeros
-      hbar_BxLxMxW = nn.LayerNorm(dtype=F32, param_dtype=self.param_dtype, name='norm',
-                                  scale_init=nn.with_logical_partitioning(ones, ('frac_width',)),
-                                  bias_init=nn.with_logical_partitioning(zeros, ('frac_width',)))(h_BxLxMxW)
-      w_alpha = self.make('w_alpha', zeros, (d // m, 2 * m), ('frac_width', 'stream_coeff')).astype(F32)  # W_Γ, W_A
-      w_beta = self.make('w_beta', zeros, (d // m,), ('frac_width',)).astype(F32)
-      s_alpha, s_beta = (self.make(k, const(0.01), (), ()).astype(F32) for k in ('s_alpha', 's_beta'))
-      dyn_BxLxMxC = s_alpha * jnp.tanh(jnp.einsum('blfw,wc->blfc', hbar_BxLxMxW, w_alpha))
-      gamma, a = gamma + dyn_BxLxMxC[..., :m], a + dyn_BxLxMxC[..., m:]
-      beta = beta + s_beta * jnp.tanh(jnp.einsum('blfw,w->blf', hbar_BxLxMxW, w_beta))
+      dyn_BxLxMxC, dyn_beta_BxLxM = _dynamic(self, h_BxLxMxW, 'blfw', 'blf', 'frac_width', 2 * m)  # (W_Γ, W_A), w_β
+      gamma, a, beta = gamma + dyn_BxLxMxC[..., :m], a + dyn_BxLxMxC[..., m:], beta + dyn_beta_BxLxM
     x_in = jnp.einsum('blfg,blfw->blgw', cast(gamma), h_BxLxMxW).reshape(x_BxLxD.shape)
     # A static β folds into F's last kernel (a D-vector); a per-token one multiplies F's output.
     y_BxLxD = fn(x_in, norm_in(x_in), None if self.spec.hc_dynamic else jnp.repeat(beta, d // m))
@@ -252,7 +262,7 @@ class FracSite(Site):
     return nn.with_logical_constraint(out, ACT)
 
 
-def _check_mhc(spec, num_layers, prefix):
+def _check_mhc(spec, prefix, num_layers, width, sites):
   require(spec.expansion >= 2, f'{prefix}.expansion', spec.expansion,
           f"must be >= 2 for design '{spec.design}' (σ(b_pre) < 1 cannot start as the plain residual with one "
           'stream)')
@@ -261,10 +271,10 @@ def _check_mhc(spec, num_layers, prefix):
           f'({math.factorial(spec.expansion) if is_int(spec.expansion) else "?"} logits per token and site)')
 
 
-def _check_frac(spec, d_model, prefix):
+def _check_frac(spec, prefix, num_layers, width, sites):
   require(spec.fractions >= 2, f'{prefix}.fractions', spec.fractions,
           "must be >= 2 for design 'frac' (one fraction is the plain residual)")
-  require(d_model % spec.fractions == 0, f'{prefix}.fractions', spec.fractions, f'must divide d_model={d_model}')
+  require(width % spec.fractions == 0, f'{prefix}.fractions', spec.fractions, f'must divide d_model={width}')
 
 
 def readout(spec) -> str:
@@ -288,12 +298,12 @@ _HYPER = dict(chain=HyperChain, logical_axes=_AXES,
               start=lambda spec, x, num_layers: nn.with_logical_constraint(
                   jnp.broadcast_to(x, (spec.expansion,) + x.shape), STREAM_ACT))
 _MHC_NO_DECAY = ('b_pre', 'b_post', 'b_res', 'alpha', 'readout_b', 'readout_scale')
-register(Design('hc', HCSite, fields=('expansion', 'hc_dynamic'), no_decay=('a_m', 'a_r', 'b', 's_alpha', 's_beta'),
+register(Design('hc', HCSite, config=HCSpec, no_decay=('a_m', 'a_r', 'b', 's_alpha', 's_beta'),
                 finish=lambda spec, h: h.sum(axis=0, dtype=F32).astype(h.dtype), **_HYPER),  # HC §2.1
-         Design('mhc', MHCSite, fields=('expansion', 'sinkhorn_iters', 'mhc_readout'), check=_check_mhc,
+         Design('mhc', MHCSite, config=MHCSpec, check=_check_mhc,
                 finish=_finish, norm_first=_norm_first, no_decay=_MHC_NO_DECAY, **_HYPER),
-         Design('mhc_lite', MHCLiteSite, fields=('expansion', 'mhc_readout', 'mhc_lite_init'), check=_check_mhc,
+         Design('mhc_lite', MHCLiteSite, config=MHCLiteSpec, check=_check_mhc,
                 finish=_finish, norm_first=_norm_first, no_decay=_MHC_NO_DECAY, **_HYPER),
-         Design('frac', FracSite, fields=('fractions', 'hc_dynamic'), check_width=_check_frac,
+         Design('frac', FracSite, config=FracSpec, check=_check_frac,
                 no_decay=('frac_gamma', 'frac_a', 'frac_beta', 's_alpha', 's_beta'),
                 logical_axes=_AXES + (('frac_width', None),)))

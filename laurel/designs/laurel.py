@@ -7,13 +7,10 @@
   eq. 5   RW+LR:  α·f(x_i) + β·(B·A·x_i + x_i)                                      §2.4
   eq. 6   RW+LR+PA:  α·f(x_i) + β·(x_i + Σ_{j<k} γ_{i,j}·A_{i,j}B_{i,j}·x_{i−j})    §2.4
 
-A is the D×r down-projection and B the r×D up-projection, so the paper's "B A x" is `x @ A @ B`. Init (§3.3):
-B = 0, A column-orthogonal (LLMs) or Xavier (ResNet). `variant='none'` is the plain residual x + f(x). The sites
-form a chain: `LaurelSite` in push form, RW's weights in one `ChainRW`. Departures from x + f(x) at init:
-  * RW: α, β = rw_scale·normalise(w), w = 0, rw_scale = 2 gives α = β = 1 (rw_scale = 1, the paper's literal
-    softmax with α + β = 1, starts at (x + f(x)) / 2).
-  * form='gemma3n' (LR reads the normed input, RMSNorm on its output, sum scaled by 1/√2) starts with A and B
-    drawn as Gemma 3n draws them, N(0, 0.02²), so at (x + f(x) + norm(x) + RMSNorm(norm(x)·A·B)) / √2.
+A is the D×r down-projection and B the r×D up-projection (the paper's "B A x" is `x @ A @ B`); init (§3.3) B = 0,
+A column-orthogonal (LLMs) or Xavier (ResNet). `variant='none'` is the plain residual x + f(x). RW's α, β =
+rw_scale·normalise(w) start at 1 (rw_scale = 2; rw_scale = 1 is the paper's literal α + β = 1). form='gemma3n'
+(LR on the normed input, RMSNorm on its output, the sum scaled by 1/√2) draws A and B from N(0, 0.02²) as Gemma 3n.
 """
 
 import dataclasses
@@ -38,7 +35,8 @@ def _is_variant(v) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LaurelSpec:
-  """`model.laurel`: which LAuReL variant, and its sizes and initialisation."""
+  """`model.laurel`, the config of design 'residual': which LAuReL variant ('none': the plain residual), and its
+  sizes and initialisation."""
   variant: str = field('none', (_is_variant, f"must be 'none' or a '+'-joined subset of {', '.join(COMPONENTS)}"))
   rank: int = 32  # r, for LR and low-rank PA; checked against d_model in check_sizes
   k: int = 3  # number of previous activations for PA (x_i counts as one)
@@ -128,9 +126,9 @@ def rw_weights(w, spec: LaurelSpec, axis: int = 0):
 
 
 class ChainRW(Chain):
-  """RW's weights of all sites of a chain in one array, as site i's terms (to sites i, …, i+k−1) each carry their
-  receiver's β. Returns (α_NxT, β_NxTxK), N layers of T sites: β[i, j] = β_{i+j} over the flat site index i (0 past
-  the end); K = k under PA, else 1. None without RW."""
+  """RW's weights of a chain's sites, (α_NxT, β_NxTxK): β[i, j] = β_{i+j}, the receiver's β of site i's term j (0
+  past the end); K = k under PA, else 1. None without RW."""
+  module_name = 'laurel_rw'
 
   @nn.compact
   def __call__(self):
@@ -151,15 +149,12 @@ class ChainRW(Chain):
 
 
 class LaurelSite(Site):
-  """One site of a chain: x_{i+1} = α·f(x_i) + g(x_i, …, x_0) (eq. 2), a drop-in for `x + f(x)`; carry (x_i, pending).
+  """One site: x_{i+1} = α·f(x_i) + g(x_i, …, x_0) (eq. 2); carry (x_i, pending).
 
-  `residual(afx, x, pending, beta_K, x_normed)` -> (x_{i+1}, pending'): `afx` = α·f(x_i) (α from ChainRW, folded
-  into f by the caller), `x` = x_i (..., D) with logical `axes`, `beta_K` = β_i, …, β_{i+K−1} under RW,
-  `x_normed` the normed input f read (form='gemma3n'). PA runs in push form: site i sends γ_j·h_j(x_i) to sites
-  i, …, i+k−1 through `pending`, the k − 1 running sums the chain carries (zeros at its start; pending[m] is what
-  site i+m has received so far). So this site's γ_j, A_j, B_j are the paper's γ_{i+j,j}, A_{i+j,j}, B_{i+j,j} (a
-  relabelling), and a layer scan keeps only x_i for the backward pass, not k−1 earlier activations. β is folded
-  into B and γ, never multiplied onto an activation (which autodiff would keep for its gradient).
+  `residual(afx, x, pending, beta_K, x_normed)` -> (x_{i+1}, pending'), afx = α·f(x_i) (α folded into f). PA runs
+  in push form: site i sends γ_j·h_j(x_i) to sites i, …, i+k−1 through `pending`, the k − 1 running sums the chain
+  carries, so its γ_j, A_j, B_j are the paper's γ_{i+j,j}, A_{i+j,j}, B_{i+j,j} and a layer scan keeps only x_i. β
+  is folded into B and γ, never multiplied onto an activation (which autodiff would keep for its gradient).
   """
   # decode=True: β and γ scale the few tokens' products instead of B (a copy of B per step)
 
@@ -256,8 +251,9 @@ class LaurelSite(Site):
     return nn.with_logical_constraint(out.astype(x.dtype), self.axes)
 
 
-register(Design('residual', LaurelSite, section='laurel', placement=lambda spec: spec.site, chain=ChainRW,
-                chain_name='laurel_rw', prefix='laurel', post_norm=True, per_bottleneck=True,
+register(Design('residual', LaurelSite, config=LaurelSpec, section='laurel', placement=lambda spec: spec.site,
+                chain=ChainRW, post_norm=True, per_bottleneck=True,
+                check=lambda spec, prefix, num_layers, width, sites: spec.check_sizes(width, sites, prefix),
                 start=lambda spec, x, num_layers: (x, tuple(jnp.zeros_like(x) for _ in range(spec.history_len))),
                 finish=lambda spec, carry: carry[0], no_decay=('rw_w', 'pa_gamma'),
                 logical_axes=(('laurel_rank', None), ('laurel_k', None), ('laurel_rw', None), ('laurel_sites', None))))

@@ -1,38 +1,34 @@
-"""MUDDFormer: multiway dynamic dense connections (Xiao et al., arXiv 2502.12170; the authors' PyTorch file
+"""MUDDFormer: multiway dynamic dense connections (Xiao et al., arXiv 2502.12170; the authors'
 `pytorch/muddformer/modeling_muddformer.py`, `MultiwayDynamicDenseBlock` and `MUDDFormer.forward`).
 
-  X_0 the embedding, X_{i+1} = layer i's output; after layer i, per token and per stream c ∈ {Q, K, V, R}:
-    A_i = GELU(RMSNorm(X_{i+1}) W1_i) W2_i + a_i                        (C × (i+2) weights; RMSNorm without scale)
-    X^c_{i+1} = Σ_{j ≤ i+1} A_i[c, j]·X_j
-  layer i+1:  h = X^R + Attn(norm_q X^Q, norm_k X^K, norm_v X^V),  out = h + MLP(norm(h))
-The last layer mixes R only; the read-out (before the final norm) is its X^R. `mudd_streams='r'` keeps R alone
-(the attention reads X^R, as the code's dense_type 'l'). Sizes follow the code: W1_i is D × K_i,
-K_i = (C·(i+2)·e // 64 + 1)·64 with e = 4 at the last layer (expand_last), else 1; GELU exact (nn.GELU). The
-separate norms of the key and value inputs are the code's `sepln` (the query's is the block's attention norm).
-
-Init, the code's 'current_only' (jax/MaxText/layers/llama2.py): a_i one-hot on j = i+1, W2 = 0, W1 a fan-in normal.
-Every stream is then X_{i+1}: exactly the plain chain. This is the paper's base form, not the authors' JAX training
-config (X_j RMS-normed before mixing, X^R = X_{i+1} + PostNorm(mix), bias 0) nor `dynamic_mlp_dim`.
-
-Pull form: the weights depend on the receiver's own output, so each layer reads every earlier X_j from a buffer of
-N + 1 slots carried through the layers. The carry is (x, X_{(N+1)}, A): the residual between the two sites, the
-buffer, and the last layer's weights, which the next layer's first site mixes. Slot i + 1 is written once, by layer
-i (`Design.buffer`): the layer scan's backward rebuilds the buffer of each layer from the final one instead of
-keeping N copies (laurel.lm; it recomputes what `model.remat` does not save), so a layer keeps x, A (C·(N + 1)
-weights a token) and what the policy saves, not O(N) activations. Unscanned layers keep a buffer per layer. Under a
-scan the per-layer shapes are padded to N + 1 sources and K_max hidden units (`MUDDChain`); no padded weight reaches
-the output or gets a gradient, and `padded_params` counts them so that the parameter count is the effective one.
+  A_i = GELU(RMSNorm(X_{i+1}) W1_i) W2_i + a_i (C × (i+2) weights), X^c_{i+1} = Σ_{j ≤ i+1} A_i[c, j]·X_j per token,
+  c ∈ {Q, K, V, R}; layer i+1: h = X^R + Attn(norm_q X^Q, norm_k X^K, norm_v X^V), out = h + MLP(norm(h))
+The last layer mixes R only, and the read-out is its X^R; `mudd_streams='r'` keeps R alone. W1_i is D × K_i,
+K_i = (C·(i+2)·e // 64 + 1)·64, e = 4 at the last layer, as the code. Init 'current_only' (a_i one-hot on j = i+1,
+W2 = 0): exactly the plain chain. Pull form over a write-once buffer of N + 1 slots (laurel.designs.buffer); under
+a scan the per-layer shapes are padded to N + 1 sources and K_max hidden units, no padded weight gets a gradient,
+and `padded_params` counts them.
 """
+
+import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register, start_buffer, write_slot
+from laurel.config_lib import field, one_of
+from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+from laurel.designs.buffer import start_buffer, write_slot
 
 EPS = 1e-6
 WEIGHTS_ACT = ('act_batch', 'act_len', None, None)  # A: (B, L, C streams, N + 1 sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class MUDDSpec:
+  """`model.mudd`."""
+  mudd_streams: str = field('qkvr', one_of('qkvr', 'r'))  # the dense streams: Q, K, V, R, or R alone
 
 
 def hidden_width(streams: int, sources: int, last: bool) -> int:
@@ -125,6 +121,6 @@ def _finish(spec, carry):
   return mix(buffer_JxBxLxD, a_BxLxCxJ[..., -1:, :])[0]
 
 
-register(Design('mudd', MUDDSite, fields=('mudd_streams',), chain=MUDDChain, start=_start, finish=_finish, buffer=1,
+register(Design('mudd', MUDDSite, config=MUDDSpec, chain=MUDDChain, start=_start, finish=_finish, buffer=1,
                 no_decay=('mudd_bias',), padded_params=padded_params,
                 logical_axes=(('mudd_hidden', None), ('mudd_streams', None), ('mudd_sources', None))))

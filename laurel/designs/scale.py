@@ -7,9 +7,18 @@ At init ReZero is the identity and LayerScale x + ε·F(norm(x)) (CaiT's ε: 0.1
 the default, 1e-6 deeper). Both scales fold into F's output projection.
 """
 
+import dataclasses
+
 import flax.linen as nn
 
+from laurel.config_lib import POSITIVE, field
 from laurel.designs import F32, Design, Site, const, register
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScaleSpec:
+  """`model.layerscale`."""
+  layerscale_init: float = field(1e-5, POSITIVE)  # CaiT's ε for depth 24
 
 
 class ReZeroSite(Site):
@@ -31,5 +40,5 @@ class LayerScaleSite(Site):
 
 
 register(Design('rezero', ReZeroSite, per_bottleneck=True, no_decay=('rezero_alpha',)),
-         Design('layerscale', LayerScaleSite, fields=('layerscale_init',), per_bottleneck=True,
+         Design('layerscale', LayerScaleSite, config=LayerScaleSpec, per_bottleneck=True,
                 no_decay=('layerscale',)))
