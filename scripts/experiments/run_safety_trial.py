@@ -596,6 +596,7 @@ def summary(cases: Cases, started: float) -> dict:
       'failures': [{k: v for k, v in c.items() if k in ('id', 'why', 'command', 'rc', 'stderr')}
                    for c in cases.done.values() if not c['ok']],
       'wall_s_this_invocation': round(time.monotonic() - started, 1),
+      'case_s_total': round(sum(c.get('s', 0) + c.get('rerun_s', 0) for c in cases.done.values())),
       'cases': list(cases.done.values()),
   }
 
