@@ -199,7 +199,10 @@ def read_config(workdir) -> ml_collections.ConfigDict:
   path = path if path.name.endswith('.json') else path / 'config.json'
   if not path.exists():
     raise InputError(f'--workdir={str(workdir)!r}: no config.json; is it a laurel run?')
-  saved = json.loads(path.read_text())
+  try:
+    saved = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise InputError(f'--workdir={str(workdir)!r}: {path.name} is not JSON ({e})') from None
   saved['logical_axis_rules'] = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                                       for name, axes in saved['logical_axis_rules'])
   saved['profile_steps'] = tuple(saved['profile_steps'])
@@ -243,7 +246,13 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   changed, a line to config_history.jsonl; train calls it once the checkpoint is restored, so that a refused one
   leaves both as they were. Without checkpoints they are written at once."""
   path, where = workdir / 'config.json', os.fspath(workdir)
-  changes, unsafe = config_changes(path.read_text(), config) if path.exists() else ({}, [])
+  saved = path.read_text() if path.exists() else None
+  try:
+    changes, unsafe = config_changes(saved, config) if saved is not None else ({}, [])
+  except json.JSONDecodeError:  # a torn copy: each checkpoint's own config signature is checked on restore instead
+    print(f'warning: {path} is not JSON; it is rewritten, and the checkpoints are checked against their own record '
+          'of the config', file=sys.stderr, flush=True)
+    saved, changes, unsafe = None, {}, []
   folder = workdir / 'checkpoints'
   number = max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=0) if folder.is_dir() else 0
   if unsafe and number and not allow_change:
@@ -254,7 +263,7 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
     print(f'resuming checkpoint {number} with a changed config: {_listed(changes, changes)}', flush=True)
 
   def record():
-    if jax.process_index() == 0 and (changes or not path.exists()):
+    if jax.process_index() == 0 and (changes or saved is None):
       entry = {'time': utc_now(), 'step': number, 'changes': {k: list(v) for k, v in changes.items()},
                'allowed_by_flag': bool(unsafe and number), 'config': json.loads(config.to_json_best_effort())}
       history = workdir / 'config_history.jsonl'  # read + write, not append: not every filesystem appends

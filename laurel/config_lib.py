@@ -170,6 +170,8 @@ def flag_error_message(error: Exception, argv: Sequence[str]) -> str:
   while (cause := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None:
     root = cause  # the config file's own ValueError, if there is one
   message = ' '.join(str(root).replace('\\n', ' ').split())
+  if isinstance(root, SyntaxError):  # --config named a file that is not Python
+    return f'--config={root.filename}: not a Python config file ({root.msg}, line {root.lineno})'
   if missing := re.fullmatch(r'Missing value for flag (-[-\w.]+)', message):
     return f'{missing.group(1)}: no value; write {missing.group(1)}=<value>'
   if isinstance(root, (AttributeError, KeyError)):  # a locked config rejects unknown fields this way
@@ -215,7 +217,7 @@ def parse_flags(argv):
     argv = [argv[0]] + ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a
                         for a in argv[1:]]
     return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError, SyntaxError) as e:
     fail(flag_error_message(e, argv[1:]))
 
 

@@ -247,19 +247,24 @@ def lower_step(task, mesh):
   return lowered, init, abstract, state_shardings
 
 
-def check_fits_host(task, compiled, num_devices: int = 1) -> None:
-  """On the CPU, where the kernel kills a step too large for the host with no message: an InputError where the
-  compiled step (on `num_devices` CPU devices of this host) needs more memory than the host has available."""
+def check_fits_host(task, compiled=None, num_devices: int = 1) -> None:
+  """On the CPU, where the kernel kills a step too large for the host with no message: an InputError where the step
+  needs more memory than the host has available. Before compiling (`compiled` None), what the task knows the step
+  holds at once (an LM's L×L attention scores of one layer: compiling alone can exhaust the host at such shapes);
+  after, the compiled step's peak on `num_devices` CPU devices of this host (XLA's figure is per device)."""
   available = available_host_bytes()
   if jax.devices()[0].platform != 'cpu' or available is None:
     return
-  need = peak_memory_bytes(compiled) * num_devices  # XLA's figure is per device
+  config = task.config
+  if compiled is None:
+    rows = config.batch_size // (jax.process_count() * config.optimizer.grad_accum_steps)
+    need, what = task.least_step_bytes(rows), 'one layer\'s attention scores alone need'
+  else:
+    need, what = peak_memory_bytes(compiled) * num_devices, 'the compiled step needs'
   if need > available:
-    config = task.config
     shape = f'batch_size={config.batch_size}' + (f', data.seq_len={config.data.seq_len}' if config.task == 'lm' else '')
-    raise InputError(f'{shape}: the compiled step needs {need / 2**30:,.1f} GiB, more than the '
-                     f'{available / 2**30:,.1f} GiB of memory available on this host; use a smaller batch, sequence '
-                     'or model')
+    raise InputError(f'{shape}: {what} {need / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} GiB of '
+                     'memory available on this host; use a smaller batch, sequence or model')
 
 
 def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, float]:

@@ -21,6 +21,7 @@ class Task:
     laurel_site_widths()          D of every LAuReL site, for parameter accounting
     num_params(params)            of a tree of the model's parameters (or shapes), the one count
     units_per_example(), model_flops(batch_size), example_batch(batch_size), init(rng, batch)
+    least_step_bytes(batch_size)  memory the step must hold at once on this host, known before compiling
     loss(params, model_state, batch, train) -> (loss, (metrics, model_state))
     dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset
   Each metric is a (sum, weight) pair, so train and eval report sum/weight however many batches or devices."""
@@ -40,6 +41,9 @@ class Task:
 
   def units_per_example(self) -> int:
     return 1
+
+  def least_step_bytes(self, batch_size: int) -> int:
+    return 0
 
 
 class LMTask(Task):
@@ -85,6 +89,13 @@ class LMTask(Task):
     m = self.model_cfg
     return sharding.num_params(params) - designs.REGISTRY[m.stream.design].padded_params(m.stream, m.num_layers,
                                                                                            m.d_model)
+
+  def least_step_bytes(self, batch_size: int) -> int:
+    """One layer's L×L attention scores over `batch_size` rows, on the paths that hold them (xla, dot_product)."""
+    cfg, seq_len = self.model_cfg, self.data_cfg.seq_len
+    if attention.attention_impl(cfg, seq_len) not in ('xla', 'dot_product'):
+      return 0
+    return batch_size * cfg.num_heads * seq_len**2 * jnp.dtype(DTYPES[cfg.attention_scores]).itemsize
 
   def model_flops(self, batch_size: int) -> float:
     """PaLM's model FLOPs (Chowdhery et al. 2022, appendix B): 6N + 12·L·H·Q·T per token, T the sequence

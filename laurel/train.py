@@ -237,6 +237,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
 def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
                    started: float) -> dict:
   cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
+  check_fits_host(task)  # before anything is written or compiled: compiling alone can exhaust the host
   record_config = checkpoint.guard_config(config, workdir, allow_config_change)
   print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '
         f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)

@@ -81,6 +81,29 @@ def test_a_kill_inside_the_config_writes_keeps_both_files(tmp_path, torn_writes)
     assert [json.loads(l)['step'] for l in after['config_history.jsonl'].splitlines()] in ([0], [0, 6])
 
 
+def test_a_torn_config_json_is_rewritten_and_refused_in_one_line_where_it_is_read(tmp_path, capsys):
+  # A torn copy (written by other means than this project's atomic writes) no longer ends every rerun in a traceback.
+  config = load_config(SPEC, TINY_LM)
+  checkpoint.guard_config(config, tmp_path)()
+  (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
+  whole = (tmp_path / 'config.json').read_text()
+  (tmp_path / 'config.json').write_text(whole[:len(whole) // 2])
+  with pytest.raises(config_lib.InputError, match=r"config.json is not JSON \("):
+    checkpoint.read_config(tmp_path)  # what generate, evaluate and --config=WORKDIR read
+  checkpoint.guard_config(config, tmp_path)()  # the checkpoint's own signature is checked on restore instead
+  assert 'config.json is not JSON; it is rewritten' in capsys.readouterr().err
+  assert json.loads((tmp_path / 'config.json').read_text()) == json.loads(whole)
+
+
+def test_a_config_file_that_is_not_python_is_one_line(tmp_path):
+  (tmp_path / 'notes.py').write_text('Table 5 \u2212 the C4 ablation\n')
+  result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={tmp_path / "notes.py"}',
+                           f'--workdir={tmp_path / "run"}'], capture_output=True, text=True, env=cli_env(), cwd=ROOT)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      f'error: --config={tmp_path / "notes.py"}: not a Python config file (invalid character '
+      "'\u2212' (U+2212), line 1)"], result.stderr
+
+
 def test_a_kill_inside_the_metrics_rewrite_keeps_every_line(tmp_path, torn_writes):
   text = ''.join(json.dumps({'step': s, 'loss': 1.0 / s}) + '\n' for s in (1, 2, 3))
   (tmp_path / 'metrics.jsonl').write_text(text)
@@ -314,6 +337,15 @@ def test_a_step_larger_than_the_host_is_refused_before_it_runs(tmp_path, monkeyp
                      r'GiB, more than the 0\.0 GiB of memory available on this host'):
     train.train(load_config(SPEC, TINY_LM), str(tmp_path / 'run'))
   assert not (tmp_path / 'run' / 'checkpoints').exists() or not list((tmp_path / 'run' / 'checkpoints').iterdir())
+
+
+def test_attention_scores_larger_than_the_host_are_refused_before_compiling(tmp_path, monkeypatch):
+  # At data.seq_len=100000 on CPU the compile alone grew to 10 GB and the kernel killed it with no message.
+  monkeypatch.setattr(step, 'available_host_bytes', lambda: 2**30)
+  monkeypatch.setattr(train, 'compile_step', lambda *args: pytest.fail('compiled'))
+  with pytest.raises(config_lib.InputError, match=r"batch_size=8, data\.seq_len=8192: one layer's attention scores "
+                     r'alone need 8\.0 GiB, more than the 1\.0 GiB of memory available on this host'):
+    train.train(load_config(SPEC, {**TINY_LM, 'data.seq_len': 8192}), str(tmp_path / 'run'))
 
 
 @pytest.mark.slow
