@@ -163,11 +163,12 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_chan
     if outcome == 'ok':
       return result['state'], number, moved
     aside = workdir / 'unreadable_checkpoints' / f'{number}.{int(time.time())}'
-    logging.warning('checkpoint %d is unreadable (%s); moving it to %s', number, result, aside)
-    if jax.process_index() == 0:
+    if jax.process_index() == 0:  # the one that moves it says so, once
       print(f'warning: checkpoint {number} is unreadable ({result}); moved to {aside}', file=sys.stderr, flush=True)
       aside.parent.mkdir(parents=True, exist_ok=True)
       (epath.Path(mngr.directory) / str(number)).rename(aside)
+    else:
+      logging.warning('checkpoint %d is unreadable (%s); process 0 moves it to %s', number, result, aside)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'moved checkpoint {number}')
     mngr.reload()

@@ -212,6 +212,14 @@ def parse_flags(argv):
   and a bad config or override reported as one line, exit 2. --help exits 0 (absl's exits 1)."""
   if {'--help', '-h', '-?'} & set(argv[1:]):
     app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
+  args = list(argv[1:])
+  if '--config' in args[:-1]:  # `--config FILE` as `--config=FILE`, so that shipped names resolve
+    i = args.index('--config')
+    args[i:i + 2] = [f'--config={args[i + 1]}']
+  argv = [argv[0]] + args
+  given = [a.split('=')[0] for a in args]
+  if '--config' not in given and (override := next((a for a in given if a.startswith('--config.')), None)):
+    fail(f'{override}: --config is required (the config file whose field it overrides)')
   try:
     import_designs(argv[1:])
     argv = [argv[0]] + ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a

@@ -322,6 +322,17 @@ def test_a_text_corpus_of_empty_files_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_override_without_a_config_file_says_so_and_a_spaced_config_resolves():
+  run = lambda *args: subprocess.run([sys.executable, '-m', 'laurel.main', *args], env=cli_env(), cwd=ROOT,
+                                     capture_output=True, text=True, timeout=300)
+  result = run('--config.steps=30', '--workdir=unused')
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      'error: --config.steps: --config is required (the config file whose field it overrides)'], result.stderr
+  result = run('--config', 'c4_ablation:rw_lr,preset=tiny', '--config.steps=70', '--print_config')
+  assert result.returncode == 0 and json.loads(result.stdout)['steps'] == 70, result.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_a_flag_with_no_value_names_it():
   result = subprocess.run([sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=tiny',
                            '--print_config', '--config.steps'], env=cli_env(), cwd=ROOT, capture_output=True,
