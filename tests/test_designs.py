@@ -6,11 +6,13 @@ A new design is tested by adding its entry to `reference.REFERENCES` (cases, flo
 below fail for a registered design without one.
 """
 
+import ast
 import dataclasses
 import functools
 import itertools
 import json
 import math
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -732,3 +734,31 @@ def test_designs_train_through_laurel_main_from_config_flags(row, tmp_path):
   assert final['params'] == _count(load_config(f'configs/residual_designs.py:{row},preset=tiny',
                                                          overrides))['total_params']
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
+
+
+def test_no_module_of_laurel_imports_itself_round_a_cycle():
+  # Module-level imports only (a function's late import is not a cycle at import time); a submodule import
+  # (`from laurel.designs import mudd`) is an edge to the submodule.
+  root = pathlib.Path(__file__).resolve().parents[1]
+  files = {'.'.join(p.relative_to(root).with_suffix('').parts).removesuffix('.__init__'): p
+           for p in (root / 'laurel').rglob('*.py')}
+  edges = {m: set() for m in files}
+  for module, path in files.items():
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, ast.Import):
+        edges[module] |= {a.name for a in node.names if a.name in files}
+      elif isinstance(node, ast.ImportFrom) and node.module in files:
+        subs = {f'{node.module}.{a.name}' for a in node.names} & set(files)
+        edges[module] |= subs or {node.module}
+  done, cycles = set(), []
+
+  def visit(module, path):
+    for nxt in edges[module] - {module}:
+      if nxt in path:
+        cycles.append(path[path.index(nxt):] + [nxt])
+      elif nxt not in done:
+        visit(nxt, path + [nxt])
+    done.add(module)
+  for module in files:
+    visit(module, [module])
+  assert not cycles, cycles[:3]

@@ -23,7 +23,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, require
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, register
 
 EPS = 1e-6  # flax RMSNorm's
 SAVED = 'attnres_input'  # each site's input h_s, which every remat policy keeps (Design.saved_names)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import POSITIVE_INT, field
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, register
 from laurel.designs.buffer import start_buffer, write_slot
 
 STREAMS = 3  # Q, K, V

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import POSITIVE_INT, field, require
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
 
 
 @dataclasses.dataclass(frozen=True)

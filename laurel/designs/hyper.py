@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, is_int, one_of, require
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
 
 V4_HC_EPS = 1e-6  # DeepSeek-V4's hc_eps
 MHC_LITE_MAX_N = 5  # 5! = 120 logits per token and site; 6! = 720 would dwarf the layer's own mixing

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE, field, is_int, one_of, require
-from laurel.designs import Chain, Design, Site, register, scaled
+from laurel.designs.protocol import Chain, Design, Site, register, scaled
 
 COMPONENTS = ('rw', 'lr', 'pa')
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import field, one_of
-from laurel.designs import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
 from laurel.designs.buffer import start_buffer, write_slot
 
 EPS = 1e-6

@@ -12,7 +12,7 @@ import dataclasses
 import flax.linen as nn
 
 from laurel.config_lib import POSITIVE, field
-from laurel.designs import F32, Design, Site, const, register
+from laurel.designs.protocol import F32, Design, Site, const, register
 
 
 @dataclasses.dataclass(frozen=True)

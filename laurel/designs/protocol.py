@@ -1,0 +1,216 @@
+"""The residual-design protocol (`Design`, `Site`, `Chain`) and the registry; laurel.designs re-exports it."""
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax.numpy as jnp
+import ml_collections
+
+from laurel import sharding
+from laurel.config_lib import InputError, build, config_dict, require
+
+ACT = ('act_batch', 'act_len', 'act_embed')
+STREAM_ACT = (None,) + ACT  # a stack of activations: n streams, or DenseFormer's running sums
+F32 = jnp.float32
+# placement -> the sites of a layer, (name suffix, sublayer); suffix None: a plain residual x + f(x) there
+PLACEMENTS = {'block': (('', 'block'),), 'sublayer': (('_attn', 'attn'), ('_mlp', 'mlp')),
+              'attention': (('_attn', 'attn'), (None, 'mlp'))}
+
+
+def const(value):
+  return lambda key, shape, dtype=F32: jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+
+
+def scaled(y, scale):
+  """scale·y, or y where scale is None. Autodiff keeps y for the scale's gradient: where f ends in a linear map,
+  fold the scale into its kernel instead (as the LM does)."""
+  return y if scale is None else scale.astype(y.dtype) * y
+
+
+class Site(nn.Module):
+  """One residual connection of a chain: `__call__(carry, fn, norm_in, norm_out, chain_l) -> carry`."""
+  spec: Any
+  features: int
+  t: int = 0  # the site's index in its layer
+  sites_per_layer: int = 1
+  param_dtype: Any = F32
+  axes: tuple = ACT  # logical axes of x
+  embed_axis: str = 'embed'  # logical axis of x's features, for per-feature parameters
+  decode: bool = False
+
+  def make(self, name, init, shape, names):
+    return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
+
+  def attention_inputs(self, norm_in, q, k, v):
+    """The (query, key, value) triple of an attention fn, each input normed: q by the block's attention norm, k and
+    v by this site's own RMSNorms (MUDDFormer's and DCA's separate input norms)."""
+    norm = lambda name, x: nn.RMSNorm(epsilon=1e-6, dtype=x.dtype, param_dtype=self.param_dtype, name=name,
+                                      scale_init=nn.with_logical_partitioning(nn.initializers.ones,
+                                                                              (self.embed_axis,)))(x)
+    return norm_in(q), norm('norm_key', k), norm('norm_value', v)
+
+
+class PlainSite(Site):
+  """x + f(x) around a sublayer the design leaves alone (Gemma 3n's MLP); the rest of the carry passes on."""
+
+  def __call__(self, carry, fn, norm_in, norm_out, chain_l):
+    x, *rest = carry
+    return (norm_out(x + fn(x, norm_in(x), None)), *rest)
+
+
+class Chain(nn.Module):
+  """A design's chain parameters, leading axis num_layers so a layer scan slices them; None if it has none."""
+  spec: Any
+  num_layers: int
+  sites_per_layer: int
+  features: int
+  param_dtype: Any = F32
+  embed_axis: str = 'embed'
+  module_name = 'stream_chain'  # its name in the model's parameters
+
+  def __call__(self):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Design:
+  name: str  # its `model.stream.design`
+  site: type  # a Site
+  config: type | None = None  # its frozen config dataclass, read from `model.<section>`; None: no fields
+  section: str = ''  # '' = the design's name; also its sites' name prefix
+  placement: Callable[[Any], str] = lambda spec: 'sublayer'  # a key of PLACEMENTS
+  chain: type = Chain
+  start: Callable = lambda spec, x, num_layers: x  # the carry after the embedding
+  finish: Callable = lambda spec, carry: carry  # the read-out before the final norm
+  norm_first: Callable = lambda spec: False  # the final norm applies to each stream before `finish` (mHC-lite's)
+  # checks against the model (one-line InputError): (spec, its section's prefix, num_layers, width D, sites)
+  check: Callable = lambda spec, prefix, num_layers, width, sites: None
+  post_norm: bool = False  # defined on post-norm sublayers too
+  per_bottleneck: bool = False  # a ResNet bottleneck's residual (carry: x, or x first)
+  no_decay: tuple = ()  # parameter names kept out of weight decay
+  logical_axes: tuple = ()  # (logical axis, mesh axes) rules of its parameters
+  buffer: int | None = None  # index in the carry of a buffer whose slot i + 1 layer i writes once (MUDDFormer's)
+  saved_names: tuple = ()  # checkpoint names every remat policy saves (AttnRes's push form: its site inputs)
+  # (spec, num_layers, d_model) -> stored parameters that are structurally 0 (per-layer shapes padded for a scan)
+  padded_params: Callable = lambda spec, num_layers, d_model: 0
+
+  def read_out(self, spec, carry, final_norm):
+    """The final-normed read-out: `finish`, then the final norm; or with `norm_first`, the final norm on each stream,
+    then `finish`."""
+    return self.finish(spec, final_norm(carry)) if self.norm_first(spec) else final_norm(self.finish(spec, carry))
+
+
+REGISTRY: dict[str, Design] = {}
+
+
+def register(*designs: Design) -> None:
+  """Adds designs to the registry; each config class (an empty one where None) learns its design's name."""
+  for d in designs:
+    config = d.config or dataclasses.make_dataclass(f'{d.name}_config', [], frozen=True)
+    config.design = d.name  # spec.design: which design a config instance configures
+    REGISTRY[d.name] = dataclasses.replace(d, config=config, section=d.section or d.name)
+
+
+def lookup(name: str, field_name: str = 'model.stream.design') -> Design:
+  """The design `name` names: a registered one, or 'module:name' whose module (imported here) registers it."""
+  module, _, short = name.rpartition(':') if isinstance(name, str) else ('', '', name)
+  if module:
+    try:
+      importlib.import_module(module)
+    except ImportError as e:
+      raise InputError(f'{field_name}={name!r}: cannot import {module} ({e})') from None
+  require(short in REGISTRY, field_name, name,
+          f"must be one of {', '.join(REGISTRY)}, or 'module:name' of a design that module registers")
+  return REGISTRY[short]
+
+
+def StreamSpec(design: str = 'residual', **fields):  # pylint: disable=invalid-name  # tests/reference.py's name
+  """Design `design`'s config with `fields`."""
+  return REGISTRY[design].config(**fields)
+
+
+def _sections(default, overrides: dict) -> dict:
+  """The ConfigDict entries of a model's `stream` field (config_lib.config_dict): `stream.design`, and each
+  registered design's section (the default design's at `default`); pops them from `overrides`."""
+  stream = dict(overrides.pop('stream', {}))
+  name = stream.pop('design', default.design)
+  lookup(name)
+  if stream:
+    raise InputError(f'stream: unknown fields {", ".join(sorted(stream))} (a design reads model.<its section>)')
+  out = {'stream': ml_collections.ConfigDict({'design': name})}
+  for d in list(REGISTRY.values()):
+    if dataclasses.fields(d.config):
+      out[d.section] = config_dict(default if type(default) is d.config else d.config,
+                                   **overrides.pop(d.section, {}))
+  return out
+
+
+def _build(default, values: dict, prefix: str):
+  """The chosen design's config from a model's values (config_lib.build): pops `stream` and every design's section,
+  each checked, and returns the chosen one built."""
+  stream = values.pop('stream', None)
+  if dataclasses.is_dataclass(stream):  # a config already built
+    return stream
+  stream = dict(stream or {})
+  name = stream.pop('design', default.design)
+  design = lookup(name, f'{prefix}.stream.design')
+  if stream and set(stream) <= {  # a run saved before each design had its own section: every field in model.stream
+      f.name for d in REGISTRY.values() if d.section != 'laurel' for f in dataclasses.fields(d.config)}:
+    own = {f.name for f in dataclasses.fields(design.config)}
+    values.setdefault(design.section, {k: v for k, v in stream.items() if k in own})
+    stream = {}
+  if stream:
+    raise InputError(f'{prefix}.stream.{sorted(stream)[0]}: unknown field (known: design)')
+  spec = default if type(default) is design.config else design.config()
+  for d in list(REGISTRY.values()):
+    if d.section in values:
+      built = build(d.config, values.pop(d.section), f'{prefix}.{d.section}')
+      spec = built if d is design else spec
+  return spec
+
+
+def stream_field(default):
+  """A model config's `stream`: the chosen design's config (its class's `design` names it), `default` unless set."""
+  return dataclasses.field(default=default, metadata={'sections': _sections, 'build': _build})
+
+
+def select(model_cfg) -> tuple[Design, Any]:
+  """(the design `model_cfg.stream` configures, its config)."""
+  return REGISTRY[model_cfg.stream.design], model_cfg.stream
+
+
+def check(model_cfg, prefix: str, num_layers: int, width: int, sites: int) -> None:
+  design, spec = select(model_cfg)
+  design.check(spec, f'{prefix}.{design.section}', num_layers, width, sites)
+
+
+def unused_fields(spec, prefix: str) -> dict[str, str]:
+  """{field: why} of every field of the other designs' sections (only their design reads them), and the chosen
+  config's own (its `unused_fields`, where it has one)."""
+  chosen = REGISTRY[spec.design]
+  out = {f'{prefix}.{d.section}.{f.name}': f'only design {d.name!r} reads it, not {prefix}.stream.design='
+         f'{spec.design!r}' for d in REGISTRY.values() if d is not chosen for f in dataclasses.fields(d.config)}
+  if hasattr(spec, 'unused_fields'):
+    out.update(spec.unused_fields(f'{prefix}.{chosen.section}'))
+  return out
+
+
+def layer_sites(design: Design, spec) -> tuple:
+  """((site name or None for a plain residual, sublayer), ...) of one layer."""
+  return tuple((None if s is None else design.section + s, part) for s, part in PLACEMENTS[design.placement(spec)])
+
+
+def _union(*groups):
+  return tuple(dict.fromkeys(x for g in groups for x in g))
+
+
+def no_decay() -> tuple:
+  """Every registered design's parameter names kept out of weight decay (its scales and mixing weights)."""
+  return _union(*(d.no_decay for d in REGISTRY.values()))
+
+
+def logical_axis_rules(base: tuple = sharding.LOGICAL_AXIS_RULES) -> tuple:
+  """`base`, then every registered design's rules (flax takes the first rule of a name)."""
+  return _union(base, *(d.logical_axes for d in REGISTRY.values()))
