@@ -38,3 +38,14 @@ def sp_model(tmp_path_factory):
       input=str(root / 'corpus.txt'), model_prefix=str(root / 'sp'), vocab_size=40, model_type='bpe',
       pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
   return str(root / 'sp.model')
+
+
+@pytest.fixture(scope='session')
+def trained_run(tmp_path_factory):
+  """A run of helpers.SPEC trained through the command line (helpers.TRAINED: checkpoints 3, 6 and 9), once per test
+  process. Tests only read it; one that changes it works on a copy (shutil.copytree)."""
+  from helpers import SPEC, TRAINED, run_cli  # pylint: disable=import-outside-toplevel  # helpers imports this module
+  workdir = tmp_path_factory.mktemp('trained') / 'run'
+  result = run_cli(SPEC, workdir, TRAINED)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return workdir
