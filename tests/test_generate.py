@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, run_cli
+from helpers import ROOT, cli_env
 from laurel import designs, generate, lm
 from laurel.designs import StreamSpec
 from laurel.designs.laurel import LaurelSpec
@@ -112,10 +112,8 @@ def test_sampling_options():
 
 
 @pytest.mark.slow
-def test_generate_cli_samples_a_trained_run(tmp_path):
-  workdir = tmp_path / 'run'
-  trained = run_cli('configs/c4_ablation.py:rw_lr_pa,preset=tiny', workdir, {**TINY_LM, 'steps': 3})
-  assert trained.returncode == 0, trained.stderr[-2000:]
+def test_generate_cli_samples_a_trained_run(trained_run, tmp_path):
+  workdir = trained_run  # conftest's: generating reads it only
   command = [sys.executable, '-m', 'laurel.generate', f'--workdir={workdir}', '--prompt=def ', '--prompt=import',
              '--max_new_tokens=6']
   outs = [subprocess.run(command + extra, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
