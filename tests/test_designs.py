@@ -729,6 +729,7 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
             'laurel', 'stream', 'value_residual', 'share', 'num_layers'}, row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('row', ['mhc', 'residual_transformer_laurel', 'mudd'])
 def test_designs_train_through_laurel_main_from_config_flags(row, tmp_path):
   tiny = {k: v for k, v in TINY_LM.items() if not k.startswith('model.laurel')}
