@@ -35,6 +35,7 @@ def _direct_loglik(params, ids, first):
   return sum(logp[t - 1, ids[t]] for t in range(first, len(ids)))
 
 
+@pytest.mark.slow
 def test_scorer_sums_the_log_likelihood_of_the_scored_tokens(scorer):
   scorer, params = scorer
   rng = np.random.default_rng(0)

@@ -92,6 +92,7 @@ def test_profiler_traces_the_configured_steps_only(monkeypatch):
   assert len(calls) == 8
 
 
+@pytest.mark.slow
 def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
   """laurel.train and every default writer load no TensorFlow, and W&B not unless asked (a separate process: another
   test may load them)."""

@@ -94,6 +94,7 @@ def one_device_losses(tmp_path_factory):
   return _in_process_losses(tmp_path_factory.mktemp('one_device'), jax.devices()[:1], (1, 1, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh', [(8, 1, 1), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 8, 1)])
 def test_sharded_meshes_match_one_device(tmp_path, mesh, one_device_losses):
   assert jax.device_count() == 8
@@ -284,6 +285,7 @@ def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
   assert json.loads((tmp_path / 'runs' / 'demo' / 'final.json').read_text())['step'] == 2
 
 
+@pytest.mark.slow
 def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, capsys):
   monkeypatch.setitem(hardware.PEAK_FLOPS, jax.devices()[0].device_kind, 1e12)  # as if the CPU's peak were known
   config = load_config(SPEC, {**TINY_LM, 'steps': 40, 'log_every': 5, 'eval_every': 20, 'tensorboard': True,
@@ -311,6 +313,7 @@ def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, capsys)
   assert list((tmp_path / 'tensorboard').iterdir())
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   full = _in_process_losses(tmp_path / 'full', jax.devices()[:1], (1, 1, 1), steps=3)
   accum = _in_process_losses(tmp_path / 'accum', jax.devices()[:1], (1, 1, 1), steps=3,
@@ -322,6 +325,7 @@ TINY_RESNET = {'steps': 30, 'log_every': 5, 'eval_every': 1000, 'eval_steps': 2,
                'keep_checkpoints': 5, 'tensorboard': False}
 
 
+@pytest.mark.slow
 def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tmp_path):
   config = load_config(RESNET, {**TINY_RESNET, 'eval_every': 30})
   final = train.train(config, str(tmp_path / 'full'), devices=jax.devices()[:1])
@@ -344,6 +348,7 @@ def _step_flops(**overrides):
   return step.step_flops(step.validate_config(config, 1, 1))
 
 
+@pytest.mark.slow
 def test_step_flops_count_every_scanned_layer():
   """Odd layer counts run in one iteration, even ones are extrapolated from scan_unroll 1 and 2: the same count."""
   flops = [_step_flops(**{'model.num_layers': n}) for n in (2, 3, 4)]
@@ -353,6 +358,7 @@ def test_step_flops_count_every_scanned_layer():
   assert _step_flops(**{'model.num_layers': 4, 'model.scan_layers': False}) == pytest.approx(flops[2], rel=0.01)
 
 
+@pytest.mark.slow
 def test_step_flops_count_every_loss_chunk_and_micro_batch():
   """XLA counts a loop's body once: the loss's chunks and the micro-batches are loops too."""
   whole = _step_flops(**{'model.loss_chunk': 0})
