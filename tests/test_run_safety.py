@@ -311,6 +311,7 @@ def run_without_optimizer_state(tmp_path_factory):
   return workdir, state['params']
 
 
+@pytest.mark.slow
 def test_inference_reads_only_the_params_into_their_shardings(run_without_optimizer_state):
   workdir, saved = run_without_optimizer_state
   with checkpoint.lm_run_on_mesh(workdir) as (_, params, step, mesh):
@@ -331,6 +332,7 @@ def _large_constants(dump_dir) -> int:
   return total
 
 
+@pytest.mark.slow
 def test_no_parameter_is_a_constant_of_the_compiled_programs(run_without_optimizer_state, tmp_path):
   workdir, saved = run_without_optimizer_state
   num_params = sum(x.size for x in jax.tree.leaves(saved))
@@ -351,6 +353,7 @@ def test_no_parameter_is_a_constant_of_the_compiled_programs(run_without_optimiz
 
 # 8. A watchdog ends a process whose step hangs, naming host and step.
 
+@pytest.mark.slow
 def test_a_stalled_step_ends_the_process_naming_host_and_step(tmp_path, monkeypatch, capsys):
   exits, released = [], threading.Event()
   monkeypatch.setattr(train.os, '_exit', lambda code: (exits.append(code), released.set()))
