@@ -144,9 +144,9 @@ def _checked_fields(section, prefix=''):
 
 RESNET = 'configs/imagenet_resnet50.py:rw_lr_pa,preset=tiny'
 TASK_CONFIGS = {'lm': (SPEC, TINY_LM), 'resnet': (RESNET, {})}
-# A value of another type than the default's, then values at or past the usual bounds: the first that a field's
-# check refuses is tried too.
-WRONG_TYPE = {bool: 1, int: 1.0, float: '3e-4', str: 1, tuple: 'x'}
+# Values of another type than the default's (a bool is no integer nor number), then values at or past the usual
+# bounds: the first that a field's check refuses is tried too.
+WRONG_TYPES = {bool: (1,), int: (1.0, True), float: ('3e-4', None, True), str: (1,), tuple: ('x',)}
 OUT_OF_RANGE = {bool: (), int: (-1, 0, 2**31), float: (-1.0, 0.0, 1.0, float('inf'), float('nan')),
                 str: ('no-such-value',), tuple: ((0,), (2, 1))}
 
@@ -162,13 +162,13 @@ def _field_cases():
     for field, default, (ok, why) in _checked_fields(task.config):
       kind = type(default)
       refused = [v for v in OUT_OF_RANGE[kind] if not ok(v)][:1]
-      for value in [WRONG_TYPE[kind], *refused]:
+      for value in [*WRONG_TYPES[kind], *refused]:
         yield pytest.param(name, field, value, why, id=f'{name}:{field}={value!r}')
 
 
 @pytest.mark.parametrize('task, field, value, why', list(_field_cases()))
 def test_every_checked_field_refuses_a_bad_value_in_one_line(task, field, value, why):
-  """Every field that declares a check, of every task's config: a value of another type (as a config built in
+  """Every field that declares a check, of every task's config: values of another type (as a config built in
   Python can carry) and one past its bounds raise one InputError naming field, value and the check's reason."""
   config = copy.deepcopy(_task_config(task))
   *parents, leaf = field.split('.')
@@ -253,19 +253,19 @@ def test_resuming_with_another_config_is_refused_unless_allowed_and_then_recorde
 
 
 @pytest.mark.slow
-def test_unreadable_latest_checkpoint_is_moved_aside_not_deleted(tmp_path):
-  overrides = {**TINY_LM, 'checkpoint_every': 3}
-  assert run_cli(SPEC, tmp_path, overrides).returncode == 0
-  assert checkpoint_steps(tmp_path) == {3, 6}
-  for f in (tmp_path / 'checkpoints' / '6' / 'state').rglob('*'):
+def test_unreadable_latest_checkpoint_is_moved_aside_not_deleted(trained_run, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained_run, workdir)
+  assert checkpoint_steps(workdir) == {3, 6, 9}
+  for f in (workdir / 'checkpoints' / '9' / 'state').rglob('*'):
     if f.is_file():
       f.write_bytes(b'garbage')
-  result = run_cli(SPEC, tmp_path, {**overrides, 'steps': 8})
+  result = run_cli(SPEC, workdir, {**TRAINED, 'steps': 11})
   assert result.returncode == 0, result.stderr[-2000:]
-  assert 'checkpoint 6 is unreadable' in result.stderr
-  assert 'resumed from checkpoint 3' in result.stdout
-  assert list((tmp_path / 'unreadable_checkpoints').iterdir())  # kept for inspection
-  assert 8 in checkpoint_steps(tmp_path)
+  assert 'checkpoint 9 is unreadable' in result.stderr
+  assert 'resumed from checkpoint 6' in result.stdout
+  assert list((workdir / 'unreadable_checkpoints').iterdir())  # kept for inspection
+  assert 11 in checkpoint_steps(workdir)
 
 
 @pytest.mark.slow
