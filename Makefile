@@ -27,16 +27,13 @@ setup: $(VENV)/.installed-test
 train: $(VENV)/.installed
 	$(PY) -m laurel.main --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
-# Two sessions, the fast tests then the slow ones. A test worker has been lost intermittently during in-process
-# training tests (xdist: "node down"; cause not yet found): the tests that failed get one rerun, whose output
-# follows the first run's, so a real failure still fails and the loss stays visible.
+# The whole suite, one pytest session on 2 workers; worksteal moves the tests queued on a busy worker to an idle one.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2 -m 'not slow' tests || $(PY) -m pytest -q -n 2 -m 'not slow' --lf tests
-	$(PY) -m pytest -q -n 2 -m slow tests || $(PY) -m pytest -q -n 2 -m slow --lf tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
-# The inner loop: every test but the end-to-end and long ones (pytest -m slow).
+# The inner loop: every test but the slow ones (end to end, or longer than about 4 s; pytest -m slow).
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2 -m 'not slow' tests
+	$(PY) -m pytest -q -n 2 --dist worksteal -m 'not slow' tests
 
 # Parameter counts of every Table 5 row, as the README's table (ARGS=--json: one JSON object per row).
 params: $(VENV)/.installed

@@ -26,6 +26,18 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 flags.FLAGS.mark_as_parsed()
 
 
+@pytest.fixture(autouse=True)
+def no_interrupt_left_pending():
+  """An interrupt a test leaves pending in laurel.console ends the test process at the next deferred section (the
+  real os._exit, its line swallowed by pytest's capture: xdist's 'node down'); that test fails instead."""
+  yield
+  from laurel import console  # pylint: disable=import-outside-toplevel
+  state = console._interrupt  # pylint: disable=protected-access
+  left = dict(state)
+  state.update(pending=None, deferred=0)  # the next tests run as usual
+  assert left['pending'] is None and not left['deferred'], f'laurel.console left {left}'
+
+
 @pytest.fixture(scope='session')
 def sp_model(tmp_path_factory):
   """A tiny SentencePiece model with T5's special ids (pad 0, eos 1, unk 2), trained on random letters."""
@@ -38,3 +50,14 @@ def sp_model(tmp_path_factory):
       input=str(root / 'corpus.txt'), model_prefix=str(root / 'sp'), vocab_size=40, model_type='bpe',
       pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
   return str(root / 'sp.model')
+
+
+@pytest.fixture(scope='session')
+def trained_run(tmp_path_factory):
+  """A run of helpers.SPEC trained through the command line (helpers.TRAINED: checkpoints 3, 6 and 9), once per test
+  process. Tests only read it; one that changes it works on a copy (shutil.copytree)."""
+  from helpers import SPEC, TRAINED, run_cli  # pylint: disable=import-outside-toplevel  # helpers imports this module
+  workdir = tmp_path_factory.mktemp('trained') / 'run'
+  result = run_cli(SPEC, workdir, TRAINED)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return workdir

@@ -27,6 +27,8 @@ TINY_LM = {
     'batch_size': 8, 'steps': 6, 'log_every': 1, 'eval_every': 1000, 'eval_steps': 2,
     'checkpoint_every': 1000, 'tensorboard': False, 'optimizer.warmup_steps': 2, 'data.prefetch': 0,
 }
+SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
+TRAINED = {**TINY_LM, 'steps': 9, 'checkpoint_every': 3}  # the shared trained run (conftest.trained_run)
 
 
 def load_config(spec: str, overrides: dict | None = None):
@@ -103,9 +105,30 @@ def run_cli(spec, workdir, overrides, num_devices=1, timeout=300, extra=()):
                         capture_output=True, text=True, timeout=timeout)
 
 
+def run_python(code: str, env=None, timeout=300, **kwargs):
+  """`python -c code` in the repository root, with the tests' environment (cli_env) unless `env`."""
+  return subprocess.run([sys.executable, '-c', code], env=env or cli_env(), cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, **kwargs)
+
+
+def metrics(workdir) -> list[dict]:
+  """The rows of WORKDIR/metrics.jsonl."""
+  return [json.loads(l) for l in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines() if l]
+
+
 def losses(workdir) -> dict[int, float]:
-  rows = [json.loads(l) for l in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines() if l]
-  return {r['step']: r['loss'] for r in rows if 'loss' in r}
+  return {r['step']: r['loss'] for r in metrics(workdir) if 'loss' in r}
+
+
+def tree_snapshot(path) -> dict:
+  """The size and modification time of everything below `path`: an equal snapshot later, nothing was written."""
+  return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in pathlib.Path(path).rglob('*')}
+
+
+def checkpoint_steps(workdir) -> set[int]:
+  """The steps of WORKDIR's finished checkpoints."""
+  d = pathlib.Path(workdir) / 'checkpoints'
+  return {int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.exists() else set()
 
 
 def gpu_present() -> bool:

@@ -71,6 +71,7 @@ def test_slice_devices_are_the_chips_of_the_slice():
   assert len({d.process_index for d in devices}) == 2 and jax.default_backend() == 'cpu'
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_costs_count_every_scanned_layer():
   """XLA counts a loop body once; the scan_unroll=2 difference adds the other iterations. The scanned step's FLOPs
@@ -84,6 +85,7 @@ def test_costs_count_every_scanned_layer():
   assert scanned['roofline_step_time_s'] == max(scanned['compute_s'], scanned['memory_s']) > 0
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_splash_attention_compiles_per_device_for_a_sharded_slice():
   """On a (data 2, tensor 2) mesh the kernel runs under shard_map: Mosaic custom calls on local shapes."""

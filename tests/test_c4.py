@@ -102,6 +102,7 @@ def test_c4_shards_train_end_to_end(c4_shards, sp_model, tmp_path):
   assert 0 < final['eval_loss'] < np.log(264) + 1
 
 
+@pytest.mark.slow
 def test_c4_shards_batches_hold_the_documents(c4_json, c4_shards, sp_model):
   cfg = lm_data('c4', 32, path=str(c4_shards), vocab_path=sp_model)
   data.check_available(cfg)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, fake_gcs_env, free_port, losses, run_cli
+from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, fake_gcs_env, free_port, losses, metrics, run_cli
 from laurel import cluster, lease
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
@@ -213,7 +213,7 @@ def test_a_second_run_on_a_held_workdir_is_refused_and_the_first_ends_unharmed(t
   wait_for(lambda: (workdir / 'metrics.jsonl').exists() and max(losses(workdir), default=0) >= 3)
   first.send_signal(signal.SIGTERM)
   assert first.wait(timeout=120) == 42 and 'preempted: saved checkpoint' in out.read_text(), out.read_text()[-2000:]
-  logged = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  logged = metrics(workdir)
   assert [r['step'] for r in logged] == list(range(1, len(logged) + 1))  # every step once: one writer
   assert json.loads((workdir / 'config.json').read_text())['steps'] == 100_000  # not the second run's
   assert not (workdir / lease.NAME).exists()

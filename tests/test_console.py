@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, without_this_python
+from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, metrics, without_this_python
 from laurel import console, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -113,7 +113,7 @@ def test_the_train_loop_logs_the_mean_loss_of_each_interval(tmp_path):
   for log_every in (1, 3):
     config = load_config(SPEC, {**TINY_LM, 'steps': 6, 'log_every': log_every})
     train.train(config, str(tmp_path / str(log_every)), devices=jax.devices()[:1])
-    every[log_every] = [json.loads(l) for l in (tmp_path / str(log_every) / 'metrics.jsonl').read_text().splitlines()]
+    every[log_every] = metrics(tmp_path / str(log_every))
   per_step = {r['step']: r['loss'] for r in every[1] if 'loss' in r}
   assert len(set(per_step.values())) == 6  # the losses differ, so a mean differs from the last one
   logged = [(r['step'], r['loss'], r['mean_of_steps']) for r in every[3] if 'loss' in r]
@@ -156,11 +156,12 @@ def test_ctrl_c_in_a_deferred_section_exits_when_it_ends(monkeypatch):
   exits = []
   monkeypatch.setattr(console.os, '_exit', exits.append)
   monkeypatch.setattr(console.os, 'write', lambda fd, text: None)
+  # None again afterwards: a pending interrupt left behind ends this process at its next deferred section's end.
+  monkeypatch.setitem(console._interrupt, 'pending', None)  # pylint: disable=protected-access
   with console.deferred():
     console._exit_interrupted()  # pylint: disable=protected-access  # what the handler and the watcher call
     assert not exits  # the file being written is finished first
   assert exits == [130]
-  console._interrupt['pending'] = False  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize('env, accelerator, libtpu, expected', [

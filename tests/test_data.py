@@ -151,6 +151,7 @@ def test_synthetic_is_deterministic_and_byte_level():
   assert data.SyntheticSource(10, 0)[3] != data.SyntheticSource(10, 1)[3]  # train and validation differ
 
 
+@pytest.mark.slow
 def test_multiprocess_prefetch_resumes(corpus):
   cfg = text_cfg(corpus, seq_len=64)
   cfg.num_workers = 1

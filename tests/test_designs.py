@@ -167,6 +167,7 @@ def test_attnres_delta_starts_with_plain_inputs_scaled_by_s_plus_2_over_s_plus_1
 
 @pytest.mark.parametrize('design,remat', [('attnres', 'dots_no_batch'), ('dca', 'dots_no_batch'),
                                           ('dca_k', 'dots_no_batch'), ('mudd', 'dots_no_batch')])
+@pytest.mark.slow
 def test_backward_keeps_a_constant_amount_per_layer(design, remat):
   # What a layer adds must not grow with depth. AttnRes's push form saves its site inputs by name: keeping its
   # running sums U (2N + 1 D-wide) per layer, as remat did before the inputs were named, grows it ~1.55x from 4→8 to
@@ -455,6 +456,7 @@ RULE_NAMES = {name for name, _ in designs.logical_axis_rules()}
 
 
 @pytest.mark.parametrize('name', list(DESIGN_CFGS))
+@pytest.mark.slow
 def test_design_params_shard_and_all_get_gradients(name):
   cfg = _cfg(scan_layers=True, **DESIGN_CFGS[name])
   boxed = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), _tokens()))['params']
@@ -560,6 +562,7 @@ def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
     ids=['mudd', 'mudd_value_residual', 'mudd_shared', 'dca', 'dca_k1', 'dca_k2_value_residual',
          'mudd_save_qkv_value_residual', 'mudd_r_full', 'dca_dots_no_batch', 'dca_k2_minimal', 'value_residual',
          'laurel_value_residual_save_qkv'])
+@pytest.mark.slow
 def test_backward_rebuilding_a_buffer_is_the_scans_own(stream, model, monkeypatch):
   # The stack's custom backward (the buffer and V_1 rebuilt from the final ones) against a scan's autodiff, at
   # random weights.
@@ -722,6 +725,7 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
             'laurel', 'stream', 'value_residual', 'share', 'num_layers', got['model']['stream']['design']}, row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('row', ['mhc', 'residual_transformer_laurel', 'mudd'])
 def test_designs_train_through_laurel_main_from_config_flags(row, tmp_path):
   tiny = {k: v for k, v in TINY_LM.items() if not k.startswith('model.laurel')}

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, run_cli
+from helpers import ROOT, cli_env
 from laurel import data, evaluate, lm
 from laurel.designs.laurel import LaurelSpec
 
@@ -34,6 +35,7 @@ def _direct_loglik(params, ids, first):
   return sum(logp[t - 1, ids[t]] for t in range(first, len(ids)))
 
 
+@pytest.mark.slow
 def test_scorer_sums_the_log_likelihood_of_the_scored_tokens(scorer):
   scorer, params = scorer
   rng = np.random.default_rng(0)
@@ -120,10 +122,9 @@ def test_winogrande_scores_the_words_after_the_blank():
 
 
 @pytest.mark.slow
-def test_evaluate_cli(tmp_path):
+def test_evaluate_cli(trained_run, tmp_path):
   workdir = tmp_path / 'run'
-  trained = run_cli('configs/c4_ablation.py:rw_lr,preset=tiny', workdir, {**TINY_LM, 'steps': 3})
-  assert trained.returncode == 0, trained.stderr[-2000:]
+  shutil.copytree(trained_run, workdir)  # conftest's; the eval writes its scores beside the checkpoints
   (tmp_path / 'held_out.txt').write_text('def f(x):\n  return x + 1\n' * 20)
   (tmp_path / 'mc.jsonl').write_text(json.dumps({'context': 'def f', 'choices': ['(x):', ' = 3'], 'label': 0}))
   command = [sys.executable, '-m', 'laurel.evaluate', f'--workdir={workdir}', f'--task=text:{tmp_path}/*.txt',

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, run_cli
+from helpers import ROOT, cli_env
 from laurel import designs, generate, lm
 from laurel.designs import StreamSpec
 from laurel.designs.laurel import LaurelSpec
@@ -61,6 +61,7 @@ def test_every_registered_design_is_decoded_with_the_cache():
 
 
 @pytest.mark.parametrize('name', list(DESIGNS))
+@pytest.mark.slow
 def test_cache_and_recompute_give_the_same_tokens_and_logits(name):
   cfg = DESIGNS[name]
   params = _params(cfg)
@@ -71,6 +72,7 @@ def test_cache_and_recompute_give_the_same_tokens_and_logits(name):
   assert cached.shape == (len(PROMPTS), 5) and np.std(cached_logits) > 0.1
 
 
+@pytest.mark.slow
 def test_batched_prompts_of_different_lengths_decode_as_alone():
   cfg = DESIGNS['rw_lr_pa_sublayer_learned']
   params = _params(cfg)
@@ -83,6 +85,7 @@ def test_batched_prompts_of_different_lengths_decode_as_alone():
 
 @pytest.mark.parametrize('name', ['baseline', 'rw_lr_pa_sublayer_learned', 'hc', 'denseformer',
                                   'attnres_block_heads_delta', 'mudd', 'dca_value_residual'])
+@pytest.mark.slow
 def test_a_longer_prefill_and_padding_rows_change_no_row_and_reuse_the_compiled_step(name):
   """What laurel.harness does to keep one compile per shape: prompts padded to a bucket (prefill_len), the batch
   padded with one-token rows."""
@@ -112,10 +115,8 @@ def test_sampling_options():
 
 
 @pytest.mark.slow
-def test_generate_cli_samples_a_trained_run(tmp_path):
-  workdir = tmp_path / 'run'
-  trained = run_cli('configs/c4_ablation.py:rw_lr_pa,preset=tiny', workdir, {**TINY_LM, 'steps': 3})
-  assert trained.returncode == 0, trained.stderr[-2000:]
+def test_generate_cli_samples_a_trained_run(trained_run, tmp_path):
+  workdir = trained_run  # conftest's: generating reads it only
   command = [sys.executable, '-m', 'laurel.generate', f'--workdir={workdir}', '--prompt=def ', '--prompt=import',
              '--max_new_tokens=6']
   outs = [subprocess.run(command + extra, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -9,7 +9,6 @@ loss computes the same float32 sums in another order, so 1e-5 for the loss and 1
 """
 
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from helpers import TINY_LM, load_config, on_gpu
+from helpers import TINY_LM, load_config, metrics, on_gpu
 from laurel import attention, lm, sharding, step, tasks, train
 
 LEN, HEADS, HEAD_WIDTH, MAX_SEGMENTS = 1024, 4, 64, 16
@@ -91,7 +90,7 @@ def test_auto_attention_is_cudnn_on_hopper_and_the_step_calls_it():
 def _three_steps(workdir, **overrides) -> list[dict]:
   config = load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {**GPU_TINY, **overrides})
   train.train(config, str(workdir), devices=jax.devices()[:1])
-  return [r for r in map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines()) if 'loss' in r]
+  return [r for r in metrics(workdir) if 'loss' in r]
 
 
 @on_gpu

@@ -45,6 +45,7 @@ def test_a_device_kind_names_its_result_file():
      'error: --variants: not with --topology (--vary compiles Baseline-24 per value there)'),
     (['--peak_flops=0'], 'flag --peak_flops=0'),
 ], ids=['no_value', 'unknown_field', 'with_topology', 'peak_not_positive'])
+@pytest.mark.slow
 def test_bad_benchmark_arguments_are_one_line_before_compiling(args, message):
   result = _benchmark(*TINY, '--steps=1', *args, timeout=120)
   assert result.returncode != 0 and 'compiled' not in result.stdout

@@ -111,6 +111,7 @@ def _packed_batch(seed):
 
 
 @pytest.mark.parametrize('tie', [True, False], ids=['tied', 'untied'])
+@pytest.mark.slow
 def test_lm_loss_and_gradients_equal_the_full_logits_loss(tie):
   task, params = _task_and_params(tie, seed=int(tie), **{'model.loss_chunk': 5})
   batch = _packed_batch(2)
@@ -165,6 +166,7 @@ def test_remat_policy_keeps_exactly_what_it_names(policy, kept):
 
 
 @pytest.mark.parametrize('policy', ['save_qkv', 'minimal', 'full'])
+@pytest.mark.slow
 def test_remat_policies_give_the_same_gradients(policy):
   task, params = _task_and_params(True, seed=3, **{'model.scan_layers': True, 'model.remat': 'none'})
   remat_task = tasks.get_task(load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {
@@ -175,6 +177,7 @@ def test_remat_policies_give_the_same_gradients(policy):
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_compiler_costs_count_every_loss_chunk():
   """XLA counts the chunk loop's body once; laurel.aot adds the other chunks. The chunked loss computes each chunk's
   logits once (its backward only scales saved gradients), so the step costs what the unchunked one does."""

@@ -185,6 +185,7 @@ def _packed_qkv_segments(seed=0, batch=2, heads=2, head_dim=8):
 
 
 @pytest.mark.parametrize('impl', ['dot_product', 'splash'])
+@pytest.mark.slow
 def test_attention_implementations_match_the_reference_BxLxHxK(impl):
   q, k, v, segments_BxL = _packed_qkv_segments()
   attend = {'dot_product': attention.dot_product_attention, 'splash': attention.splash_attention}[impl]
@@ -366,6 +367,7 @@ def _scan_bytes_per_layer(variant):
   return (temp[1] - temp[0]) / 3
 
 
+@pytest.mark.slow
 def test_pa_keeps_no_extra_activation_per_scanned_layer():
   # The paper's form of PA reads x_{i−1}, x_{i−2} at layer i, so a layer scan would keep two more (B, L, D)
   # activations per layer; the push form keeps only small (B, L, r) ones. One activation here: 2·64·32·4 bytes.

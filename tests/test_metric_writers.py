@@ -15,7 +15,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, run_cli
+from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, metrics, run_cli
 from laurel import config_lib, data, evaluate, image_data, metric_writers, train
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -42,7 +42,7 @@ def test_a_run_writes_the_logged_scalars_and_hparams_to_tensorboard(tmp_path):
   config = load_config(SPEC, {**TINY_LM, 'steps': 4, 'log_every': 2, 'eval_every': 4, 'tensorboard': True})
   train.train(config, str(tmp_path), devices=jax.devices()[:1])
   logged = {}
-  for row in map(json.loads, (tmp_path / 'metrics.jsonl').read_text().splitlines()):
+  for row in metrics(tmp_path):
     for k, v in row.items():
       if isinstance(v, (int, float)) and k not in ('step', 'time'):
         logged.setdefault(k, {})[row['step']] = v
@@ -92,6 +92,7 @@ def test_profiler_traces_the_configured_steps_only(monkeypatch):
   assert len(calls) == 8
 
 
+@pytest.mark.slow
 def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
   """laurel.train and every default writer load no TensorFlow, and W&B not unless asked (a separate process: another
   test may load them)."""
@@ -199,7 +200,7 @@ def test_wandb_offline_gets_the_metrics_config_and_summary_and_a_resume_continue
   first, resumed = [_wandb_run(f) for f in sorted(glob.glob(str(tmp_path / 'wandb' / 'offline-run-*' / '*.wandb')))]
   assert first['id'] == resumed['id'] == run_id
   assert first['config']['model.d_model'] == 32 and first['config']['wandb.name'] == 'tiny'
-  logged = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  logged = metrics(tmp_path)
   history = {**first['history'], **resumed['history']}
   for row in logged:
     for k, v in row.items():

@@ -145,6 +145,7 @@ def test_resnet50_forward_shape_at_224():
   assert out.shape == (2, 1000) and out.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_batchnorm_train_updates_statistics_and_eval_uses_them():
   cfg = small_cfg(variant='rw+lr+pa')
   x = images()

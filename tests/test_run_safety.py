@@ -16,27 +16,14 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, losses, run_cli
+from helpers import (ROOT, SPEC, TINY_LM, cli_env, fake_gcs_env, load_config, losses, run_cli, run_python,
+                     tree_snapshot)
 from laurel import checkpoint, config_lib, data, evaluate, generate, step, train
 
-SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
 
-
-def _snapshot(path):
-  return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in pathlib.Path(path).rglob('*')}
-
-
-def _python(code: str, env=None, timeout=300):
-  return subprocess.run([sys.executable, '-c', code], env=env or cli_env(), cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout)
-
-
-@pytest.fixture(scope='module')
-def run_with_three_checkpoints(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('three') / 'run'
-  result = run_cli(SPEC, workdir, {**TINY_LM, 'steps': 9, 'checkpoint_every': 3})
-  assert result.returncode == 0, result.stderr[-2000:]
-  return workdir
+@pytest.fixture
+def run_with_three_checkpoints(trained_run):  # conftest's, trained once per test process
+  return trained_run
 
 
 # 1. A TPU VM trains alone only where its slice provably has one host.
@@ -57,7 +44,7 @@ TPU_START = ('import jax, sys\n'
                                            ({'TPU_WORKER_HOSTNAMES': 'w0'}, True)])
 def test_a_failed_start_on_a_tpu_vm_trains_alone_only_on_one_host(hosts, trains):
   env = {k: v for k, v in cli_env().items() if not k.startswith(('TPU_', 'GCE_', 'MEGASCALE'))}
-  result = _python(TPU_START, {**env, **hosts})
+  result = run_python(TPU_START, {**env, **hosts})
   if trains:
     assert result.returncode == 0 and 'TRAINED ALONE' in result.stdout, result.stderr[-2000:]
     assert 'running as one process' in result.stderr
@@ -117,20 +104,20 @@ def test_a_checkpoint_of_another_parameter_tree_is_an_error_naming_the_path(run_
                                                                            change, message):
   workdir = tmp_path / 'run'
   shutil.copytree(run_with_three_checkpoints, workdir)
-  before = _snapshot(workdir)
+  before = tree_snapshot(workdir)
   mngr, *args = _restore_args(workdir)
   args[2] = change(args[2])
   with pytest.raises(config_lib.InputError, match=re.escape(f'checkpoint 9 does not match the model: {message}')):
     checkpoint.restore_latest(mngr, *args)  # pylint: disable=protected-access
   mngr.close()
-  assert _snapshot(workdir) == before
+  assert tree_snapshot(workdir) == before
 
 
 @pytest.mark.slow
 def test_an_environment_failure_moves_nothing(run_with_three_checkpoints, tmp_path, monkeypatch):
   workdir = tmp_path / 'run'
   shutil.copytree(run_with_three_checkpoints, workdir)
-  before = _snapshot(workdir)
+  before = tree_snapshot(workdir)
   denied = ValueError('PERMISSION_DENIED: Error reading "params.embed.embedding/0.0" in OCDBT database: 403')
   restore = ocp.CheckpointManager.restore
   monkeypatch.setattr(ocp.CheckpointManager, 'restore', lambda self, step, args: (
@@ -139,7 +126,7 @@ def test_an_environment_failure_moves_nothing(run_with_three_checkpoints, tmp_pa
   with pytest.raises(ValueError, match='PERMISSION_DENIED'):
     checkpoint.restore_latest(mngr, *args)  # pylint: disable=protected-access
   mngr.close()
-  assert _snapshot(workdir) == before
+  assert tree_snapshot(workdir) == before
 
 
 # 3. Only bad input is a one-line error (exit 2); any other exception keeps its traceback (exit 1).
@@ -163,7 +150,7 @@ def test_only_bad_input_is_a_one_line_error(module, error, bad_input):
           f'def fail(*a, **k): raise {error}("a message from a library")\n'
           f'owner.{name} = fail\nsys.argv = ["x", {argv}]\n'
           f'm.run() if hasattr(m, "run") else app.run(m.main, flags_parser=config_lib.parse_flags)\n')
-  result = _python(code)
+  result = run_python(code)
   if bad_input:
     assert result.returncode == 2 and result.stderr.strip().splitlines() == ['error: a message from a library']
   else:
@@ -208,7 +195,7 @@ def test_the_metrics_log_never_appends_on_gcs(tmp_path):
           '  for s in steps: log.write(s, {"loss": 1.0 / s})\n'
           '  log.writer.close()\n')
   (tmp_path / 'gcs' / 'bucket' / 'run').mkdir(parents=True)
-  result = _python(code, fake_gcs_env(tmp_path / 'gcs'))
+  result = run_python(code, fake_gcs_env(tmp_path / 'gcs'))
   assert result.returncode == 0, result.stderr[-2000:]
   assert losses(tmp_path / 'gcs' / 'bucket' / 'run') == {1: 1.0, 2: 0.5, 3: 1 / 3}
 
@@ -323,6 +310,7 @@ def run_without_optimizer_state(tmp_path_factory):
   return workdir, state['params']
 
 
+@pytest.mark.slow
 def test_inference_reads_only_the_params_into_their_shardings(run_without_optimizer_state):
   workdir, saved = run_without_optimizer_state
   with checkpoint.lm_run_on_mesh(workdir) as (_, params, step, mesh):
@@ -343,6 +331,7 @@ def _large_constants(dump_dir) -> int:
   return total
 
 
+@pytest.mark.slow
 def test_no_parameter_is_a_constant_of_the_compiled_programs(run_without_optimizer_state, tmp_path):
   workdir, saved = run_without_optimizer_state
   num_params = sum(x.size for x in jax.tree.leaves(saved))
@@ -363,6 +352,7 @@ def test_no_parameter_is_a_constant_of_the_compiled_programs(run_without_optimiz
 
 # 8. A watchdog ends a process whose step hangs, naming host and step.
 
+@pytest.mark.slow
 def test_a_stalled_step_ends_the_process_naming_host_and_step(tmp_path, monkeypatch, capsys):
   exits, released = [], threading.Event()
   monkeypatch.setattr(train.os, '_exit', lambda code: (exits.append(code), released.set()))

@@ -468,6 +468,7 @@ def test_benchmark_topology_records_a_row_that_does_not_fit_and_goes_on(tmp_path
   assert '(does not fit)' in r.stdout
 
 
+@pytest.mark.slow
 def test_benchmark_keeps_slice_rows_across_commits_that_leave_laurel_and_configs_alone(tmp_path):
   """The key of a kept TPU row: the committed trees of laurel/ and configs/, not the commit."""
   git = lambda *args: subprocess.run(['git', '-C', str(tmp_path), *args], check=True, capture_output=True)

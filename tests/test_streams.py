@@ -34,6 +34,7 @@ def _init(spec):
 # Gradients through the layer scan.
 
 @pytest.mark.parametrize('name', ['hc_dynamic', 'mhc', 'denseformer_2x2'])
+@pytest.mark.slow
 def test_scan_gradients_match_loop(name):
   spec = STREAM_CASES[name]
   params = randomize(_init(spec), seed=2)

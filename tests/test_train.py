@@ -1,7 +1,9 @@
 """The train loop: exact resume, preemption, meshes, multi-process, bad input, NaN, unreadable checkpoints."""
+import copy
+import dataclasses
+import functools
 import importlib.util
 import json
-import pathlib
 import re
 import shutil
 import signal
@@ -14,10 +16,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, free_port, load_config, losses, run_cli
-from laurel import console, hardware, step, train
-
-SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
+from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, cluster_env, free_port,
+                     load_config, losses, metrics, run_cli, tree_snapshot)
+from laurel import config_lib, console, hardware, step, train
 
 
 def _wait_for(predicate, proc, timeout=240):
@@ -30,11 +31,6 @@ def _wait_for(predicate, proc, timeout=240):
   raise TimeoutError
 
 
-def _finished_checkpoints(workdir):
-  d = pathlib.Path(workdir) / 'checkpoints'
-  return {int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.exists() else set()
-
-
 @pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
   overrides = {**TINY_LM, 'steps': 60, 'checkpoint_every': 10}
@@ -44,7 +40,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
   workdir = tmp_path / 'killed'
   proc = subprocess.Popen(cli_args(SPEC, workdir, overrides), env=cli_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
-  _wait_for(lambda: 10 in _finished_checkpoints(workdir) and max(losses(workdir), default=0) >= 12, proc)
+  _wait_for(lambda: 10 in checkpoint_steps(workdir) and max(losses(workdir), default=0) >= 12, proc)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   killed_at = max(losses(workdir))
@@ -71,7 +67,7 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_and_exit_cleanly(tmp_path, signum)
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-2000:]
   assert 'preempted: saved checkpoint' in out and 'Traceback' not in err
-  saved = _finished_checkpoints(tmp_path)
+  saved = checkpoint_steps(tmp_path)
   assert saved and max(saved) >= 3
 
 
@@ -98,6 +94,7 @@ def one_device_losses(tmp_path_factory):
   return _in_process_losses(tmp_path_factory.mktemp('one_device'), jax.devices()[:1], (1, 1, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh', [(8, 1, 1), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 8, 1)])
 def test_sharded_meshes_match_one_device(tmp_path, mesh, one_device_losses):
   assert jax.device_count() == 8
@@ -135,114 +132,140 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path, launcher, 
   np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
 
 
-def _tree_snapshot(path):
-  return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in pathlib.Path(path).rglob('*')}
+def _checked_fields(section, prefix=''):
+  """(dotted name, value, check) of every field of a built config section that declares a check (config_lib.field)."""
+  for f in dataclasses.fields(section):
+    name, value = prefix + f.name, getattr(section, f.name)
+    if dataclasses.is_dataclass(value):
+      yield from _checked_fields(value, name + '.')
+    elif 'check' in f.metadata:
+      yield name, value, f.metadata['check']
 
 
-BAD_INPUTS = [
-    ({'foo': 1}, 'config.foo'),
-    ({'model.laurel.rank': 0}, 'model.laurel.rank=0'),
-    ({'model.laurel.rank': 99}, 'model.laurel.rank=99'),
-    ({'model.laurel.k': 9}, 'model.laurel.k=9'),
-    ({'model.laurel.variant': 'rw+zz'}, "model.laurel.variant='rw+zz'"),
-    ({'steps': -3}, 'steps=-3'),
-    ({'data.name': 'text', 'data.path': '/nonexistent/*.txt'}, "data.path='/nonexistent/*.txt'"),
-    ({'batch_size': 12, 'mesh.data': 8}, 'batch_size=12'),
-    ({'mesh.tensor': 3}, 'mesh='),
-    ({'optimizer.warmup_steps': 7}, 'optimizer.warmup_steps=7: longer than the run (steps=6)'),
-]
+RESNET = 'configs/imagenet_resnet50.py:rw_lr_pa,preset=tiny'
+TASK_CONFIGS = {'lm': (SPEC, TINY_LM), 'resnet': (RESNET, {})}
+# Values of another type than the default's (a bool is no integer nor number), then values at or past the usual
+# bounds: the first that a field's check refuses is tried too.
+WRONG_TYPES = {bool: (1,), int: (1.0, True), float: ('3e-4', None, True), str: (1,), tuple: ('x',)}
+OUT_OF_RANGE = {bool: (), int: (-1, 0, 2**31), float: (-1.0, 0.0, 1.0, float('inf'), float('nan')),
+                str: ('no-such-value',), tuple: ((0,), (2, 1))}
 
 
-@pytest.mark.parametrize('field,value', [('optimizer.learning_rate', '3e-4'), ('optimizer.grad_clip', None),
-                                         ('steps', True), ('data_shards', 1.0)])
-def test_validate_config_names_wrong_types(field, value):
-  # Types the command line would refuse but a config built in Python can carry: a one-line ValueError.
-  config = load_config(SPEC, TINY_LM).to_dict()
+@functools.cache
+def _task_config(task: str) -> dict:
+  return load_config(*TASK_CONFIGS[task]).to_dict()  # a plain dict takes any type
+
+
+def _field_cases():
+  for name, (spec, overrides) in TASK_CONFIGS.items():
+    task = step.validate_config(load_config(spec, overrides), num_devices=1, process_count=1)
+    for field, default, (ok, why) in _checked_fields(task.config):
+      kind = type(default)
+      refused = [v for v in OUT_OF_RANGE[kind] if not ok(v)][:1]
+      for value in [*WRONG_TYPES[kind], *refused]:
+        yield pytest.param(name, field, value, why, id=f'{name}:{field}={value!r}')
+
+
+@pytest.mark.parametrize('task, field, value, why', list(_field_cases()))
+def test_every_checked_field_refuses_a_bad_value_in_one_line(task, field, value, why):
+  """Every field that declares a check, of every task's config: values of another type (as a config built in
+  Python can carry) and one past its bounds raise one InputError naming field, value and the check's reason."""
+  config = copy.deepcopy(_task_config(task))
   *parents, leaf = field.split('.')
   node = config
   for p in parents:
     node = node[p]
   node[leaf] = value
-  with pytest.raises(ValueError, match=f'^{field}={value!r}: '):
-    step.validate_config(ml_collections.ConfigDict(config))
+  with pytest.raises(config_lib.InputError) as raised:
+    step.validate_config(ml_collections.ConfigDict(config), num_devices=1, process_count=1)
+  assert str(raised.value) == f'{field}={value!r}: {why}'
 
 
-@pytest.fixture(scope='module')
-def finished_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('finished')
-  result = run_cli(SPEC, workdir, {**TINY_LM, 'checkpoint_every': 3})
-  assert result.returncode == 0, result.stderr[-2000:]
-  return workdir
+@pytest.mark.parametrize('bad, message', [
+    ({'model.laurel.rank': 0}, 'model.laurel.rank=0'),
+    ({'model.laurel.rank': 99}, 'model.laurel.rank=99'),
+    ({'model.laurel.k': 9}, 'model.laurel.k=9'),
+    ({'batch_size': 12, 'mesh.data': 8}, 'batch_size=12'),
+    ({'mesh.tensor': 3}, 'mesh='),
+    ({'optimizer.warmup_steps': 7}, 'optimizer.warmup_steps=7: longer than the run (steps=6)'),
+])
+def test_checks_across_fields_are_one_line(bad, message):
+  with pytest.raises(config_lib.InputError, match=f'^{re.escape(message)}'):
+    step.validate_config(load_config(SPEC, {**TINY_LM, **bad}), num_devices=8, process_count=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('bad, message', BAD_INPUTS)
-def test_bad_input_fails_fast_with_one_line_and_leaves_checkpoints(finished_run, bad, message):
-  before = _tree_snapshot(finished_run)
+@pytest.mark.parametrize('bad, message', [
+    ({'foo': 1}, 'config.foo: unknown config field'),  # the flags
+    ({'model.laurel.rank': 0}, 'model.laurel.rank=0: '),  # validate_config
+    ({'data.name': 'text', 'data.path': '/nonexistent/*.txt'}, "data.path='/nonexistent/*.txt'"),  # the inputs
+])
+def test_bad_input_fails_fast_with_one_line_and_leaves_checkpoints(trained_run, bad, message):
+  before = tree_snapshot(trained_run)
   start = time.time()
-  result = run_cli(SPEC, finished_run, {**TINY_LM, **bad}, num_devices=8)
+  result = run_cli(SPEC, trained_run, {**TRAINED, **bad}, num_devices=8)
   assert time.time() - start < 60
   assert result.returncode == 2
   lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
   assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
   assert 'Traceback' not in result.stderr
-  assert _tree_snapshot(finished_run) == before
+  assert tree_snapshot(trained_run) == before
 
 
 @pytest.mark.slow
-def test_workdir_of_another_model_is_refused_untouched(finished_run, tmp_path):
-  before = _tree_snapshot(finished_run)
-  result = run_cli(SPEC, finished_run, {**TINY_LM, 'model.d_model': 64, 'steps': 8})
+def test_workdir_of_another_model_is_refused_untouched(trained_run, tmp_path):
+  before = tree_snapshot(trained_run)
+  result = run_cli(SPEC, trained_run, {**TRAINED, 'model.d_model': 64, 'steps': 12})
   assert result.returncode == 2 and 'model.d_model=32 (now 64)' in result.stderr
-  assert _tree_snapshot(finished_run) == before
+  assert tree_snapshot(trained_run) == before
   # Without its config.json (e.g. a workdir written by hand), the checkpoint's own record refuses it.
-  shutil.copytree(finished_run / 'checkpoints', tmp_path / 'checkpoints')
+  shutil.copytree(trained_run / 'checkpoints', tmp_path / 'checkpoints')
   with pytest.raises(ValueError, match='different task/model'):
     train.train(load_config(SPEC, {**TINY_LM, 'model.d_model': 64}), str(tmp_path), devices=jax.devices()[:1])
 
 
 @pytest.mark.slow
-def test_resuming_with_another_config_is_refused_unless_allowed_and_then_recorded(finished_run, tmp_path):
-  before = _tree_snapshot(finished_run)
-  changed = {**TINY_LM, 'checkpoint_every': 3, 'optimizer.learning_rate': 0.01, 'seed': 5, 'steps': 8}
-  result = run_cli(SPEC, finished_run, changed)
+def test_resuming_with_another_config_is_refused_unless_allowed_and_then_recorded(trained_run, tmp_path):
+  before = tree_snapshot(trained_run)
+  changed = {**TRAINED, 'optimizer.learning_rate': 0.01, 'seed': 5, 'steps': 11}
+  result = run_cli(SPEC, trained_run, changed)
   assert result.returncode == 2 and 'Traceback' not in result.stderr
   assert result.stderr.splitlines()[-1] == (
-      f"error: --workdir='{finished_run}': its checkpoints (step 6) were trained with optimizer.learning_rate=0.003 "
-      f'(now 0.01), seed=0 (now 5); resume with the saved config (--config={finished_run}), or pass '
+      f"error: --workdir='{trained_run}': its checkpoints (step 9) were trained with optimizer.learning_rate=0.003 "
+      f'(now 0.01), seed=0 (now 5); resume with the saved config (--config={trained_run}), or pass '
       '--allow_config_change to go on with the new values')
-  assert _tree_snapshot(finished_run) == before
+  assert tree_snapshot(trained_run) == before
 
   workdir = tmp_path / 'copy'
-  shutil.copytree(finished_run, workdir)
+  shutil.copytree(trained_run, workdir)
   config = load_config(SPEC, changed)
   train.train(config, str(workdir), devices=jax.devices()[:1], allow_config_change=True)
   history = [json.loads(l) for l in (workdir / 'config_history.jsonl').read_text().splitlines()]
-  assert [h['step'] for h in history] == [0, 6] and history[0]['changes'] == {}
-  assert history[1]['changes'] == {'optimizer.learning_rate': [0.003, 0.01], 'seed': [0, 5], 'steps': [6, 8]}
+  assert [h['step'] for h in history] == [0, 9] and history[0]['changes'] == {}
+  assert history[1]['changes'] == {'optimizer.learning_rate': [0.003, 0.01], 'seed': [0, 5], 'steps': [9, 11]}
   assert history[1]['allowed_by_flag'] and history[1]['config']['seed'] == 5
   assert json.loads((workdir / 'config.json').read_text())['seed'] == 5  # the config the run goes on with
   # Only the fields that may change: no flag needed.
-  train.train(load_config(SPEC, {**changed, 'steps': 9, 'log_every': 3}), str(workdir), devices=jax.devices()[:1])
+  train.train(load_config(SPEC, {**changed, 'steps': 12, 'log_every': 3}), str(workdir), devices=jax.devices()[:1])
   history = [json.loads(l) for l in (workdir / 'config_history.jsonl').read_text().splitlines()]
-  assert history[-1]['changes'] == {'log_every': [1, 3], 'steps': [8, 9]} and not history[-1]['allowed_by_flag']
-  assert max(losses(workdir)) == 9
+  assert history[-1]['changes'] == {'log_every': [1, 3], 'steps': [11, 12]} and not history[-1]['allowed_by_flag']
+  assert max(losses(workdir)) == 12
 
 
 @pytest.mark.slow
-def test_unreadable_latest_checkpoint_is_moved_aside_not_deleted(tmp_path):
-  overrides = {**TINY_LM, 'checkpoint_every': 3}
-  assert run_cli(SPEC, tmp_path, overrides).returncode == 0
-  assert _finished_checkpoints(tmp_path) == {3, 6}
-  for f in (tmp_path / 'checkpoints' / '6' / 'state').rglob('*'):
+def test_unreadable_latest_checkpoint_is_moved_aside_not_deleted(trained_run, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained_run, workdir)
+  assert checkpoint_steps(workdir) == {3, 6, 9}
+  for f in (workdir / 'checkpoints' / '9' / 'state').rglob('*'):
     if f.is_file():
       f.write_bytes(b'garbage')
-  result = run_cli(SPEC, tmp_path, {**overrides, 'steps': 8})
+  result = run_cli(SPEC, workdir, {**TRAINED, 'steps': 11})
   assert result.returncode == 0, result.stderr[-2000:]
-  assert 'checkpoint 6 is unreadable' in result.stderr
-  assert 'resumed from checkpoint 3' in result.stdout
-  assert list((tmp_path / 'unreadable_checkpoints').iterdir())  # kept for inspection
-  assert 8 in _finished_checkpoints(tmp_path)
+  assert 'checkpoint 9 is unreadable' in result.stderr
+  assert 'resumed from checkpoint 6' in result.stdout
+  assert list((workdir / 'unreadable_checkpoints').iterdir())  # kept for inspection
+  assert 11 in checkpoint_steps(workdir)
 
 
 @pytest.mark.slow
@@ -262,12 +285,13 @@ def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
   assert json.loads((tmp_path / 'runs' / 'demo' / 'final.json').read_text())['step'] == 2
 
 
+@pytest.mark.slow
 def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, capsys):
   monkeypatch.setitem(hardware.PEAK_FLOPS, jax.devices()[0].device_kind, 1e12)  # as if the CPU's peak were known
   config = load_config(SPEC, {**TINY_LM, 'steps': 40, 'log_every': 5, 'eval_every': 20, 'tensorboard': True,
                               'optimizer.learning_rate': 1e-2})
   final = train.train(config, str(tmp_path), devices=jax.devices()[:1])
-  rows = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  rows = metrics(tmp_path)
   logged = [r for r in rows if 'loss' in r]
   assert logged[-1]['loss'] < 0.7 * logged[0]['loss']
   for key in ('step', 'loss', 'learning_rate', 'grad_norm', 'step_time_s', 'tokens_per_s', 'peak_memory_bytes',
@@ -289,6 +313,7 @@ def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, capsys)
   assert list((tmp_path / 'tensorboard').iterdir())
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   full = _in_process_losses(tmp_path / 'full', jax.devices()[:1], (1, 1, 1), steps=3)
   accum = _in_process_losses(tmp_path / 'accum', jax.devices()[:1], (1, 1, 1), steps=3,
@@ -296,15 +321,15 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   np.testing.assert_allclose([accum[s] for s in sorted(accum)], [full[s] for s in sorted(full)], rtol=1e-5)
 
 
-RESNET = 'configs/imagenet_resnet50.py:rw_lr_pa,preset=tiny'
 TINY_RESNET = {'steps': 30, 'log_every': 5, 'eval_every': 1000, 'eval_steps': 2, 'checkpoint_every': 10,
                'keep_checkpoints': 5, 'tensorboard': False}
 
 
+@pytest.mark.slow
 def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tmp_path):
   config = load_config(RESNET, {**TINY_RESNET, 'eval_every': 30})
   final = train.train(config, str(tmp_path / 'full'), devices=jax.devices()[:1])
-  logged = [json.loads(l) for l in (tmp_path / 'full' / 'metrics.jsonl').read_text().splitlines()]
+  logged = metrics(tmp_path / 'full')
   logged = [r for r in logged if 'loss' in r]
   assert logged[-1]['loss'] < 0.7 * logged[0]['loss']
   assert {'top1', 'top5', 'images_per_s'} <= logged[0].keys()
@@ -323,6 +348,7 @@ def _step_flops(**overrides):
   return step.step_flops(step.validate_config(config, 1, 1))
 
 
+@pytest.mark.slow
 def test_step_flops_count_every_scanned_layer():
   """Odd layer counts run in one iteration, even ones are extrapolated from scan_unroll 1 and 2: the same count."""
   flops = [_step_flops(**{'model.num_layers': n}) for n in (2, 3, 4)]
@@ -332,6 +358,7 @@ def test_step_flops_count_every_scanned_layer():
   assert _step_flops(**{'model.num_layers': 4, 'model.scan_layers': False}) == pytest.approx(flops[2], rel=0.01)
 
 
+@pytest.mark.slow
 def test_step_flops_count_every_loss_chunk_and_micro_batch():
   """XLA counts a loop's body once: the loss's chunks and the micro-batches are loops too."""
   whole = _step_flops(**{'model.loss_chunk': 0})
@@ -340,11 +367,11 @@ def test_step_flops_count_every_loss_chunk_and_micro_batch():
 
 
 @pytest.mark.slow
-def test_resuming_a_finished_run_without_final_json_still_writes_the_eval(finished_run, tmp_path):
+def test_resuming_a_trained_run_without_final_json_still_writes_the_eval(trained_run, tmp_path):
   workdir = tmp_path / 'copy'
-  shutil.copytree(finished_run, workdir)
+  shutil.copytree(trained_run, workdir)
   (workdir / 'final.json').unlink()
-  result = run_cli(SPEC, workdir, {**TINY_LM, 'checkpoint_every': 3})
+  result = run_cli(SPEC, workdir, TRAINED)
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'eval_loss' in json.loads((workdir / 'final.json').read_text())
 
