@@ -117,6 +117,10 @@ def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, all
   config unless `allow_change`, or of another parameter tree (a code change); any error that is not damage as is."""
   where, step_dir = f'--workdir={str(workdir)!r}', epath.Path(mngr.directory) / str(number)
   try:
+    # The checksums first: orbax reading a damaged state (its metadata included) leaves tensorstore callbacks that
+    # print 'Event loop is closed' tracebacks later.
+    if (why := checksums.mismatch(step_dir)) is not None:
+      return 'damaged', why
     saved = mngr.restore(number, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
     changes, unsafe = config_changes(saved, config)
     if model := [k for k in unsafe if k == 'task' or k.startswith('model.')]:
@@ -129,8 +133,6 @@ def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, all
     if (difference := _tree_difference(tree, abstract_state)) is not None:
       raise InputError(f'{where}: checkpoint {number} does not match the model: {difference} (a code change?); '
                        'nothing was moved: resume with the code that wrote it, or use a new workdir')
-    if (why := checksums.mismatch(step_dir)) is not None:
-      return 'damaged', why
     restored = mngr.restore(number, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
     if not is_finite(restored['state']):  # saved by code that did not check: resuming it would diverge again

@@ -189,7 +189,7 @@ def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_metrics_log_never_appends_on_gcs(tmp_path):
   code = ('import json, ml_collections\nfrom etils import epath\nfrom laurel import train\n'
-          'config = ml_collections.ConfigDict({"tensorboard": False})\n'
+          'config = ml_collections.ConfigDict({"tensorboard": False, "wandb": {"project": None}})\n'
           'for resume, steps in ((0, (1, 2)), (2, (3,))):\n'
           '  log = train.MetricsLog(epath.Path("gs://bucket/run"), config, resume, {})\n'
           '  for s in steps: log.write(s, {"loss": 1.0 / s})\n'
