@@ -37,10 +37,25 @@ def _size(path: epath.Path) -> int:
   return path.stat().length if is_remote(path) else os.path.getsize(path)
 
 
+def _streamed(f, algorithm: str) -> int:
+  """The hash of a file object's bytes, read in 16 MiB chunks."""
+  chunks = iter(lambda: f.read(2**24), b'')
+  if algorithm == 'crc32':
+    value = 0
+    for chunk in chunks:
+      value = zlib.crc32(chunk, value)
+    return value
+  hasher = xxhash.xxh3_64()
+  for chunk in chunks:
+    hasher.update(chunk)
+  return hasher.intdigest()
+
+
 def checksum(path: epath.Path, algorithm: str = ALGORITHM) -> str:
   hash_bytes = _HASHES[algorithm]
-  if is_remote(path):  # gs://: read it whole
-    return f'{hash_bytes(path.read_bytes()):08x}'
+  if is_remote(path):  # gs://: streamed, not held whole
+    with path.open('rb') as f:
+      return f'{_streamed(f, algorithm):08x}'
   with open(path, 'rb') as f:
     if not os.fstat(f.fileno()).st_size:  # no memory map of an empty file
       return f'{hash_bytes(b""):08x}'
