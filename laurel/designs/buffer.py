@@ -1,5 +1,8 @@
 """The write-once buffer of the designs that keep every layer's output (`Design.buffer`: MUDDFormer's, DCA's), and
 the layer scan's backward that keeps no copy of it. J = N + 1 slots; B batch, L length, D width.
+
+The backward gives every layer the final buffer, so a layer's reads must give slots it has not yet seen (j > its
+layer index) weight 0 (`filled_slots`), and its write overwrites its slot rather than adding to it.
 """
 
 import flax.linen as nn
@@ -16,23 +19,31 @@ def start_buffer(x_BxLxD, num_layers):
 
 
 def write_slot(buffer_JxBxLxD, slot_J, y_BxLxD):
-  """y written to the buffer's slot of the one-hot slot_J (a layer's row of `np.eye(N + 1)[1:]`, from its chain)."""
-  return buffer_JxBxLxD + slot_J.astype(y_BxLxD.dtype)[:, None, None, None] * y_BxLxD
+  """y written over the buffer's slot of the one-hot slot_J (a layer's row of `np.eye(N + 1)[1:]`, from its chain):
+  an update in place, which reads and writes one slot, not the whole buffer."""
+  return jax.lax.dynamic_update_index_in_dim(buffer_JxBxLxD, y_BxLxD.astype(buffer_JxBxLxD.dtype),
+                                             jnp.argmax(slot_J), 0)
+
+
+def filled_slots(slot_J):
+  """1 on the slots written before the layer whose slot is slot_J's (j ≤ its index), else 0."""
+  return 1 - jnp.cumsum(slot_J)
 
 
 def stack_rebuilding_buffer(stack, block, cfg, index, policy, carry, positions_BxL, segment_ids_BxL, layer_xs,
                             shared_G):
   """`stack(carry, ...)`, the scanned layers (each the unbound module `block`), with a backward that keeps no copy of
-  the carry's write-once buffer (entry `index`; None: none): layer i's is the final one with slots > i zeroed. A
-  scan's own backward saves N copies of N + 1 slots; this one the final buffer and each layer's carry without it, and
-  rebuilds value residual's V_1 (written by layer 0) too. A layer's forward keeps what its vjp under the remat
-  `policy` keeps, less its own inputs (the backward has them), so it recomputes only what the policy does not save."""
+  the carry's write-once buffer (entry `index`; None: none): every layer is given the final one, whose slots past its
+  own it does not read (`filled_slots`). A scan's own backward saves N copies of N + 1 slots; this one the final
+  buffer and each layer's carry without it, and rebuilds value residual's V_1 (written by layer 0) too. A layer's
+  forward keeps what its vjp under the remat `policy` keeps, less its own inputs and outputs (the backward has them:
+  a layer's output is the next one's input), so it recomputes only what the policy does not save."""
   def layer(params_l, carry, chain_l, shared, layer_index):
     return block.apply({'params': params_l}, carry, positions_BxL, segment_ids_BxL, (layer_index, chain_l), shared)[0]
 
   if policy is not None:
     layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-  structure = {}  # the vjp's tree and which of its leaves are the layer's inputs: the same at every layer
+  structure = {}  # the vjp's tree and where each of its leaves comes from: the same at every layer
 
   def put(carry, buffer, first_values):
     """The carry with the buffer and (with value residual) V_1 in place; None: left out."""
@@ -40,6 +51,14 @@ def stack_rebuilding_buffer(stack, block, cfg, index, policy, carry, positions_B
     if index is not None:
       stream = stream[:index] + (buffer,) + stream[index + 1:]
     return stream, first_values if cfg.value_residual else values
+
+  def find(leaf, inputs, outputs):
+    """('in', k) or ('out', k): the residual is the layer's k-th input or output leaf; None: it is kept."""
+    for kind, leaves in (('in', inputs), ('out', outputs)):
+      k = next((k for k, a in enumerate(leaves) if a is leaf), None)
+      if k is not None:
+        return kind, k
+    return None
 
   def forward(mdl, carry, layer_xs, shared_G):
     params = mdl.variables['params']
@@ -49,31 +68,30 @@ def stack_rebuilding_buffer(stack, block, cfg, index, policy, carry, positions_B
       inputs = (params_l, carry, chain_l, shared_G)
       out, vjp = jax.vjp(lambda p, c, w, s: layer(p, c, w, s, layer_index), *inputs)
       leaves, structure['tree'] = jax.tree.flatten(vjp)
-      input_leaves = jax.tree.leaves(inputs)
-      # A residual that is one of the layer's inputs (the buffer, the parameters) is not kept: the backward has it.
-      structure['input'] = [next((k for k, a in enumerate(input_leaves) if a is leaf), None) for leaf in leaves]
-      return out, (put(carry, None, None), [leaf for leaf, k in zip(leaves, structure['input']) if k is None])
+      input_leaves, output_leaves = jax.tree.leaves(inputs), jax.tree.leaves(put(out, None, None))
+      structure['source'] = [find(leaf, input_leaves, output_leaves) for leaf in leaves]
+      return out, (put(carry, None, None), [leaf for leaf, k in zip(leaves, structure['source']) if k is None])
     out, saved = jax.lax.scan(one, carry, (params, layer_xs), unroll=cfg.scan_unroll)
-    return out, (params, saved, None if index is None else out[0][index], out[1], layer_xs, shared_G)
+    return out, (params, saved, out, layer_xs, shared_G)
 
   def backward(residuals, g_out):
-    params, saved, final_JxBxLxD, final_values, layer_xs, shared_G = residuals
+    params, saved, final, layer_xs, shared_G = residuals
+    final_JxBxLxD = None if index is None else final[0][index]
 
     def one(grads, xs):
-      g_carry, g_shared = grads
+      g_carry, g_shared, next_carry = grads  # next_carry: the layer's output, the next layer's saved input
       params_l, (carry, kept), (layer_index, chain_l) = xs
-      buffer = None if index is None else jnp.where(
-          (jnp.arange(final_JxBxLxD.shape[0]) <= layer_index)[:, None, None, None], final_JxBxLxD, 0)
-      first_values = None if final_values is None else jnp.where(layer_index > 0, final_values, 0)
-      input_leaves = jax.tree.leaves((params_l, put(carry, buffer, first_values), chain_l, shared_G))
+      first_values = None if final[1] is None else jnp.where(layer_index > 0, final[1], 0)
+      leaves = {'in': jax.tree.leaves((params_l, put(carry, final_JxBxLxD, first_values), chain_l, shared_G)),
+                'out': jax.tree.leaves(next_carry)}
       kept = iter(kept)
-      vjp = jax.tree.unflatten(structure['tree'], [next(kept) if k is None else input_leaves[k]
-                                                   for k in structure['input']])
+      vjp = jax.tree.unflatten(structure['tree'], [next(kept) if k is None else leaves[k[0]][k[1]]
+                                                   for k in structure['source']])
       g_params, g_carry, g_chain, g_shared_l = vjp(g_carry)
-      return (g_carry, jax.tree.map(jnp.add, g_shared, g_shared_l)), (g_params, g_chain)
-    (g_carry, g_shared), (g_params, g_chain) = jax.lax.scan(
-        one, (g_out, jax.tree.map(jnp.zeros_like, shared_G)), (params, saved, layer_xs), reverse=True,
-        unroll=cfg.scan_unroll)
+      return (g_carry, jax.tree.map(jnp.add, g_shared, g_shared_l), carry), (g_params, g_chain)
+    (g_carry, g_shared, _), (g_params, g_chain) = jax.lax.scan(
+        one, (g_out, jax.tree.map(jnp.zeros_like, shared_G), put(final, None, None)), (params, saved, layer_xs),
+        reverse=True, unroll=cfg.scan_unroll)
     return {'params': g_params}, g_carry, (None, g_chain), g_shared
 
   run = lambda mdl, carry, layer_xs, shared_G: mdl(carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)[0]

@@ -8,7 +8,7 @@ Fig. 4) and the read-out y = GRN(G_{N+1}) (§4.1; App. H, Fig. 10).
 b = 1, w = 0 at init: every GRN is Σ y_j = x_i, the plain model. ReLU(b + wᵀy) is App. H's reading (App. A's
 b + ReLU(wᵀy) would leave w without gradient at w = 0). `dca_k` is k-DCA (§3.1, §5): the stack [y_0,
 Σ_{1 ≤ j ≤ i−k} y_j, y_{i−k+1}, …, y_i], at most k + 2 columns (`dca` is k = N). Pull form over a write-once buffer
-of every block output (laurel.designs.buffer, as MUDDFormer's): each layer reads its columns as fixed sums of slots.
+of every block output (laurel.designs.buffer, as MUDDFormer's): each layer reads its last k slots as a slice.
 `padded_params` counts the weights of columns still empty at a receiver.
 """
 
@@ -56,19 +56,29 @@ def stack_selection(k, receiver, slots):
   return select
 
 
-def _columns(select_KxJ, buffer_JxBxLxD):
-  """The k + 2 columns as sums of buffer slots. A dot batched over the tokens' batch axis: a remat policy that saves
-  unbatched dots (dots_no_batch) would keep k + 2 D-wide columns a layer, O(N²) for DCA, which the backward
-  recomputes from the rebuilt buffer instead."""
-  select_BxKxJ = jnp.broadcast_to(select_KxJ.astype(buffer_JxBxLxD.dtype),
-                                  buffer_JxBxLxD.shape[1:2] + select_KxJ.shape)
-  out = jnp.einsum('bkj,jbld->kbld', select_BxKxJ, buffer_JxBxLxD, preferred_element_type=F32)
-  return out.astype(buffer_JxBxLxD.dtype)
+def grn_columns(b_CxKxD, w_CxD, k, receiver, buffer_JxBxLxD):
+  """GRN(G_i) of receiver i (traced) for each stream c over its k + 2 columns (`stack_selection`'s), read from the
+  buffer as y_0, the k slots up to y_i (a slice; those not y_1, …, y_i, or past the last k, weigh nothing) and, for
+  k-DCA, the merged column (a masked sum of slots). Slots past y_i are never read, so the buffer may hold later ones."""
+  slots = buffer_JxBxLxD.shape[0]
+  width = min(k, slots - 1)  # a k past N has columns that stay empty
+  start = jnp.clip(receiver - width + 1, 0, slots - width)
+  slot_K = start + jnp.arange(width)
+  last_KxBxLxD = jax.lax.dynamic_slice_in_dim(buffer_JxBxLxD, start, width)
+  last_KxBxLxD = jnp.where(((slot_K >= 1) & (slot_K <= receiver))[:, None, None, None], last_KxBxLxD, 0)
+  column_K = jnp.clip(2 + receiver - slot_K, 2, k + 1)  # y_i is column 2, y_{i−1} column 3, ...
+  out_CxBxLxD = (grn_sum(b_CxKxD[:, :1], w_CxD, buffer_JxBxLxD[:1])
+                 + grn_sum(jnp.take(b_CxKxD, column_K, axis=1), w_CxD, last_KxBxLxD))
+  if k < slots - 1:  # Σ_{1≤j≤i−k} y_j (DCA, k = N, never has one)
+    merged_J = ((jnp.arange(slots) >= 1) & (jnp.arange(slots) <= receiver - k)).astype(buffer_JxBxLxD.dtype)
+    merged_BxLxD = jnp.einsum('j,jbld->bld', merged_J, buffer_JxBxLxD, preferred_element_type=F32)
+    out_CxBxLxD = out_CxBxLxD + grn_sum(b_CxKxD[:, 1:2], w_CxD, merged_BxLxD.astype(buffer_JxBxLxD.dtype)[None])
+  return out_CxBxLxD
 
 
 class DCAChain(Chain):
-  """(b_NxCxKxD, w_NxCxD, select_NxKxJ, slot_NxJ): receiver i's weights of its k + 2 columns, `dca_bias` and
-  `dca_query`; which buffer slots make each column (`stack_selection`); the slot its output takes (i + 1)."""
+  """(b_NxCxKxD, w_NxCxD, slot_NxJ): receiver i's weights of its k + 2 columns (`stack_selection`'s), `dca_bias` and
+  `dca_query`; the slot its output takes (i + 1)."""
 
   @nn.compact
   def __call__(self):
@@ -79,8 +89,7 @@ class DCAChain(Chain):
     bias = make('dca_bias', nn.initializers.ones, (big_n, STREAMS, k + 2, d),
                 ('layers', 'dca_streams', 'dca_sources', self.embed_axis))
     query = make('dca_query', nn.initializers.zeros, (big_n, STREAMS, d), ('layers', 'dca_streams', self.embed_axis))
-    select = np.stack([stack_selection(k, i, big_n + 1) for i in range(big_n)])
-    return bias, query, jnp.asarray(select), jnp.asarray(np.eye(big_n + 1)[1:], F32)
+    return bias, query, jnp.asarray(np.eye(big_n + 1)[1:], F32)
 
 
 class DCASite(Site):
@@ -90,9 +99,10 @@ class DCASite(Site):
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
     h_BxLxD, y_BxLxD, buffer_JxBxLxD = carry
-    b_CxKxD, w_CxD, select_KxJ, slot_J = chain_l
+    b_CxKxD, w_CxD, slot_J = chain_l
     if self.t == 0:  # the attention on the GRNs' q, k, v inputs; the FFN's skip is u^Q
-      q_BxLxD, k_BxLxD, v_BxLxD = grn_sum(b_CxKxD, w_CxD, _columns(select_KxJ, buffer_JxBxLxD))
+      receiver = jnp.argmax(slot_J) - 1
+      q_BxLxD, k_BxLxD, v_BxLxD = grn_columns(b_CxKxD, w_CxD, b_CxKxD.shape[1] - 2, receiver, buffer_JxBxLxD)
       y_BxLxD = fn(q_BxLxD, self.attention_inputs(norm_in, q_BxLxD, k_BxLxD, v_BxLxD), None)
       h_BxLxD = q_BxLxD + y_BxLxD
     else:
@@ -106,24 +116,22 @@ class DCASite(Site):
 class DCAReadout(nn.Module):
   """The read-out GRN over y_0, the merged column and the last k of y_1, …, y_N."""
   features: int
-  columns: int
+  k: int
   param_dtype: Any = F32
 
   @nn.compact
-  def __call__(self, g_KxBxLxD):
+  def __call__(self, buffer_JxBxLxD):
     make = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape,
                                                        self.param_dtype).astype(F32)
-    bias = make('dca_bias', nn.initializers.ones, (1, self.columns, self.features), (None, 'dca_sources', 'embed'))
+    bias = make('dca_bias', nn.initializers.ones, (1, self.k + 2, self.features), (None, 'dca_sources', 'embed'))
     query = make('dca_query', nn.initializers.zeros, (1, self.features), (None, 'embed'))
-    return grn_sum(bias, query, g_KxBxLxD)[0]
+    return grn_columns(bias, query, self.k, buffer_JxBxLxD.shape[0] - 1, buffer_JxBxLxD)[0]
 
 
 def _finish(spec, carry):
   buffer_JxBxLxD = carry[2]
-  slots = buffer_JxBxLxD.shape[0]
-  k = last_k(spec, slots - 1)
-  g_KxBxLxD = _columns(jnp.asarray(stack_selection(k, slots - 1, slots)), buffer_JxBxLxD)
-  return DCAReadout(buffer_JxBxLxD.shape[-1], k + 2, name='dca_readout')(g_KxBxLxD)
+  return DCAReadout(buffer_JxBxLxD.shape[-1], last_k(spec, buffer_JxBxLxD.shape[0] - 1),
+                    name='dca_readout')(buffer_JxBxLxD)
 
 
 def _start(spec, x_BxLxD, num_layers):

@@ -16,13 +16,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from laurel.config_lib import field, one_of
 from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
-from laurel.designs.buffer import start_buffer, write_slot
+from laurel.designs.buffer import filled_slots, start_buffer, write_slot
 
 EPS = 1e-6
 WEIGHTS_ACT = ('act_batch', 'act_len', None, None)  # A: (B, L, C streams, N + 1 sources)
+# A layer's output, from which its weights A are computed: every remat policy keeps it (Design.saved_names), so the
+# backward does not recompute the MLP for it; the buffer stack's backward takes it from the next layer's input.
+SAVED = 'mudd_out'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +92,13 @@ class MUDDSite(Site):
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
     x_BxLxD, buffer_JxBxLxD, a_BxLxCxJ = carry
     bias_CxJ, hidden_K, slot_J = chain_l
-    if self.t == 0:
-      streams_CxBxLxD = mix(buffer_JxBxLxD, a_BxLxCxJ)
+    if self.t == 0:  # the weights on slots not yet written are 0 (the buffer's backward reads the final buffer)
+      streams_CxBxLxD = mix(buffer_JxBxLxD, a_BxLxCxJ * filled_slots(slot_J))
       x_BxLxD = streams_CxBxLxD[-1]
       xn = norm_in(x_BxLxD) if len(streams_CxBxLxD) == 1 else self.attention_inputs(norm_in, *streams_CxBxLxD[:3])
       return nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, xn, None), ACT), buffer_JxBxLxD, a_BxLxCxJ
     out_BxLxD = nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, norm_in(x_BxLxD), None), ACT)
+    out_BxLxD = checkpoint_name(out_BxLxD, SAVED)
     buffer_JxBxLxD = write_slot(buffer_JxBxLxD, slot_J, out_BxLxD)
     c, j = bias_CxJ.shape
     k_max = hidden_K.shape[0]
@@ -122,5 +127,6 @@ def _finish(spec, carry):
 
 
 register(Design('mudd', MUDDSite, config=MUDDSpec, chain=MUDDChain, start=_start, finish=_finish, buffer=1,
+                saved_names=(SAVED,),
                 no_decay=('mudd_bias',), padded_params=padded_params,
                 logical_axes=(('mudd_hidden', None), ('mudd_streams', None), ('mudd_sources', None))))
