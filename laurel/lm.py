@@ -330,7 +330,10 @@ class LM(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(cfg.d_model ** -0.5), ('vocab', 'embed')), name='embed')
-    x_BxLxD = embed(tokens_BxL)
+    # The lookup reads a table whose embed axis is gathered first: from an fsdp-sharded one, XLA's SPMD partitioner
+    # replicates the gathered rows before sharding them by batch ("involuntary full rematerialization").
+    table_VxD = nn.with_logical_constraint(embed.embedding.astype(DTYPES[cfg.dtype]), ('vocab', None))
+    x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     if cfg.positional == 'learned':
       pos_embed = _param(self, 'pos_embed', nn.initializers.normal(cfg.d_model ** -0.5),
                          (cfg.max_len, cfg.d_model), (None, 'embed'))
