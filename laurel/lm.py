@@ -7,7 +7,6 @@ Shapes: B batch, L length, D model width, H heads, K head width, F MLP width, V 
 """
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -19,7 +18,6 @@ from jax.ad_checkpoint import checkpoint_name
 from laurel import designs
 from laurel.attention import ATTENTION, attend
 from laurel.designs.buffer import stack_rebuilding_buffer
-from laurel.designs.recompute import stack_replaying_streams
 from laurel.designs.laurel import LaurelSpec
 from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number,
                                one_of, require)
@@ -358,12 +356,7 @@ class LM(nn.Module):
                       unroll=cfg.scan_unroll, metadata_params={nn.PARTITION_NAME: 'layers'})
       stack = stack(cfg, self.decode, name='layers')
       args = (carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)
-      if self.decode or self.is_initializing():
-        carry, _ = stack(*args)
-      elif design.replay is not None:
-        carry = stack_replaying_streams(stack, Block(cfg, parent=None), cfg, functools.partial(design.replay, spec),
-                                        policy, *args)
-      elif design.buffer is None and not cfg.value_residual:
+      if (design.buffer is None and not cfg.value_residual) or self.decode or self.is_initializing():
         carry, _ = stack(*args)
       else:
         carry = stack_rebuilding_buffer(stack, Block(cfg, parent=None), cfg, design.buffer, policy, *args)

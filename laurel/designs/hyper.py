@@ -30,9 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, is_int, one_of, require
-from laurel.designs.protocol import (ACT, F32, REGISTRY, STREAM_ACT, Chain, Design, Site, const, layer_sites,
-                                    register)
-from laurel.designs.recompute import RECORD
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
 
 V4_HC_EPS = 1e-6  # DeepSeek-V4's hc_eps
 MHC_LITE_MAX_N = 5  # 5! = 120 logits per token and site; 6! = 720 would dwarf the layer's own mixing
@@ -115,32 +113,15 @@ def _flat_rms(h_NxBxLxD):
   return h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=(0, 3), keepdims=True) + 1e-6)
 
 
-def _mix(h_NxBxLxD, a_r_NxNxBxL, b_NxBxL, y_BxLxD):
-  """Ĥ_j = B_j·y + Σ_i A_r[i, j]·H_i, every factor in h's dtype; the weights token-minor, as a TPU lays them out
-  without padding n to a tile when the backward keeps them."""
-  out = jnp.einsum('nmbl,nbld->mbld', a_r_NxNxBxL, h_NxBxLxD) + jnp.einsum('nbl,bld->nbld', b_NxBxL, y_BxLxD)
-  return nn.with_logical_constraint(out, STREAM_ACT)
-
-
-def _hyper_update(site, h_NxBxLxD, a_m_BxLxN, a_r_BxLxNxN, b_BxLxN, fn, norm_in):
+def _hyper_update(h_NxBxLxD, a_m_BxLxN, a_r_BxLxNxN, b_BxLxN, fn, norm_in):
   """HC eqs. 3–5 with per-token weights: h_0 = Σ_i A_m[i]·H_i, Ĥ_j = B_j·F(norm(h_0)) + Σ_i A_r[i, j]·H_i.
-  mHC eq. 3 is the same with A_m = H_preᵀ, A_r = H_resᵀ, B = H_post. The mixing's factors are the site's replay
-  record (recompute.RECORD): the stream after it, from the stream before it."""
+  mHC eq. 3 is the same with A_m = H_preᵀ, A_r = H_resᵀ, B = H_post."""
   cast = lambda a: a.astype(h_NxBxLxD.dtype)
   x_BxLxD = jnp.einsum('bln,nbld->bld', cast(a_m_BxLxN), h_NxBxLxD)
   y_BxLxD = fn(x_BxLxD, norm_in(x_BxLxD), None)  # B is per stream: it cannot fold into F's kernel
-  mix = (cast(jnp.moveaxis(a_r_BxLxNxN, (0, 1), (2, 3))), cast(jnp.moveaxis(b_BxLxN, 2, 0)), cast(y_BxLxD))
-  if site.is_mutable_collection(RECORD):
-    site.sow(RECORD, 'mix', mix)
-  return _mix(h_NxBxLxD, *mix)
-
-
-def _replay(spec, h_NxBxLxD, record):
-  """The stream after a layer from the stream before it and its sites' records (`Design.replay`)."""
-  for name, _ in layer_sites(REGISTRY[spec.design], spec):
-    (mix,) = record[name]['mix']
-    h_NxBxLxD = _mix(h_NxBxLxD, *mix)
-  return h_NxBxLxD
+  out = (jnp.einsum('blnm,nbld->mbld', cast(a_r_BxLxNxN), h_NxBxLxD)
+         + jnp.einsum('bln,bld->nbld', cast(b_BxLxN), cast(y_BxLxD)))
+  return nn.with_logical_constraint(out, STREAM_ACT)
 
 
 def _dynamic(site, h, h_axes: str, out_axes: str, axis: str, coeffs: int):
@@ -170,7 +151,7 @@ class HCSite(Site):
     if self.spec.hc_dynamic:
       dyn_BxLxNxC, dyn_b_BxLxN = _dynamic(self, h_NxBxLxD, 'nbld', 'bln', 'embed', n + 1)  # (W_m, W_r), W_β
       a_m, a_r, b = a_m + dyn_BxLxNxC[..., 0], a_r + dyn_BxLxNxC[..., 1:], b + dyn_b_BxLxN
-    return _hyper_update(self, h_NxBxLxD, a_m, a_r, b, fn, norm_in)
+    return _hyper_update(h_NxBxLxD, a_m, a_r, b, fn, norm_in)
 
 
 class MHCSite(Site):
@@ -209,7 +190,7 @@ class MHCSite(Site):
   def __call__(self, h_NxBxLxD, fn, norm_in, norm_out, chain_l):
     b_pre, b_post_shift = chain_l[self.t]  # HyperChain
     h_pre, h_post, h_res = self.coefficients(h_NxBxLxD, b_pre, b_post_shift)
-    return _hyper_update(self, h_NxBxLxD, h_pre, jnp.swapaxes(h_res, -1, -2), h_post, fn, norm_in)
+    return _hyper_update(h_NxBxLxD, h_pre, jnp.swapaxes(h_res, -1, -2), h_post, fn, norm_in)
 
 
 def permutations(n: int) -> np.ndarray:
@@ -313,7 +294,7 @@ def _finish(spec, h_NxBxLxD):
 
 _norm_first = lambda spec: readout(spec) == 'norm_sum'
 _AXES = (('stream', None), ('stream_sites', None), ('stream_coeff', None))
-_HYPER = dict(chain=HyperChain, logical_axes=_AXES, replay=_replay,
+_HYPER = dict(chain=HyperChain, logical_axes=_AXES,
               start=lambda spec, x, num_layers: nn.with_logical_constraint(
                   jnp.broadcast_to(x, (spec.expansion,) + x.shape), STREAM_ACT))
 _MHC_NO_DECAY = ('b_pre', 'b_post', 'b_res', 'alpha', 'readout_b', 'readout_scale')

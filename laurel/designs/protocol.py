@@ -93,9 +93,6 @@ class Design:
   logical_axes: tuple = ()  # (logical axis, mesh axes) rules of its parameters
   buffer: int | None = None  # index in the carry of a buffer whose slot i + 1 layer i writes once (MUDDFormer's)
   saved_names: tuple = ()  # checkpoint names every remat policy saves (AttnRes's push form: its site inputs)
-  # (spec, stream, a layer's record) -> the stream after the layer, from what its sites sow (recompute.RECORD): the
-  # layer scan's backward keeps the records, not the stream (HC's and mHC's n streams)
-  replay: Callable | None = None
   # (spec, num_layers, d_model) -> stored parameters that are structurally 0 (per-layer shapes padded for a scan)
   padded_params: Callable = lambda spec, num_layers, d_model: 0
 
