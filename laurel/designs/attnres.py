@@ -122,7 +122,7 @@ class AttnResSite(Site):
   """Site s of Full or Block AttnRes. Carry (p, x, U, Z, M, ℓ): p the newest sources not yet pushed (x_0, the
   partial block); x the ordinary stream with `attnres_delta` (else None); U_KxBxLxD, Z_KxBxLxH, M_KxBxLxH the
   softmax sums of every receiver, at its own index (those before s read already: they take pushes they never read,
-  so each update is elementwise, in place). A block's first site pushes p (a finished block) to every receiver and
+  so each update is elementwise: no shift). A block's first site pushes p (a finished block) to every receiver and
   restarts it; the others read p as one more source. A layer's last site leaves ℓ, the logit of p to the next
   receiver: after the last layer, the read-out's (`_finish`; without delta)."""
 
