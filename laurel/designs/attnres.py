@@ -53,8 +53,9 @@ def receivers(spec, sites: int) -> int:
 
 
 class AttnResChain(Chain):
-  """(w̃_NxTxKxD, boundary_NxT), K = `receivers` (S + 1; S with delta): w̃[l, t, k] = w_r ⊙ γ_r of receiver r = s + k
-  of site s = T·l + t (0 past the last receiver); boundary marks a block's first site."""
+  """(w̃_NxTxKxD, boundary_NxT, site_NxT), K = `receivers` (S + 1; S with delta): w̃[l, t, r] = w_r ⊙ γ_r of receiver
+  r, the same at every site s = T·l + t (site_NxT, float32 as every chain leaf); boundary marks a block's first
+  site."""
 
   @nn.compact
   def __call__(self):
@@ -63,11 +64,10 @@ class AttnResChain(Chain):
     k = receivers(self.spec, sites)
     make = lambda name, init: self.param(name, nn.with_logical_partitioning(init, ('attnres_sites', self.embed_axis)),
                                          (k, d), self.param_dtype).astype(F32)
-    w_RxD = make('attnres_query', nn.initializers.zeros) * make('attnres_key_scale', nn.initializers.ones)
+    w_KxD = make('attnres_query', nn.initializers.zeros) * make('attnres_key_scale', nn.initializers.ones)
     s_NxT = np.arange(sites).reshape(big_n, t_sites)
-    r_NxTxK = s_NxT[..., None] + np.arange(k)
-    w_NxTxKxD = jnp.concatenate([w_RxD, jnp.zeros((1, d), F32)])[np.minimum(r_NxTxK, k)]
-    return w_NxTxKxD, jnp.asarray(s_NxT % block_size(self.spec) == 0, F32)
+    w_NxTxKxD = jnp.broadcast_to(w_KxD, (big_n, t_sites, k, d))
+    return w_NxTxKxD, jnp.asarray(s_NxT % block_size(self.spec) == 0, F32), jnp.asarray(s_NxT, F32)
 
 
 def _unit_rms(v_BxLxD, heads):
@@ -108,16 +108,11 @@ def _average_jvp(primals, tangents):
   return h, _per_head(1 / z, du - _per_head(dz, h))
 
 
-def _read(sums, p_BxLxD, logit_p_BxLxH):
-  """Receiver 0's softmax average, with the partial block p as one more source of logit ℓ_p (NEG: absent)."""
-  u, z, m = (a[:1] for a in sums)
+def _read(sums, receiver, p_BxLxD, logit_p_BxLxH):
+  """A receiver's softmax average, with the partial block p as one more source of logit ℓ_p (NEG: absent)."""
+  u, z, m = (jax.lax.dynamic_slice_in_dim(a, receiver, 1) for a in sums)
   u, z, _ = _push((u, z, m), p_BxLxD, logit_p_BxLxH[None])
   return _average(u[0], z[0]).astype(p_BxLxD.dtype)
-
-
-def _shift(a, fill):
-  """Drops receiver s (read): the queue moves one receiver on; the new last one (past the read-out) starts empty."""
-  return jnp.pad(a[1:], ((0, 1),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
 
 
 SUMS_ACT = (STREAM_ACT, STREAM_ACT[:3] + (None,), STREAM_ACT[:3] + (None,))  # U, and Z, M per head
@@ -126,16 +121,17 @@ SUMS_ACT = (STREAM_ACT, STREAM_ACT[:3] + (None,), STREAM_ACT[:3] + (None,))  # U
 class AttnResSite(Site):
   """Site s of Full or Block AttnRes. Carry (p, x, U, Z, M, ℓ): p the newest sources not yet pushed (x_0, the
   partial block); x the ordinary stream with `attnres_delta` (else None); U_KxBxLxD, Z_KxBxLxH, M_KxBxLxH the
-  softmax sums of receivers s, …, s + K − 1. A block's first site pushes p (a finished block) to every later
-  receiver and restarts it; the others read p as one more source. A layer's last site leaves ℓ, the logit of p to
-  the next receiver: after the last layer, the read-out's (`_finish`; without delta)."""
+  softmax sums of every receiver, at its own index (those before s read already: they take pushes they never read,
+  so each update is elementwise: no shift). A block's first site pushes p (a finished block) to every receiver and
+  restarts it; the others read p as one more source. A layer's last site leaves ℓ, the logit of p to the next
+  receiver: after the last layer, the read-out's (`_finish`; without delta)."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
     p_BxLxD, x_BxLxD, *sums, logit_next = carry
-    w_NxTxKxD, boundary_T = chain_l
-    heads, k = self.spec.attnres_heads, w_NxTxKxD.shape[1]
-    w_KxHxE, boundary = w_NxTxKxD[self.t].reshape(k, heads, -1), boundary_T[self.t] > 0
+    w_TxKxD, boundary_T, site_T = chain_l
+    heads, k, s = self.spec.attnres_heads, w_TxKxD.shape[1], site_T[self.t].astype(jnp.int32)
+    w_KxHxE, boundary = w_TxKxD[self.t].reshape(k, heads, -1), boundary_T[self.t] > 0
     full = block_size(self.spec) == 1
     logit_KxBxLxH = jnp.einsum('blhe,khe->kblh', _unit_rms(p_BxLxD, heads), w_KxHxE)
     sums = _push(sums, p_BxLxD, logit_KxBxLxH if full else jnp.where(boundary, logit_KxBxLxH, NEG))
@@ -143,17 +139,18 @@ class AttnResSite(Site):
       p_BxLxD, logit_p = jnp.zeros_like(p_BxLxD), jnp.full(logit_KxBxLxH.shape[1:], NEG, F32)
     else:
       p_BxLxD = jnp.where(boundary, jnp.zeros_like(p_BxLxD), p_BxLxD)
-      logit_p = jnp.where(boundary, NEG, logit_KxBxLxH[0])
-    h_BxLxD = nn.with_logical_constraint(_read(sums, p_BxLxD, logit_p), ACT)
+      logit_p = jnp.where(boundary, NEG, jax.lax.dynamic_index_in_dim(logit_KxBxLxH, s, keepdims=False))
+    h_BxLxD = nn.with_logical_constraint(_read(sums, s, p_BxLxD, logit_p), ACT)
     if x_BxLxD is not None:  # delta: the attended increments join the ordinary stream
       h_BxLxD = x_BxLxD + h_BxLxD
     y_BxLxD = fn(h_BxLxD, norm_in(h_BxLxD), None)
     p_BxLxD = nn.with_logical_constraint(p_BxLxD + y_BxLxD, ACT)
     if x_BxLxD is not None:
       x_BxLxD = nn.with_logical_constraint(x_BxLxD + y_BxLxD, ACT)
-    sums = [nn.with_logical_constraint(_shift(a, fill), axes) for a, fill, axes in zip(sums, (0, 0, NEG), SUMS_ACT)]
+    sums = [nn.with_logical_constraint(a, axes) for a, axes in zip(sums, SUMS_ACT)]
     if self.t == self.sites_per_layer - 1 and x_BxLxD is None:  # delta reads out x, not receiver S
-      logit_next = jnp.einsum('blhe,he->blh', _unit_rms(p_BxLxD, heads), w_KxHxE[1])
+      w_HxE = jax.lax.dynamic_index_in_dim(w_KxHxE, s + 1, keepdims=False)
+      logit_next = jnp.einsum('blhe,he->blh', _unit_rms(p_BxLxD, heads), w_HxE)
     return (p_BxLxD, x_BxLxD, *sums, logit_next)
 
 
@@ -165,10 +162,10 @@ def _start(spec, x_BxLxD, num_layers):
 
 
 def _finish(spec, carry):
-  """The read-out h_S (receiver S, at offset 0 after the last site) over every source and the last block; with
-  delta, the ordinary stream x_S (the delta code has no final mix)."""
+  """The read-out h_S (receiver S, the last) over every source and the last block; with delta, the ordinary stream
+  x_S (the delta code has no final mix)."""
   p_BxLxD, x_BxLxD, *sums, logit_p = carry
-  return _read(sums, p_BxLxD, logit_p) if x_BxLxD is None else x_BxLxD
+  return _read(sums, sums[0].shape[0] - 1, p_BxLxD, logit_p) if x_BxLxD is None else x_BxLxD
 
 
 def _check(spec, prefix, num_layers, width, sites):
