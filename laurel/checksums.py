@@ -6,6 +6,7 @@ memory speed (scripts/experiments/benchmark_checksums.py measures it against the
 """
 
 from concurrent import futures
+import functools
 import json
 import mmap
 import os
@@ -19,8 +20,7 @@ from laurel.files import is_remote, write_text_atomic
 
 ALGORITHM = 'xxh3_64'
 LISTING = 'checksums.process_{}.json'  # this host's list, by process index
-# A list written before XXH3 names no algorithm and holds CRC-32s as integers.
-_HASHES = {ALGORITHM: lambda data: xxhash.xxh3_64(data).intdigest(), 'crc32': zlib.crc32}
+CHUNK = 2**24  # a gs:// file is hashed as it streams, 16 MiB at a time
 
 
 def _own_files(step_dir: epath.Path, process: int, process_count: int) -> list[epath.Path]:
@@ -37,30 +37,25 @@ def _size(path: epath.Path) -> int:
   return path.stat().length if is_remote(path) else os.path.getsize(path)
 
 
-def _streamed(f, algorithm: str) -> int:
-  """The hash of a file object's bytes, read in 16 MiB chunks."""
-  chunks = iter(lambda: f.read(2**24), b'')
+def _hash(chunks, algorithm: str) -> int:
+  """The hash of the bytes of `chunks` in order. 'crc32': lists written before XXH3 (they name no algorithm)."""
   if algorithm == 'crc32':
-    value = 0
-    for chunk in chunks:
-      value = zlib.crc32(chunk, value)
-    return value
+    return functools.reduce(lambda value, chunk: zlib.crc32(chunk, value), chunks, 0)
   hasher = xxhash.xxh3_64()
   for chunk in chunks:
-    hasher.update(chunk)
+    hasher.update(chunk)  # XXH3 hashes without the GIL
   return hasher.intdigest()
 
 
 def checksum(path: epath.Path, algorithm: str = ALGORITHM) -> str:
-  hash_bytes = _HASHES[algorithm]
   if is_remote(path):  # gs://: streamed, not held whole
     with path.open('rb') as f:
-      return f'{_streamed(f, algorithm):08x}'
+      return f'{_hash(iter(lambda: f.read(CHUNK), b""), algorithm):08x}'
   with open(path, 'rb') as f:
     if not os.fstat(f.fileno()).st_size:  # no memory map of an empty file
-      return f'{hash_bytes(b""):08x}'
+      return f'{_hash([], algorithm):08x}'
     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-      return f'{hash_bytes(data):08x}'
+      return f'{_hash([data], algorithm):08x}'
 
 
 def record(step_dir) -> None:
