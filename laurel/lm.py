@@ -362,7 +362,8 @@ class LM(nn.Module):
       if (design.buffer is None and not cfg.value_residual) or self.decode or self.is_initializing():
         carry, _ = stack(*args)
       else:
-        carry = stack_rebuilding_buffer(stack, Block(cfg, parent=None), cfg, design.buffer, policy, *args)
+        carry = stack_rebuilding_buffer(stack, Block(cfg, parent=None), cfg, design.buffer, design.mirror, policy,
+                                        *args)
     else:
       for i in range(cfg.num_layers):
         carry, _ = block(cfg, self.decode, name=f'layers_{i}')(

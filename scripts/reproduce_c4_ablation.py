@@ -9,17 +9,18 @@
 other residual-stream designs (configs/residual_designs.py), one field apart from Baseline-24.
 
 The tables go to --out, by default the --workdir (runs/<table>_<preset>): the committed results/ only with
---out=results. Every row trains with the same data order, steps and seeds in --workdir/<row>/seed<s> (local or gs://; log:
-train.log), here or, with --launch=tpu, on a TPU slice through scripts/launch_tpu.py (--launch=print prints those
-commands). A run that fails is marked failed (failed.json) and the others go on; rerunning skips finished runs and
-resumes the others, and the tables are rewritten after every run. Peak memory is each run's compiled step; step time
+--out=results. Every row trains with the same data order, steps and seeds in --workdir/<row>/seed<s> (local or
+gs://; log: train.log), here or, with --launch=tpu, on a TPU slice through scripts/launch_tpu.py (--launch=print
+prints those commands). A run that fails is marked failed (failed.json) and the others go on; rerunning skips
+finished runs and resumes the others, and the tables are rewritten after every run. Peak memory is each run's compiled step; step time
 its median step, as noisy as the machine: quote scripts/benchmark.py for overhead.
 
 Every row's test loss is compared with Baseline-24's seed by seed: the table gives the mean paired difference, its
 95% Student-t interval over the seeds both have, their count, and whether the interval excludes zero (resolved); and
 the eval set's size and its own noise (final.json's held_out: the eval loss's standard error over its batches)
 beside the seed-to-seed spread. --from_json=<table>.json recomputes those from a table's JSON, which holds every
-run's test loss, and rewrites the table without training.
+run's test loss, and rewrites the table without training; --from_json=<table>.json,<rerun>.json takes the rows a
+later run retrained (--rows=...) from its table instead, and names its command.
 
 --preset=gpu is sized for one H100 (configs/c4_ablation.py says why):
   python scripts/reproduce_c4_ablation.py --preset=gpu --rows=baseline_24,baseline_28,rw_lr_pa --seeds=3
@@ -58,8 +59,9 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directories; default runs/<
 _SET = flags.DEFINE_multi_string('set', [], 'Extra config override <field>=<value> for every run it changes '
                                  'something in (repeatable).')
 _COLLECT_ONLY = flags.DEFINE_bool('collect_only', False, 'Only rebuild the tables from finished runs.')
-_FROM_JSON = flags.DEFINE_string('from_json', None, "Only recompute a table's statistics from its JSON (which holds "
-                                 "every run's test loss) and rewrite it; --out: default the JSON's folder.")
+_FROM_JSON = flags.DEFINE_list('from_json', None, "Only recompute a table's statistics from its JSON (which holds "
+                               "every run's test loss) and rewrite it; --out: default the first JSON's folder. "
+                               "Several: a later table's rows replace the earlier's of the same name (rows rerun).")
 _EVALUATE = flags.DEFINE_multi_string('evaluate', [], "A laurel.evaluate task for every finished run (repeatable).")
 _TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for --evaluate's TFDS tasks.")
 _LAUNCH = common.define_launch_flags()
@@ -116,12 +118,18 @@ def summarise(rows: list[dict], with_paper: bool) -> list[dict]:
   return rows
 
 
-def from_json(path: str, with_paper: bool) -> tuple[dict, list[dict]]:
-  """A table's JSON (a previous run of this script) with its statistics recomputed by summarise."""
+def from_json(path: str, with_paper: bool, reruns=()) -> tuple[dict, list[dict]]:
+  """A table's JSON (a previous run of this script) with its statistics recomputed by summarise; the rows of each
+  table in `reruns` replace its rows of the same name, and its command joins `result['reruns']`."""
   result = json.loads(epath.Path(path).read_text())
-  rows = [{k: v for k, v in r.items() if k in MEASURED or k.startswith('eval_')} for r in result['rows']]
-  for r, old in zip(rows, result['rows']):  # tables written before the integer count kept params_m only
-    r.setdefault('params', None if old.get('params_m') is None else round(old['params_m'] * 1e6))
+  rows = {r['name']: r for r in result['rows']}
+  for rerun in map(json.loads, map(epath.Path.read_text, map(epath.Path, reruns))):
+    replaced = [r['name'] for r in rerun['rows'] if r['name'] in rows]
+    result.setdefault('reruns', []).append({'rows': replaced, 'command': rerun['command']})
+    rows.update((name, next(r for r in rerun['rows'] if r['name'] == name)) for name in replaced)
+  for r in rows.values():  # tables written before the integer count kept params_m only
+    r.setdefault('params', None if r.get('params_m') is None else round(r['params_m'] * 1e6))
+  rows = [{k: v for k, v in r.items() if k in MEASURED or k.startswith('eval_')} for r in rows.values()]
   return result, summarise(rows, with_paper)
 
 
@@ -231,14 +239,17 @@ def plot(rows, with_paper: bool, title: str):
 
 def restate(table: str, all_rows, with_paper: bool):
   """--from_json: the table of a previous run of this script, its statistics recomputed (from_json), rewritten."""
-  result, rows = from_json(_FROM_JSON.value, with_paper)
+  result, rows = from_json(_FROM_JSON.value[0], with_paper, _FROM_JSON.value[1:])
   if unknown := [r['name'] for r in rows if r['name'] not in all_rows]:
-    raise InputError(f'--from_json={_FROM_JSON.value}: row {unknown[0]!r} is not in --table={table}')
-  out = epath.Path(_OUT.value or epath.Path(_FROM_JSON.value).parent)
-  stem, command = f'{table}_{_PRESET.value}', common.command()
-  text = markdown(rows, result['command'], with_paper) + f'\nStatistics recomputed from the JSON: `{command}`\n'
-  common.write_results(out, stem, {'command': result['command'], 'statistics_command': command, 'rows': rows}, rows,
-                       text, plot(rows, with_paper, f'{table}, this repo ({_PRESET.value} preset)'))
+    raise InputError(f'--from_json={_FROM_JSON.value[0]}: row {unknown[0]!r} is not in --table={table}')
+  out = epath.Path(_OUT.value or epath.Path(_FROM_JSON.value[0]).parent)
+  stem, command, reruns = f'{table}_{_PRESET.value}', common.command(), result.get('reruns', [])
+  text = markdown(rows, result['command'], with_paper)
+  text += ''.join(f"\nRows {', '.join(r['rows'])} rerun: `{r['command']}`\n" for r in reruns)
+  text += f'\nStatistics recomputed from the JSON: `{command}`\n'
+  common.write_results(out, stem, {'command': result['command'], 'reruns': reruns, 'statistics_command': command,
+                                   'rows': rows}, rows, text,
+                       plot(rows, with_paper, f'{table}, this repo ({_PRESET.value} preset)'))
   print(text)
 
 

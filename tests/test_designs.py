@@ -570,7 +570,8 @@ def test_backward_rebuilding_a_buffer_is_the_scans_own(stream, model, monkeypatc
   params, tokens = _random_params(cfg, 17), jnp.asarray(_tokens(18))
   grad = lambda: jax.grad(lambda p: jnp.mean(lm.LM(cfg).apply({'params': p}, tokens) ** 2))(params)
   got = grad()
-  monkeypatch.setattr(lm, 'stack_rebuilding_buffer', lambda stack, block, cfg, index, policy, *args: stack(*args)[0])
+  plain_scan = lambda stack, block, cfg, index, mirror, policy, *args: stack(*args)[0]
+  monkeypatch.setattr(lm, 'stack_rebuilding_buffer', plain_scan)
   want = grad()
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
@@ -590,6 +591,24 @@ def test_value_residual_keeps_no_copy_of_v1_per_layer():
     return jax.jit(jax.grad(loss)).lower(nn.unbox(params), tokens).compile().memory_analysis().temp_size_in_bytes
   per_layer = lambda vr: (temp_bytes(12, vr) - temp_bytes(4, vr)) / 8
   assert per_layer(True) <= per_layer(False) * 1.05
+
+
+@pytest.mark.slow
+def test_mudd_backward_reads_each_layers_input_from_the_buffer(monkeypatch):
+  # MUDDFormer's x at layer i's input is the buffer's slot i: the stack keeps no copy of it per layer (one D-wide
+  # activation a layer less than with `mirror` off).
+  def temp_bytes(layers):
+    cfg = lm.LMConfig(vocab_size=64, d_model=256, num_heads=2, d_ff=256, num_layers=layers, scan_layers=True,
+                      remat='save_qkv', stream=StreamSpec(design='mudd'))
+    params = jax.eval_shape(lambda: lm.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))['params']
+    loss = lambda p, t: lm.LM(cfg).apply({'params': p}, t).sum()
+    tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
+    return jax.jit(jax.grad(loss)).lower(nn.unbox(params), tokens).compile().memory_analysis().temp_size_in_bytes
+  per_layer = lambda: (temp_bytes(12) - temp_bytes(4)) / 8
+  mirrored = per_layer()
+  monkeypatch.setitem(designs.REGISTRY, 'mudd', dataclasses.replace(designs.REGISTRY['mudd'], mirror=None))
+  activation = 4 * 64 * 256 * 4  # B × L × D float32
+  assert mirrored <= per_layer() - 0.8 * activation, (mirrored, activation)
 
 
 @pytest.mark.slow

@@ -588,6 +588,74 @@ def test_peak_buffers_lists_the_saved_stacks_of_a_dumped_tpu_step(tmp_path):
   assert bad.returncode != 0 and '--dump=' in bad.stderr
 
 
+# A loop of 3 trips: each reads a 1-row slice of a 4 x 8 f32 stack and writes a row of an 8 x 8 bf16 buffer in place.
+TINY_HLO = """\
+%slice_rows (param_0: f32[4,8], param_1: s32[]) -> f32[1,8] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = f32[1,8]{1,0} dynamic-slice(%param_0, %param_1, %c), dynamic_slice_sizes={1,8}
+}
+
+%write_row (param_0: bf16[8,8], param_1: f32[1,8], param_2: s32[]) -> bf16[8,8] {
+  %param_0 = bf16[8,8]{1,0} parameter(0)
+  %param_1 = f32[1,8]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %cv = bf16[1,8]{1,0} convert(%param_1)
+  %c = s32[] constant(0)
+  ROOT %dus = bf16[8,8]{1,0} dynamic-update-slice(%param_0, %cv, %param_2, %c)
+}
+
+%body (p: (s32[], f32[4,8], bf16[8,8])) -> (s32[], f32[4,8], bf16[8,8]) {
+  %p = (s32[], f32[4,8]{1,0}, bf16[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %stack = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %buffer = bf16[8,8]{1,0} get-tuple-element(%p), index=2
+  %row = f32[1,8]{1,0} fusion(%stack, %i), kind=kLoop, calls=%slice_rows, metadata={op_name="jvp(LM)/while/read"}
+  %new = bf16[8,8]{1,0} fusion(%buffer, %row, %i), calls=%write_row, metadata={op_name="transpose(jvp(LM))/write"}
+  ROOT %t = (s32[], f32[4,8]{1,0}, bf16[8,8]{1,0}) tuple(%i, %stack, %new)
+}
+
+%cond (p: (s32[], f32[4,8], bf16[8,8])) -> pred[] {
+  %p = (s32[], f32[4,8]{1,0}, bf16[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[4,8], b: bf16[8,8]) -> bf16[8,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = bf16[8,8]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0}, bf16[8,8]{1,0}) tuple(%zero, %a, %b)
+  %loop = (s32[], f32[4,8]{1,0}, bf16[8,8]{1,0}) while(%init), condition=%cond, body=%body
+  %out = bf16[8,8]{1,0} get-tuple-element(%loop), index=2
+  ROOT %twice = bf16[8,8]{1,0} add(%out, %out), metadata={op_name="jit(train_step)/jvp(LM)/double"}
+}
+"""
+
+
+def test_peak_buffers_bytes_count_slices_in_place_updates_and_trips(tmp_path):
+  """Per trip: the read fusion takes its 32-byte slice and writes it, and reads the 4-byte index (68 B); the in-place
+  write reads the 32-byte row and the index and writes its 16-byte bf16 update (52 B); the loop's test, 9 B. Times 3
+  trips, plus the add's 3 x 128 B."""
+  (tmp_path / 'module_0001.jit_train_step.after_optimizations.txt').write_text(TINY_HLO)
+  r = script('experiments/peak_buffers.py', f'--dump={tmp_path}', '--bytes')
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.startswith('7.71e-07 GB accessed'), r.stdout
+  rows = {tuple(line.split()[3:]): float(line.split()[0]) for line in r.stdout.splitlines()[1:]}
+  assert rows == {('forward', 'read'): 204e-9, ('backward', 'write'): 156e-9, ('forward', 'double'): 384e-9,
+                  ('forward', 'compare'): 27e-9}, rows
+  (tmp_path / 'base').mkdir()  # the same program with a loop of 2 trips: each group adds one trip's bytes
+  (tmp_path / 'base' / 'module_0001.jit_train_step.after_optimizations.txt').write_text(
+      TINY_HLO.replace('constant(3)', 'constant(2)'))
+  r = script('experiments/peak_buffers.py', f'--dump={tmp_path}', '--bytes', f'--base={tmp_path / "base"}')
+  assert r.returncode == 0, r.stderr[-3000:]
+  added = {tuple(line.split()[3:]): float(line.split()[2]) for line in r.stdout.splitlines()[2:]}
+  assert added == {('forward', 'read'): 68e-9, ('backward', 'write'): 52e-9, ('forward', 'compare'): 9e-9,
+                   ('forward', 'double'): 0.0}, r.stdout
+
+
 @pytest.mark.slow
 def test_make_params_prints_the_results_table():
   result = script('params.py', '--table=c4_ablation')

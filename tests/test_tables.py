@@ -135,6 +135,28 @@ def test_reproduce_restates_a_tables_json_with_intervals(tmp_path, seeds, row):
 
 
 @pytest.mark.slow
+def test_reproduce_replaces_rerun_rows_and_names_their_command(tmp_path):
+  """A second table's baseline_28 replaces the first's: its interval is computed against the first's baseline_24,
+  and the table names the command that reran it."""
+  tiny_table(tmp_path / 'c4_ablation_tiny.json', ([2.0, 2.5, 3.0], [9.0, 9.0, 9.0]))
+  (tmp_path / 'rerun').mkdir()
+  tiny_table(tmp_path / 'rerun' / 'c4_ablation_tiny.json', ([0.0, 0.0, 0.0], [2.1, 2.7, 3.3]))
+  rerun = json.loads((tmp_path / 'rerun' / 'c4_ablation_tiny.json').read_text())
+  rerun.update(command='python scripts/reproduce_c4_ablation.py --rows=baseline_28',
+               rows=[r for r in rerun['rows'] if r['name'] == 'baseline_28'])
+  (tmp_path / 'rerun' / 'c4_ablation_tiny.json').write_text(json.dumps(rerun))
+  tables = f'{tmp_path / "c4_ablation_tiny.json"},{tmp_path / "rerun" / "c4_ablation_tiny.json"}'
+  r = subprocess.run([sys.executable, 'scripts/reproduce_c4_ablation.py', f'--from_json={tables}'], cwd=ROOT,
+                     capture_output=True, text=True, env=cli_env(), timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  text = (tmp_path / 'c4_ablation_tiny.md').read_text()
+  assert '| baseline_28 | 3 | 1,182,592 | 2.7000 ± 0.6000 | +0.2000 [−0.0484, +0.4484] | 3 | no |' in text, text
+  assert 'Rows baseline_28 rerun: `python scripts/reproduce_c4_ablation.py --rows=baseline_28`' in text
+  result = json.loads((tmp_path / 'c4_ablation_tiny.json').read_text())
+  assert result['reruns'] == [{'rows': ['baseline_28'], 'command': rerun['command']}]
+
+
+@pytest.mark.slow
 def test_reproduce_plot_titles_fit_their_figure():
   """The chart of the 28-row residual designs' table and of a two-row table: every title inside its figure."""
   code = TITLES_INSIDE + '''

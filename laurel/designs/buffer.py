@@ -30,14 +30,15 @@ def filled_slots(slot_J):
   return 1 - jnp.cumsum(slot_J)
 
 
-def stack_rebuilding_buffer(stack, block, cfg, index, policy, carry, positions_BxL, segment_ids_BxL, layer_xs,
-                            shared_G):
+def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, positions_BxL, segment_ids_BxL,
+                            layer_xs, shared_G):
   """`stack(carry, ...)`, the scanned layers (each the unbound module `block`), with a backward that keeps no copy of
   the carry's write-once buffer (entry `index`; None: none): every layer is given the final one, whose slots past its
   own it does not read (`filled_slots`). A scan's own backward saves N copies of N + 1 slots; this one the final
-  buffer and each layer's carry without it, and rebuilds value residual's V_1 (written by layer 0) too. A layer's
-  forward keeps what its vjp under the remat `policy` keeps, less its own inputs and outputs (the backward has them:
-  a layer's output is the next one's input), so it recomputes only what the policy does not save."""
+  buffer and each layer's carry without it, and rebuilds value residual's V_1 (written by layer 0) too. The carry's
+  entry `mirror` (None: none), which at layer i's input is the buffer's slot i, is not kept either: it is read
+  there. A layer's forward keeps what its vjp under the remat `policy` keeps, less its own inputs and outputs (the
+  backward has them: a layer's output is the next one's input), so it recomputes only what the policy does not save."""
   def layer(params_l, carry, chain_l, shared, layer_index):
     return block.apply({'params': params_l}, carry, positions_BxL, segment_ids_BxL, (layer_index, chain_l), shared)[0]
 
@@ -51,6 +52,17 @@ def stack_rebuilding_buffer(stack, block, cfg, index, policy, carry, positions_B
     if index is not None:
       stream = stream[:index] + (buffer,) + stream[index + 1:]
     return stream, first_values if cfg.value_residual else values
+
+  def put_mirror(carry, value):
+    """The carry with `value` as its mirror entry (None: left out)."""
+    if mirror is None:
+      return carry
+    stream, values = carry
+    return stream[:mirror] + (value,) + stream[mirror + 1:], values
+
+  def slot(buffer_JxBxLxD, j):
+    """The buffer's slot j, where there is a mirror to restore from it."""
+    return None if mirror is None else jax.lax.dynamic_index_in_dim(buffer_JxBxLxD, j, 0, keepdims=False)
 
   def find(leaf, inputs, outputs):
     """('in', k) or ('out', k): the residual is the layer's k-th input or output leaf; None: it is kept."""
@@ -70,7 +82,8 @@ def stack_rebuilding_buffer(stack, block, cfg, index, policy, carry, positions_B
       leaves, structure['tree'] = jax.tree.flatten(vjp)
       input_leaves, output_leaves = jax.tree.leaves(inputs), jax.tree.leaves(put(out, None, None))
       structure['source'] = [find(leaf, input_leaves, output_leaves) for leaf in leaves]
-      return out, (put(carry, None, None), [leaf for leaf, k in zip(leaves, structure['source']) if k is None])
+      kept = [leaf for leaf, k in zip(leaves, structure['source']) if k is None]
+      return out, (put_mirror(put(carry, None, None), None), kept)
     out, saved = jax.lax.scan(one, carry, (params, layer_xs), unroll=cfg.scan_unroll)
     return out, (params, saved, out, layer_xs, shared_G)
 
@@ -82,16 +95,17 @@ def stack_rebuilding_buffer(stack, block, cfg, index, policy, carry, positions_B
       g_carry, g_shared, next_carry = grads  # next_carry: the layer's output, the next layer's saved input
       params_l, (carry, kept), (layer_index, chain_l) = xs
       first_values = None if final[1] is None else jnp.where(layer_index > 0, final[1], 0)
-      leaves = {'in': jax.tree.leaves((params_l, put(carry, final_JxBxLxD, first_values), chain_l, shared_G)),
-                'out': jax.tree.leaves(next_carry)}
+      carry_in = put_mirror(put(carry, final_JxBxLxD, first_values), slot(final_JxBxLxD, layer_index))
+      leaves = {'in': jax.tree.leaves((params_l, carry_in, chain_l, shared_G)),
+                'out': jax.tree.leaves(put_mirror(next_carry, slot(final_JxBxLxD, layer_index + 1)))}
       kept = iter(kept)
       vjp = jax.tree.unflatten(structure['tree'], [next(kept) if k is None else leaves[k[0]][k[1]]
                                                    for k in structure['source']])
       g_params, g_carry, g_chain, g_shared_l = vjp(g_carry)
       return (g_carry, jax.tree.map(jnp.add, g_shared, g_shared_l), carry), (g_params, g_chain)
     (g_carry, g_shared, _), (g_params, g_chain) = jax.lax.scan(
-        one, (g_out, jax.tree.map(jnp.zeros_like, shared_G), put(final, None, None)), (params, saved, layer_xs),
-        reverse=True, unroll=cfg.scan_unroll)
+        one, (g_out, jax.tree.map(jnp.zeros_like, shared_G), put_mirror(put(final, None, None), None)),
+        (params, saved, layer_xs), reverse=True, unroll=cfg.scan_unroll)
     return {'params': g_params}, g_carry, (None, g_chain), g_shared
 
   run = lambda mdl, carry, layer_xs, shared_G: mdl(carry, positions_BxL, segment_ids_BxL, layer_xs, shared_G)[0]

@@ -126,7 +126,7 @@ def _finish(spec, carry):
   return mix(buffer_JxBxLxD, a_BxLxCxJ[..., -1:, :])[0]
 
 
-register(Design('mudd', MUDDSite, config=MUDDSpec, chain=MUDDChain, start=_start, finish=_finish, buffer=1,
+register(Design('mudd', MUDDSite, config=MUDDSpec, chain=MUDDChain, start=_start, finish=_finish, buffer=1, mirror=0,
                 saved_names=(SAVED,),
                 no_decay=('mudd_bias',), padded_params=padded_params,
                 logical_axes=(('mudd_hidden', None), ('mudd_streams', None), ('mudd_sources', None))))

@@ -92,6 +92,7 @@ class Design:
   no_decay: tuple = ()  # parameter names kept out of weight decay
   logical_axes: tuple = ()  # (logical axis, mesh axes) rules of its parameters
   buffer: int | None = None  # index in the carry of a buffer whose slot i + 1 layer i writes once (MUDDFormer's)
+  mirror: int | None = None  # index in the carry of what equals the buffer's slot i at layer i's input (MUDDFormer's x)
   saved_names: tuple = ()  # checkpoint names every remat policy saves (AttnRes's push form: its site inputs)
   # (spec, num_layers, d_model) -> stored parameters that are structurally 0 (per-layer shapes padded for a scan)
   padded_params: Callable = lambda spec, num_layers, d_model: 0
