@@ -27,6 +27,8 @@ _MODULE = flags.DEFINE_string('module', 'jit_train_step', 'The dumped module to 
 _TOP = flags.DEFINE_integer('top', 20, 'Groups of buffers to list.')
 _BYTES = flags.DEFINE_bool('bytes', False, "List the bytes accessed by operation instead of the peak's buffers.")
 _DEPTH = flags.DEFINE_integer('depth', 3, 'With --bytes: group by the first DEPTH names of the operation.')
+_DROP = flags.DEFINE_string('drop', r'laurel|\w+_(attn|mlp|block)', 'With --bytes: scope names left out of the groups (the '
+                            "sites a design wraps its sublayers in), so that two designs' groups compare.")
 _BASE = flags.DEFINE_string('base', None, "With --bytes: another dump (Baseline-24's) whose bytes each group is "
                             'compared with; groups by the bytes they add.')
 
@@ -175,8 +177,8 @@ def bytes_by_operation(lines) -> collections.Counter:
       direction = 'backward' if 'transpose(' in path else 'forward'
       while (unwrapped := re.sub(r'\w+\(([\w.]*)\)', r'\1', path)) != path:  # jvp(LM), transpose(jvp(Block))
         path = unwrapped
-      names = [p for p in path.split('/') if p and p not in GENERIC
-               and not p.startswith('layers.')]
+      names = [p for p in path.split('/') if p and p not in GENERIC and not p.startswith('layers')
+               and not re.fullmatch(_DROP.value, p)]
       groups[direction, '/'.join(names[:_DEPTH.value])] += n * times[name]
   return groups
 
