@@ -46,19 +46,18 @@ def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, pos
     layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
   structure = {}  # the vjp's tree and where each of its leaves comes from: the same at every layer
 
+  def replaced(stream, i, value):
+    return stream if i is None else stream[:i] + (value,) + stream[i + 1:]
+
   def put(carry, buffer, first_values):
     """The carry with the buffer and (with value residual) V_1 in place; None: left out."""
     stream, values = carry
-    if index is not None:
-      stream = stream[:index] + (buffer,) + stream[index + 1:]
-    return stream, first_values if cfg.value_residual else values
+    return replaced(stream, index, buffer), first_values if cfg.value_residual else values
 
   def put_mirror(carry, value):
     """The carry with `value` as its mirror entry (None: left out)."""
-    if mirror is None:
-      return carry
     stream, values = carry
-    return stream[:mirror] + (value,) + stream[mirror + 1:], values
+    return replaced(stream, mirror, value), values
 
   def slot(buffer_JxBxLxD, j):
     """The buffer's slot j, where there is a mirror to restore from it."""

@@ -27,8 +27,8 @@ _MODULE = flags.DEFINE_string('module', 'jit_train_step', 'The dumped module to 
 _TOP = flags.DEFINE_integer('top', 20, 'Groups of buffers to list.')
 _BYTES = flags.DEFINE_bool('bytes', False, "List the bytes accessed by operation instead of the peak's buffers.")
 _DEPTH = flags.DEFINE_integer('depth', 3, 'With --bytes: group by the first DEPTH names of the operation.')
-_DROP = flags.DEFINE_string('drop', r'laurel|\w+_(attn|mlp|block)', 'With --bytes: scope names left out of the groups (the '
-                            "sites a design wraps its sublayers in), so that two designs' groups compare.")
+_DROP = flags.DEFINE_string('drop', r'laurel|\w+_(attn|mlp|block)', 'With --bytes: scope names left out of the '
+                            "groups (the sites a design wraps its sublayers in), so that two designs' groups compare.")
 _BASE = flags.DEFINE_string('base', None, "With --bytes: another dump (Baseline-24's) whose bytes each group is "
                             'compared with; groups by the bytes they add.')
 
