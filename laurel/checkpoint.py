@@ -1,9 +1,7 @@
 """Checkpoints: the orbax manager, resuming past damage, the config guard, a run's parameters for inference.
 
-  WORKDIR/checkpoints/<step>  state (TrainState), data (grain iterator), config (the run's config less its resumable
-                              fields: its signature), checksums.process_<i>.json (laurel.checksums)
-A resume may change only the fields declared `resumable=True` (config_lib.field) without --allow_config_change.
-"""
+WORKDIR/checkpoints/<step> holds state, data (the grain iterator), config (all but the fields declared `resumable`,
+which alone a resume may change without --allow_config_change) and checksums.process_<i>.json (laurel.checksums)."""
 
 import contextlib
 import dataclasses
@@ -63,12 +61,11 @@ def _is_resumable(key: str, resumable) -> bool:
 
 
 def config_changes(saved, config) -> tuple[dict, list[str]]:
-  """({field: (saved, now)} where a saved config (config.json or a checkpoint's signature) and `config` differ, and
-  those of them a resume may not change). A field the saved config lacks counts at its default: a run saved before
-  the field existed trained with it. A checkpoint of older code recorded the task and model only."""
+  """({field: (saved, now)} where a saved config and `config` differ, those a resume may not change). A field the
+  saved config lacks counts at its default: the run was saved before it existed."""
   defaults, resumable = _schema(config)
   saved, now = _flat(saved), _flat(config)
-  if 'seed' not in saved:  # that older record
+  if 'seed' not in saved:  # a checkpoint of older code recorded the task and model only
     now = {k: v for k, v in now.items() if k == 'task' or k.startswith('model.')}
   saved = {**{k: defaults[k] for k in now if k in defaults}, **saved}
   changes = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
@@ -79,21 +76,20 @@ def _listed(changes: dict, keys) -> str:
   return ', '.join(f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys)
 
 
-# Tensorstore's codes for a checkpoint's own data being missing or corrupt (a truncated file: OUT_OF_RANGE; bytes
-# that do not decompress: FAILED_PRECONDITION). Only such a checkpoint is moved aside; any other failure (a storage
-# service, permissions, a bug) is raised, and every checkpoint stays where it is.
+# Tensorstore's codes for a checkpoint's own data missing or corrupt (truncated: OUT_OF_RANGE; not decompressing:
+# FAILED_PRECONDITION). Only such a checkpoint is moved aside; any other failure is raised, moving nothing.
 DAMAGE_STATUS = ('DATA_LOSS', 'NOT_FOUND', 'OUT_OF_RANGE', 'FAILED_PRECONDITION')
 
 
 def _damage(error: BaseException) -> str | None:
-  """Why `error` (or what caused it) says the checkpoint's own files are missing or corrupt, as one line; else None."""
+  """Why `error` (or its cause) says the checkpoint's own files are missing or corrupt, as one line; else None."""
   while error is not None:
     text = str(error)
     if (isinstance(error, (FileNotFoundError, EOFError, json.JSONDecodeError))
         or (isinstance(error, KeyError) and 'not found in the checkpoint' in text)  # an item's directory is gone
         or (isinstance(error, ValueError) and re.fullmatch(r'File .+ does not exist\.', text))  # grain's file
         or any(f'{status}: ' in text for status in DAMAGE_STATUS)):
-      return f'{type(error).__name__}: {(text.splitlines() or [""])[0][:200]}'
+      return config_lib.io_error_reason(error)
     error = error.__cause__ or error.__context__
   return None
 
@@ -113,12 +109,11 @@ def _tree_difference(saved_tree, abstract_state) -> str | None:
 
 
 def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, allow_change):
-  """('ok', restored) or ('damaged', why). Raises InputError for a checkpoint of another task or model, of another
-  config unless `allow_change`, or of another parameter tree (a code change); any error that is not damage as is."""
+  """('ok', restored) or ('damaged', why); InputError for another task, model, parameter tree or (unless
+  `allow_change`) config; any other error that is not damage as it is."""
   where, step_dir = f'--workdir={str(workdir)!r}', epath.Path(mngr.directory) / str(number)
   try:
-    # The checksums first: orbax reading a damaged state (its metadata included) leaves tensorstore callbacks that
-    # print 'Event loop is closed' tracebacks later.
+    # Checksums first: orbax reading a damaged state leaves tensorstore callbacks that print tracebacks later.
     if (why := checksums.mismatch(step_dir)) is not None:
       return 'damaged', why
     saved = mngr.restore(number, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
@@ -146,7 +141,7 @@ def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, all
 
 def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_change: bool = False):
   """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). A damaged
-  checkpoint is moved to WORKDIR/unreadable_checkpoints, never deleted; any other failure is raised, moving nothing."""
+  one is moved to WORKDIR/unreadable_checkpoints, never deleted; any other failure is raised, moving nothing."""
   moved = []
   for number in sorted(mngr.all_steps(), reverse=True):
     failure = None
@@ -185,7 +180,7 @@ def _all_finite(tree) -> jax.Array:
 
 
 def is_finite(state) -> bool:
-  """Whether every floating-point value of `state` is finite (one reduction; the same answer on every host)."""
+  """Whether every floating-point value of `state` is finite (the same answer on every host)."""
   return bool(jax.device_get(_all_finite(state).addressable_data(0)))
 
 
@@ -219,8 +214,8 @@ def run_dir(workdir) -> epath.Path:
 
 @contextlib.contextmanager
 def lm_run_on_mesh(workdir):
-  """(task, params, step, mesh) of an LM run's latest checkpoint, inside the run's mesh and logical axis rules (where
-  generate and evaluate compile and run): its parameters only, each read straight into its sharding of training."""
+  """(task, params, step, mesh) of an LM run's latest checkpoint, inside its mesh and logical axis rules: the
+  parameters only, each read straight into its sharding of training."""
   config = read_config(workdir)
   if config.task != 'lm':
     raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
@@ -244,10 +239,9 @@ def lm_run_on_mesh(workdir):
 
 
 def guard_config(config, workdir: epath.Path, allow_change: bool = False):
-  """Refuses to resume a workdir's checkpoints with a config that differs from its config.json in a field that is not
-  resumable, unless `allow_change`. Returns `record()`, which writes (process 0) config.json and, when it is new or
-  changed, a line to config_history.jsonl; train calls it once the checkpoint is restored, so that a refused one
-  leaves both as they were. Without checkpoints they are written at once."""
+  """Refuses checkpoints trained with a config differing from config.json in a field not resumable, unless
+  `allow_change`. Returns `record()`, which writes config.json and a config_history.jsonl line where new or changed;
+  train calls it once the checkpoint is restored, so a refused one leaves both as they were."""
   path, where = workdir / 'config.json', os.fspath(workdir)
   saved = path.read_text() if path.exists() else None
   try:
@@ -283,14 +277,13 @@ def utc_now() -> str:
 
 
 def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
-  """The run's checkpoints, `keep` of them; the temporary folders of a save that a kill cut short are removed."""
+  """The run's checkpoints, `keep` of them; the temporary folders of a save a kill cut short are removed."""
   return ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, cleanup_tmp_directories=True))
 
 
 def finish(mngr, background: bool = False) -> None:
-  """Waits for the save in flight, then records its files' checksums (laurel.checksums); with `background` in a
-  thread that the next call joins, so that the train loop goes on meanwhile."""
+  """Waits for the save in flight, then records its checksums; with `background` in a thread the next call joins."""
   mngr.wait_until_finished()
   if (thread := getattr(mngr, 'laurel_checksums', None)) is not None:
     thread.join()
@@ -308,8 +301,7 @@ def finish(mngr, background: bool = False) -> None:
 
 
 def save(mngr, number: int, state, train_iter, config) -> None:
-  """Checkpoint `number` (async): the state, the input's position and the config's signature. Orbax waits for the
-  previous save first; its checksums are then written while this one is."""
+  """Checkpoint `number` (async): the state, the input's position and the config's signature."""
   finish(mngr, background=True)
   mngr.laurel_unrecorded = number
   resumable = _schema(config)[1]

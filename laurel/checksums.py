@@ -1,9 +1,5 @@
-"""Content checksums of a checkpoint's files: a flipped byte is damage, not a silently different model (orbax and
-tensorstore checksum no array data). After a save every host records the XXH3 hash and size of the files it wrote
-(its state/ocdbt.process_<i>/ shards; process 0 the rest of state/) in <step>/checksums.process_<i>.json, and
-verifies its list before a restore; a checkpoint without one is taken as it is. XXH3 over a memory map hashes at
-memory speed (scripts/experiments/benchmark_checksums.py measures it against the save).
-"""
+"""Content checksums of a checkpoint's files (orbax checksums no array data): after a save each host records the XXH3
+hash and size of the files it wrote in <step>/checksums.process_<i>.json, and checks them before a restore."""
 
 from concurrent import futures
 import functools
@@ -24,7 +20,7 @@ CHUNK = 2**24  # a gs:// file is hashed as it streams, 16 MiB at a time
 
 
 def _own_files(step_dir: epath.Path, process: int, process_count: int) -> list[epath.Path]:
-  """The files of step_dir/state that `process` wrote."""
+  """The files of step_dir/state that `process` wrote: its ocdbt.process_<i> shards; process 0 the rest."""
   state = step_dir / 'state'
   if process:
     return sorted(root / name for root, _, names in (state / f'ocdbt.process_{process}').walk() for name in names)
@@ -72,8 +68,7 @@ def record(step_dir) -> None:
 
 
 def mismatch(step_dir) -> str | None:
-  """Why this host's files in `step_dir` differ from its recorded checksums, as a phrase; None where they match or
-  none were recorded."""
+  """Why this host's files in `step_dir` differ from its checksums, as a phrase; None if they match or none exist."""
   listing_path = epath.Path(step_dir) / LISTING.format(jax.process_index())
   if not listing_path.exists():
     return None

@@ -1,11 +1,5 @@
-"""Config schemas and the one config loader.
-
-Each config section is a frozen dataclass declaring its fields' defaults and checks. `config_dict` makes its
-ConfigDict (what `get_config(arg)` returns, every field overridable); `build` checks one back into the dataclass,
-raising a one-line InputError (a ValueError) naming field and value. `load('configs/<file>.py:<arg>',
-['--config.<field>=<value>'])` reads a config as laurel.main does; `arg` is a row with `key=value` options, e.g.
-`rw_lr,preset=tiny` (`parse_arg`).
-"""
+"""Config schemas (frozen dataclasses declaring each field's default and check) and the one config loader: a bad
+value is a one-line InputError naming field and value."""
 
 import dataclasses
 import importlib.util
@@ -53,7 +47,6 @@ def one_of(*choices):
 
 
 def in_range(lo, hi, closed=(True, True)):
-  """A number in [lo, hi] (or open at either end, `closed`)."""
   ok = lambda v: is_number(v) and (lo <= v if closed[0] else lo < v) and (v <= hi if closed[1] else v < hi)
   return (ok, f'must be a number in {"[(" [not closed[0]]}{lo}, {hi}{"])" [not closed[1]]}')
 
@@ -74,8 +67,8 @@ def require(ok: bool, field_name: str, value, why: str) -> None:
 
 
 def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
-  """The ConfigDict of a dataclass (class or instance): every field at its default, or at `overrides[name]`;
-  nested sections become ConfigDicts (a dict override updates the nested section's defaults)."""
+  """The ConfigDict of a dataclass (class or instance), each field at its default or `overrides[name]` (a dict
+  updates a nested section)."""
   base = schema() if isinstance(schema, type) else schema
   out = ml_collections.ConfigDict()
   for f in dataclasses.fields(base):
@@ -95,9 +88,8 @@ def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
 
 
 def build(cls, cfg, prefix: str, skip: Sequence[str] = ()):
-  """`cls` from a ConfigDict (or dict) of some of its fields, every value checked; then `obj.check(prefix)`
-  for the checks across fields. Unknown fields and bad values raise InputError('<prefix>.<field>=<value>: why').
-  A `cls` already built is returned as it is."""
+  """`cls` from a ConfigDict (or dict) of some of its fields, each checked, then `obj.check(prefix)` across fields;
+  InputError('<prefix>.<field>=<value>: why'). A `cls` already built is returned as it is."""
   if isinstance(cfg, cls):
     return cfg
   fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -139,11 +131,16 @@ def parse_arg(arg: str | None, rows, default_row: str, options: dict) -> tuple[s
 
 
 def resolve_spec(spec: str) -> str:
-  """'configs/<file>.py:<arg>' as given if the file exists here, else found in the repo (or by its name in
-  configs/, e.g. 'c4_ablation:rw_lr'); a run's directory or its config.json (local or gs://) is the config that run
-  saved (laurel/saved_config.py). One-line InputError if none exists."""
-  if (run := _saved_run(spec)) is not None:
-    return f'{REPO / "laurel" / "saved_config.py"}:{run}'
+  """'configs/<file>.py:<arg>' as given if the file exists here, else in the repo or by name in configs/ (e.g.
+  'c4_ablation:rw_lr'); a run's directory or its config.json (local or gs://) is the config it saved."""
+  if '://' in spec or ':' not in spec:  # no config file's argument: perhaps a run
+    try:
+      path = epath.Path(spec)
+      saved = path.is_file() if path.name.endswith('.json') else (path / 'config.json').is_file()
+    except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
+      raise InputError(f'--config={spec!r}: {io_error_reason(e)}') from None
+    if saved:
+      return f'{REPO / "laurel" / "saved_config.py"}:{spec}'
   path, sep, arg = spec.partition(':')
   candidates = [pathlib.Path(path), REPO / path, REPO / 'configs' / path, REPO / 'configs' / f'{path}.py']
   found = next((p for p in candidates if p.is_file()), None)
@@ -151,17 +148,6 @@ def resolve_spec(spec: str) -> str:
     raise InputError(f'--config={spec!r}: no such config file')
   return spec if found == candidates[0] else f'{found}{sep}{arg}'
 
-
-def _saved_run(spec: str) -> str | None:
-  """`spec` if it is a run's directory holding config.json, or a config.json file; else None."""
-  if '://' not in spec and ':' in spec:  # a config file's argument
-    return None
-  try:
-    path = epath.Path(spec)
-    found = path.is_file() if path.name.endswith('.json') else (path / 'config.json').is_file()
-  except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
-    raise InputError(f'--config={spec!r}: {io_error_reason(e)}') from None
-  return spec if found else None
 
 
 def flag_error_message(error: Exception, argv: Sequence[str]) -> str:
@@ -185,8 +171,7 @@ def flag_error_message(error: Exception, argv: Sequence[str]) -> str:
 
 
 def io_error_reason(error: Exception) -> str:
-  """Why reading or writing a path failed, for a one-line message: a missing filesystem package (gcsfs, where
-  TensorFlow's is not used for gs://) names its install."""
+  """Why reading or writing a path failed, as one line; a missing filesystem package (gcsfs) names its install."""
   reason = f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:200]}'
   if isinstance(error, ImportError):
     return f"its filesystem is not installed: pip install -e '.[gcs]' ({reason})"
@@ -208,30 +193,28 @@ def fail(message: str, code: int = 2):
 
 
 def parse_flags(argv):
-  """absl's flag parser for a program with a `--config` file flag: shipped configs found by name (resolve_spec),
-  and a bad config or override reported as one line, exit 2. --help exits 0 (absl's exits 1)."""
+  """absl's flag parser for a program with a `--config` file flag: configs found by name, a bad config or override
+  one line with exit 2, --help exit 0 (absl's exits 1)."""
   if {'--help', '-h', '-?'} & set(argv[1:]):
     app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
   args = list(argv[1:])
   if '--config' in args[:-1]:  # `--config FILE` as `--config=FILE`, so that shipped names resolve
     i = args.index('--config')
     args[i:i + 2] = [f'--config={args[i + 1]}']
-  argv = [argv[0]] + args
   given = [a.split('=')[0] for a in args]
   if '--config' not in given and (override := next((a for a in given if a.startswith('--config.')), None)):
     fail(f'{override}: --config is required (the config file whose field it overrides)')
   try:
-    import_designs(argv[1:])
-    argv = [argv[0]] + ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a
-                        for a in argv[1:]]
-    return flags.FLAGS(argv)
+    import_designs(args)
+    args = ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a for a in args]
+    return flags.FLAGS([argv[0], *args])
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError, SyntaxError) as e:
-    fail(flag_error_message(e, argv[1:]))
+    fail(flag_error_message(e, args))
 
 
 def import_designs(argv: Sequence[str]) -> None:
-  """Imports the module of a design named by import path, `--config.model.stream.design=module:name`, before the
-  config file runs: the design registers itself, so the config has its section for the overrides that set it."""
+  """Imports a design named `--config.model.stream.design=module:name` before the config file runs: registered, it
+  has its config section for the overrides that set it."""
   for arg in argv:
     name, _, value = arg.partition('=')
     module = value.rpartition(':')[0]
@@ -243,8 +226,8 @@ def import_designs(argv: Sequence[str]) -> None:
 
 
 def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-  """The config of `spec` with `--config.<field>=<value>` overrides (also written `<field>=<value>`), read by
-  ml_collections exactly as laurel.main reads its flags; one-line InputError for anything bad."""
+  """The config of `spec` with `--config.<field>=<value>` (or `<field>=<value>`) overrides, read as laurel.main
+  reads its flags; one-line InputError for anything bad."""
   argv = [o if o.startswith('--') else f'--config.{o}' for o in overrides]
   for o in argv:
     if not o.startswith('--config.') or '=' not in o:
@@ -258,7 +241,6 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
     return flag_values.config
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise InputError(flag_error_message(e, argv)) from None
-
 
 
 def table_rows(config_file: str) -> list[str]:

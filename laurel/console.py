@@ -1,6 +1,5 @@
 """What the command-line programs print, and how Ctrl-C stops them. Standard library only: laurel.main imports it
-before JAX and TensorFlow, so that Ctrl-C is handled while they load. Importing it changes nothing; the programs call
-quiet_start and exit_on_interrupt."""
+before JAX and TensorFlow, so that Ctrl-C is handled while they load."""
 
 import contextlib
 import glob
@@ -23,9 +22,8 @@ def has_accelerator() -> bool:
 
 
 def quiet_start() -> None:
-  """A program's start, before JAX starts a backend: where libtpu is installed but no accelerator is present, the
-  CPU (unless JAX_PLATFORMS says otherwise), not libtpu's error lines as it finds no TPU; TensorFlow, where
-  something loads it, logs warnings only and no oneDNN notice."""
+  """Before JAX starts a backend: the CPU where libtpu is installed but no accelerator is present (not libtpu's
+  errors; unless JAX_PLATFORMS says otherwise); TensorFlow's warnings only, with no oneDNN notice."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   if os.environ.get('JAX_PLATFORMS') or importlib.util.find_spec('libtpu') is None or has_accelerator():
@@ -63,8 +61,8 @@ def _watch_wakeups(reader: socket.socket, writer: socket.socket):
 
 def exit_on_interrupt(line: str) -> None:
   """From now on Ctrl-C prints `line` and exits 130 at once (SIGTERM: the line naming it, 143), until another handler
-  replaces this one (the train loop's). A thread woken through signal.set_wakeup_fd exits even during an XLA compile,
-  where Python would wait to run a handler; no KeyboardInterrupt unwinds through JAX (it crashed, status 139)."""
+  replaces this one. A thread woken through signal.set_wakeup_fd exits even during an XLA compile, where Python would
+  wait to run a handler; no KeyboardInterrupt unwinds through JAX (it crashed)."""
   _interrupt['line'] = line
   if signal.getsignal(signal.SIGINT) is _exit_interrupted:
     return
@@ -100,8 +98,7 @@ def duration(seconds: float) -> str:
 
 @contextlib.contextmanager
 def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
-  """Prints `what...`, `  still <what> (<time>)` every `every_s` seconds (a large compile is silent for minutes),
-  then `<what>: done in <time>` unless it raises."""
+  """Prints `what...`, `  still <what> (<time>)` every `every_s` s, then `<what>: done in <time>` unless it raises."""
   say = lambda line: print(line, file=file or sys.stdout, flush=True)
   say(f'{what}...')
   start, done = time.perf_counter(), threading.Event()
@@ -132,8 +129,7 @@ def _metrics(row: dict) -> str:
 
 
 def step_line(step: int, steps: int, row: dict, unit: str) -> str:
-  """`step 25/500 (5%) | mean of 25 steps: loss 3.1416 | grad_norm 1.2300 | lr 1.50e-03 | 0.44 s/step, 4,301
-  tokens/s | ETA 3m32s`, with mfu and hfu where the chip's peak is known."""
+  """`step 25/500 (5%) | mean of 25 steps: loss 3.1416 | lr 1.50e-03 | 0.44 s/step, 4,301 tokens/s | ETA 3m32s`."""
   mean_of = row.get('mean_of_steps', 1)
   parts = [f'step {step}/{steps} ({100 * step // steps}%)',
            f'mean of {mean_of} steps: ' * (mean_of > 1) + _metrics(row)]
@@ -150,8 +146,7 @@ def eval_line(step: int, steps: int, row: dict) -> str:
 
 
 def python_command() -> str:
-  """This interpreter as the commands a program prints should name it: `python` where the PATH finds this very one
-  (an activated venv), else its path as shown() writes it (`.venv/bin/python`)."""
+  """This interpreter in a printed command: `python` where the PATH finds this very one, else its shown() path."""
   found = shutil.which('python')
   with contextlib.suppress(OSError):
     if found and os.path.samefile(found, sys.executable) and os.path.samefile(os.path.dirname(found),

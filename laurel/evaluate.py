@@ -1,12 +1,5 @@
-"""Log-likelihood evaluation of an LM checkpoint (docs/evaluation.md).
-
-  python -m laurel.evaluate --workdir=DIR --task=TASK [--task=...] [--batch_size=N] [--max_items=N]
-
-TASK: text:GLOB (perplexity and bits per byte of held-out files, each scored in windows of seq_len that overlap by
-one token, so every token but the first is predicted once), FILE.jsonl (multiple choice: {"context": str,
-"choices": [str, ...], "label": int} per line) or a TFDS task (TFDS_TASKS, prepared beforehand, in
-lm-evaluation-harness's prompt formats). Each prints one JSON object and writes DIR/eval_<task name>.json.
-"""
+"""Log-likelihood evaluation of an LM checkpoint (docs/evaluation.md): `python -m laurel.evaluate --workdir=DIR
+--task=TASK ...` scores held-out text:GLOB, a multiple-choice .jsonl file or a TFDS task into DIR/eval_<task>.json."""
 
 import contextlib
 import glob
@@ -68,14 +61,14 @@ class Scorer:
 
 
 def make_scorer(task, params, mesh, tokenizer, batch_size: int) -> Scorer:
-  """The scorer of an LM run on its mesh (checkpoint.lm_run_on_mesh): `batch_size` rounded up to the data-parallel
-  devices (padded rows score nothing), the batch sharded over them."""
+  """The scorer of an LM run on its mesh, `batch_size` rounded up to the data-parallel devices it is sharded over."""
   rows = mesh.shape['data'] * mesh.shape['fsdp']
   return Scorer(task.model, params, task.config.data.seq_len, -(-batch_size // rows) * rows, tokenizer.pad_id,
                 sharding.batch_sharding(mesh))
 
 
 def text_task(scorer: Scorer, tokenizer, pattern: str, max_items: int) -> dict:
+  """Perplexity and bits per byte of files, each in windows of seq_len overlapping by one token."""
   files = sorted(pathlib.Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
   if not files:
     raise InputError(f'--task=text:{pattern}: matches no files')
@@ -154,17 +147,15 @@ def tfds_items(name: str, data_dir: str, max_items: int) -> list:
 
 
 def choice_sequence(tokenizer, seq_len: int, context: str, continuation: str) -> tuple[list[int], int]:
-  """(tokens, first scored position) that score `continuation` given `context`: tokenised apart, the continuation
-  cut to seq_len - 1 tokens and the context from the left to fill the rest; an empty context is the end-of-document
-  token (what precedes a document in training), so the continuation's first token is scored too."""
+  """(tokens, first scored position) scoring `continuation` (cut to seq_len - 1 tokens) given `context` (cut from
+  the left); an empty context is the end-of-document token, as before a document in training."""
   ctx, cont = tokenizer.encode(context) or [tokenizer.eos_id], tokenizer.encode(continuation)[:seq_len - 1]
   keep = ctx[max(0, len(ctx) - (seq_len - len(cont))):]
   return keep + cont, len(keep)
 
 
 def choice_task(scorer: Scorer, tokenizer, items: list) -> dict:
-  """Accuracy, length-normalised accuracy (by the log-likelihood per byte of each choice) and the correct choice's
-  mean log-likelihood over `items`."""
+  """Accuracy, accuracy normalised by each choice's bytes, and the correct choice's mean log-likelihood."""
   if not items:
     raise InputError('multiple choice: no items')
   sequences = [choice_sequence(tokenizer, scorer.seq_len, context, choice) for pairs, _ in items
@@ -197,8 +188,7 @@ def check_task(task: str) -> None:
 
 
 def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_data_dir: str = ''):
-  """Scores the latest checkpoint of the LM run in `workdir` on each task: yields each result as it is written to
-  workdir/eval_<task name>.json."""
+  """Scores the run's latest checkpoint on each task, yielding each result once written to eval_<task name>.json."""
   with checkpoint.lm_run_on_mesh(workdir) as (task, params, step, mesh):
     tokenizer = data.make_tokenizer(task.config.data)
     scorer = make_scorer(task, params, mesh, tokenizer, batch_size)
@@ -214,21 +204,26 @@ def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_
       yield result
 
 
+def run_main(main) -> None:
+  """`main()` with the compile cache on and an InputError as one line."""
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+  compile_cache.setup()
+  try:
+    main()
+  except InputError as e:
+    config_lib.fail(str(e))
+
+
 def command(main, required: list[str], interrupted: str):
-  """Runs `main()` as a command line (flags defined by the caller, not on import, so the modules import side by
-  side): no stray arguments, the `required` flags set, the compile cache on, an InputError as one line."""
+  """Runs `main()` as a command line (flags defined by the caller, not on import): no stray arguments, the
+  `required` flags set (run_main)."""
   def checked_main(argv):
     if len(argv) > 1:
       config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     for name in required:
       if not FLAGS[name].value:
         config_lib.fail(f'--{name} is required')
-    compile_cache.setup()
-    try:
-      main()
-    except InputError as e:
-      config_lib.fail(str(e))
+    run_main(main)
   console.quiet_start()
   console.exit_on_interrupt(interrupted)
   app.run(checked_main)

@@ -1,6 +1,5 @@
-"""Writing run files so that a kill or a crash mid-write never leaves a torn file: a local file is written to a
-temporary file beside it, flushed to disk, then renamed over the old one; a path behind '://' (gs:// through
-etils.epath) is written whole by one upload, which the object store makes atomic."""
+"""Writes that a kill never leaves torn: a local file goes to a temporary file beside it, flushed, then renamed over
+the old one; a path behind '://' (gs://) is one upload, which the object store makes atomic."""
 import contextlib
 import os
 import tempfile

@@ -1,19 +1,12 @@
-"""lm-evaluation-harness backend `laurel`: scores the latest checkpoint of an LM run on lm_eval's tasks.
-
-  python -m laurel.harness --model laurel --model_args workdir=RUN --tasks TASK [...] [any lm_eval flag]
-
-lm-eval 0.4.13 reads no plug-in entry points: this command registers the backend and runs lm_eval's command line;
-releases with plug-ins find it through the `lm_eval.models` entry point (docs/evaluation.md). Requests run on the
-run's mesh: loglikelihood as laurel.evaluate scores, loglikelihood_rolling in lm_eval's rolling windows of seq_len,
-generate_until with laurel.generate's greedy KV-cache decoding (sampling is refused).
-"""
+"""lm-evaluation-harness backend `laurel` for an LM run's latest checkpoint (docs/evaluation.md):
+`python -m laurel.harness --model laurel --model_args workdir=RUN --tasks TASK` registers it (lm-eval 0.4.13 reads no
+plug-in entry points) and runs lm_eval's command line."""
 
 import contextlib
 
 import flax.linen as nn
 import jax
 import numpy as np
-from absl import logging
 from tqdm import tqdm
 
 try:
@@ -24,7 +17,7 @@ try:
 except ImportError as e:
   raise ImportError("laurel.harness needs lm-evaluation-harness: pip install -e '.[lm_eval]'") from e
 
-from laurel import checkpoint, compile_cache, config_lib, data, evaluate, generate
+from laurel import checkpoint, data, evaluate, generate
 from laurel.config_lib import InputError
 
 AUTO_BATCH_SIZE = 16
@@ -34,8 +27,8 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default for generate_until
 
 @register_model('laurel')
 class LaurelLM(LM):
-  """An LM run's latest checkpoint. lm_eval passes its --batch_size ('auto' = 16; rounded up to the data-parallel
-  devices), --max_batch_size and --device here too."""
+  """An LM run's latest checkpoint, scored as laurel.evaluate scores and decoded greedily as laurel.generate does.
+  lm_eval passes its --batch_size ('auto' = 16), --max_batch_size and --device here too."""
 
   def __init__(self, workdir: str | None = None, batch_size=1, max_batch_size=None, device=None, **unknown):
     del max_batch_size, device  # one fixed batch shape, one compile; the devices are the run's mesh
@@ -58,7 +51,7 @@ class LaurelLM(LM):
 
   @contextlib.contextmanager
   def _on_mesh(self, total: int, desc: str, disable_tqdm: bool):
-    """Where the scorer and the sampler trace and run (the run's mesh and logical axis rules), with a progress bar."""
+    """The run's mesh and logical axis rules, where the scorer and the sampler run, with a progress bar."""
     with jax.set_mesh(self._mesh), nn.logical_axis_rules(self._rules):
       with tqdm(total=total, desc=f'laurel {desc}', disable=disable_tqdm) as bar:
         yield bar
@@ -90,8 +83,7 @@ class LaurelLM(LM):
     return self._cached('loglikelihood_rolling', requests, [float(t) for t in totals])
 
   def generation_settings(self, gen_kwargs: dict) -> tuple[tuple[str, ...], int]:
-    """(stop strings, max new tokens) of one request's generation kwargs; InputError for what greedy decoding within
-    seq_len cannot do."""
+    """(stop strings, max new tokens) of a request; InputError for what greedy decoding within seq_len cannot do."""
     kwargs = dict(gen_kwargs)
     until = kwargs.pop('until', None) or []
     until = (until,) if isinstance(until, str) else tuple(until)
@@ -109,9 +101,8 @@ class LaurelLM(LM):
     return until, max_new
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """Greedy continuations of the contexts (cut from the left to seq_len - max_gen_toks), ended at the first stop
-    string and at the end-of-document token. Batches are padded to batch_size rows and their prompts to a multiple
-    of PREFILL_BUCKET tokens, so a task compiles once per length bucket, not once per batch."""
+    """Greedy continuations of the contexts (cut from the left to seq_len - max_gen_toks) up to a stop string or the
+    end-of-document token; padded batches and prompt lengths (PREFILL_BUCKET) compile once per length bucket."""
     settings = [self.generation_settings(r.args[1]) for r in requests]  # every request checked before compiling
     groups = {}
     for i, setting in enumerate(settings):
@@ -136,12 +127,7 @@ class LaurelLM(LM):
 def run():
   """lm_eval's command line with the `laurel` backend registered; our input errors in one line."""
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  compile_cache.setup()  # lm_eval parses its own arguments: JAX_COMPILATION_CACHE_DIR moves it
-  try:
-    cli_evaluate()
-  except InputError as e:
-    config_lib.fail(str(e))
+  evaluate.run_main(cli_evaluate)  # lm_eval parses its own arguments: JAX_COMPILATION_CACHE_DIR moves the cache
 
 
 if __name__ == '__main__':

@@ -1,10 +1,5 @@
-"""Where a run's metrics go besides WORKDIR/metrics.jsonl (laurel.train.MetricsLog), with no TensorFlow.
-
-  create(...)        absl's log on every process; on the writing one TensorBoard's event files (config.tensorboard)
-                     and Weights & Biases (the extra [wandb], where config.wandb.project is set)
-  Progress           steps_per_sec and uptime every log_every steps
-  Profiler           a jax.profiler trace of config.profile_steps in WORKDIR/profile
-"""
+"""Where a run's metrics go besides WORKDIR/metrics.jsonl, with no TensorFlow: absl's log, TensorBoard's event files,
+Weights & Biases; steps_per_sec (Progress) and a jax.profiler trace (Profiler)."""
 
 import os
 import pathlib
@@ -32,9 +27,8 @@ def check_extras(config) -> None:
 
 
 class TensorBoardWriter:
-  """Event files in `logdir` by tensorboard's own EventFileWriter: scalars as tf.summary.scalar writes them, hparams
-  as the HParams plugin's session start. Behind '://' (gs://), where nothing can be appended to, the events go to a
-  local folder and each event file is uploaded whole after every write."""
+  """Event files in `logdir` by tensorboard's own writer, scalars and hparams as TensorFlow writes them. Behind '://'
+  (gs://), where nothing can be appended to, each event file is written locally and uploaded whole after each event."""
 
   def __init__(self, logdir):
     # tensorboard then uses its own file layer even where TensorFlow is installed (which it would import: seconds).
@@ -81,16 +75,15 @@ class TensorBoardWriter:
 
 
 class WandbWriter:
-  """A Weights & Biases run: the flat config at its start, scalars by step, the final figures as its summary.
-  `wandb.init` sends only what WANDB_MODE allows (offline: nothing; files under WORKDIR/wandb)."""
+  """A Weights & Biases run: the flat config, scalars by step, the final figures as its summary."""
 
   def __init__(self, cfg, workdir: epath.Path, flat_config: dict):
     wandb = config_lib.optional_import('wandb', 'wandb', f'wandb.project={cfg.project!r}')
     id_path = workdir / WANDB_RUN_ID
     run_id = id_path.read_text().strip() if id_path.exists() else secrets.token_hex(4)  # a W&B id
-    local = '://' not in os.fspath(workdir)  # W&B keeps its files on a local disk
+    local_dir = None if files.is_remote(workdir) else os.fspath(workdir)  # W&B keeps its files on a local disk
     self._run = wandb.init(project=cfg.project, entity=cfg.entity or None, name=cfg.name or None, id=run_id,
-                           resume='allow', config=flat_config, dir=os.fspath(workdir) if local else None)
+                           resume='allow', config=flat_config, dir=local_dir)
     if not id_path.exists():
       files.write_text_atomic(id_path, run_id + '\n')
 
@@ -105,7 +98,7 @@ class WandbWriter:
 
 
 class MetricWriters:
-  """The log and a run's writers as one: scalars go to absl's log, then every call to each writer that has it."""
+  """absl's log and a run's writers as one: each call goes to each writer that has the method."""
 
   def __init__(self, writers):
     self.writers = list(writers)
@@ -131,8 +124,7 @@ class MetricWriters:
 
 
 def create(workdir: epath.Path, config, flat_config: dict, active: bool, resumed: bool) -> MetricWriters:
-  """The run's writers: the log always; on the writing process (`active`) TensorBoard where config.tensorboard
-  (the config's scalar fields as hparams, at a run's start), W&B where config.wandb.project."""
+  """The log; on the writing process (`active`) TensorBoard (hparams at a run's start) and W&B where configured."""
   writers = []
   if active and config.tensorboard:
     writers.append(TensorBoardWriter(workdir / 'tensorboard'))
@@ -144,8 +136,7 @@ def create(workdir: epath.Path, config, flat_config: dict, active: bool, resumed
 
 
 class Progress:
-  """steps_per_sec (since the last report) and uptime (since this process began the loop) every `every` steps and
-  at the last, as clu's ReportProgress wrote them; the first step seen only starts the clock."""
+  """steps_per_sec and uptime every `every` steps and at the last, as clu's ReportProgress wrote them."""
 
   def __init__(self, writer: MetricWriters, every: int, total: int):
     self.writer, self.every, self.total = writer, every, total
@@ -162,8 +153,7 @@ class Progress:
 
 
 class Profiler:
-  """A jax.profiler trace into `logdir` (TensorBoard's profile plugin, Perfetto) of the steps numbered start + 1 to
-  stop, as clu's Profile took them: `after_step(done)` after each step."""
+  """A jax.profiler trace into `logdir` of the steps numbered start + 1 to stop, as clu's Profile took them."""
 
   def __init__(self, logdir, profile_steps: tuple):
     self.logdir, (self.start, self.stop) = os.fspath(logdir), profile_steps or (None, None)
