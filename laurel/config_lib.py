@@ -96,8 +96,7 @@ def build(cls, cfg, prefix: str, skip: Sequence[str] = ()):
   path = lambda name: f'{prefix}.{name}' if prefix else name
   values = {k: v for k, v in dict(cfg.items() if cfg is not None else {}).items() if k not in skip}
   built = {f.name: f.metadata['build'](f.default, values, prefix) for f in fields.values() if 'build' in f.metadata}
-  unknown = sorted(set(values) - set(fields))
-  if unknown:
+  if unknown := sorted(set(values) - set(fields)):
     raise InputError(f'{path(unknown[0])}: unknown field (known: {", ".join(sorted(set(fields) - set(skip)))})')
   for name, value in values.items():
     f = fields[name]
@@ -147,7 +146,6 @@ def resolve_spec(spec: str) -> str:
   if found is None:
     raise InputError(f'--config={spec!r}: no such config file')
   return spec if found == candidates[0] else f'{found}{sep}{arg}'
-
 
 
 def flag_error_message(error: Exception, argv: Sequence[str]) -> str:

@@ -74,13 +74,12 @@ def text_task(scorer: Scorer, tokenizer, pattern: str, max_items: int) -> dict:
     raise InputError(f'--task=text:{pattern}: matches no files')
   files = files[:max_items or None]
   windows, tokens, num_bytes = [], 0, 0
-  step = scorer.seq_len - 1
   for path in files:
     text = path.read_text(encoding='utf-8', errors='replace')
     ids = list(tokenizer.document(text))
     num_bytes += len(text.encode('utf-8')) - len(tokenizer.decode(ids[:1]).encode('utf-8'))
     tokens += len(ids) - 1
-    for start in range(0, len(ids) - 1, step):  # window i predicts ids[start+1 : start+seq_len]
+    for start in range(0, len(ids) - 1, scorer.seq_len - 1):  # it predicts ids[start+1 : start+seq_len]
       windows.append((ids[start:start + scorer.seq_len], 1))
   nll = -float(scorer(windows)[0].sum())
   return {'files': len(files), 'tokens': tokens, 'bytes': num_bytes, 'nll_per_token': nll / tokens,
