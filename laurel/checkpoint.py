@@ -1,5 +1,4 @@
-"""Checkpoints: the orbax manager, resuming past damage, the config guard, a run's parameters for inference.
-
+"""Checkpoints: the orbax manager, resuming past damage, the config guard, a run's parameters for inference. Each
 WORKDIR/checkpoints/<step> holds state, data (the grain iterator), config (all but the fields declared `resumable`,
 which alone a resume may change without --allow_config_change) and checksums.process_<i>.json (laurel.checksums)."""
 
