@@ -125,7 +125,8 @@ def _source(cfg: ImageDataConfig, train: bool) -> grain.MapDataset:
 
 def image_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
                   process_count: int = 1, num_epochs: int | None = None) -> grain.IterDataset:
-  """Shuffled (train), sharded, repeated (forever unless num_epochs is set), decoded and augmented, batched."""
+  """Shuffled (train: one permutation on every process, another each epoch), sharded, repeated (forever unless
+  num_epochs is set), decoded and augmented, batched."""
   cfg = build(ImageDataConfig, data_cfg, 'data')
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index}: must be in [0, process_count={process_count})')

@@ -62,8 +62,7 @@ class LMConfig:
   loss_chunk: int = field(256, NON_NEGATIVE_INT, resumable=True)
   attention: str = field('xla', one_of(*ATTENTION))
   attention_scores: str = field('float32', one_of('float32', 'bfloat16'))  # L×L scores of the xla path and decoding
-  # Most documents the loader packs into one row (grain's max_sequences_per_bin); 0 = as many as fit. cudnn attention
-  # needs a bound: it keeps softmax statistics for max_segments + 1 runs per row (the documents and the padding).
+  # Most documents the loader packs into a row, 0 = as many as fit; cudnn attention needs a bound (state per document).
   max_segments: int = field(0, NON_NEGATIVE_INT)
   stream: Any = designs.stream_field(LaurelSpec())  # the residual design's config (laurel.designs)
   value_residual: bool = field(False, BOOL)  # ResFormer (arXiv 2410.17897)
