@@ -16,8 +16,7 @@ from laurel import designs
 from laurel.attention import ATTENTION, attend
 from laurel.designs.buffer import stack_rebuilding_buffer
 from laurel.designs.laurel import LaurelSpec
-from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number,
-                               one_of, require)
+from laurel.config_lib import BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number, one_of, require
 
 # What the backward pass keeps of a layer (`model.remat`), by checkpoint_name's names below; the rest is recomputed.
 # 'minimal' saves every projection the backward reads (as dots_no_batch does, by name).
@@ -308,15 +307,14 @@ class LM(nn.Module):
     cfg, (b, length), (design, spec) = self.cfg, tokens_BxL.shape, designs.select(self.cfg)
     positions_BxL = jnp.broadcast_to(jnp.arange(length), (b, length)) if positions_BxL is None else positions_BxL
     segment_ids_BxL = jnp.ones((b, length), jnp.int32) if segment_ids_BxL is None else segment_ids_BxL
+    embed_init = nn.initializers.normal(cfg.d_model ** -0.5)
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                     embedding_init=nn.with_logical_partitioning(
-                         nn.initializers.normal(cfg.d_model ** -0.5), ('vocab', 'embed')), name='embed')
+                     embedding_init=nn.with_logical_partitioning(embed_init, ('vocab', 'embed')), name='embed')
     # Gathering the embed axis first: from an fsdp-sharded table XLA would replicate the looked-up rows.
     table_VxD = nn.with_logical_constraint(embed.embedding.astype(DTYPES[cfg.dtype]), ('vocab', None))
     x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     if cfg.positional == 'learned':
-      pos_embed = _param(self, 'pos_embed', nn.initializers.normal(cfg.d_model ** -0.5),
-                         (cfg.max_len, cfg.d_model), (None, 'embed'))
+      pos_embed = _param(self, 'pos_embed', embed_init, (cfg.max_len, cfg.d_model), (None, 'embed'))
       x_BxLxD = x_BxLxD + pos_embed[positions_BxL].astype(x_BxLxD.dtype)
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ('act_batch', 'act_len', 'act_embed'))
     head_shape = (b, length, cfg.num_heads, cfg.d_model // cfg.num_heads)
@@ -350,8 +348,6 @@ class LM(nn.Module):
     x_BxLxD = design.read_out(spec, carry[0], _norm(cfg, 'final_norm'))
     if hidden:
       return x_BxLxD
-    if cfg.tie_embeddings:
-      logits_BxLxV = embed.attend(x_BxLxD)
-    else:
-      logits_BxLxV = Dense(((cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), 1, 1.0), cfg, name='unembed')(x_BxLxD)
+    unembed = Dense(((cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), 1, 1.0), cfg, name='unembed')
+    logits_BxLxV = embed.attend(x_BxLxD) if cfg.tie_embeddings else unembed(x_BxLxD)
     return nn.with_logical_constraint(logits_BxLxV.astype(jnp.float32), ('act_batch', 'act_len', 'act_vocab'))
