@@ -1,5 +1,6 @@
-"""Causal attention within packed documents, q, k, v (B, L, H, K) and segment ids (B, L), by `model.attention`:
-'xla', 'dot_product', 'cudnn', 'splash', or 'auto' (splash on TPU, cudnn on GPU where each can serve, else xla)."""
+"""Causal attention within packed documents, q, k, v (B, L, H, K) and segment ids (B, L), by `model.attention`: 'xla'
+(the reference), 'dot_product' (jax.nn's), 'cudnn' (packed flash attention), 'splash' (Pallas, TPU), or 'auto'
+(splash on TPU, cudnn on GPU where each can serve, else xla)."""
 
 import inspect
 import math

@@ -14,10 +14,11 @@ from laurel.config_lib import DTYPES, InputError, build
 
 class Task:
   """A model family as laurel.step and laurel.train use it: `config`, typed `model_cfg` and `data_cfg`, `model`, and
-  validate(), check_data(), unused_fields(), sharded_sizes(), laurel_site_widths(), num_params(params),
-  units_per_example(), model_flops(batch_size), example_batch(batch_size), init(rng, batch),
-  least_step_bytes(batch_size), dataset(**kwargs) and loss(params, model_state, batch, train) -> (loss, (metrics,
-  model_state)), each metric a (sum, weight) pair so that reports are sum/weight over any batches or devices."""
+    validate(), check_data()  one-line InputErrors: the sections' cross checks; the data can be read
+    unused_fields() -> {field: why}, sharded_sizes() -> {logical axis: (field, size)}, laurel_site_widths(),
+    num_params(params), units_per_example(), model_flops(b), example_batch(b), init(rng, batch), least_step_bytes(b),
+    dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset,
+    loss(params, model_state, batch, train) -> (loss, (metrics, model_state)), each metric a (sum, weight) pair."""
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
 
   def __init__(self, config, model_config, data_config, model):
