@@ -1,10 +1,6 @@
-"""Causal attention within packed documents, q, k, v (B, L, H, K) and segment ids (B, L), by `model.attention`:
-'xla' the reference (einsums, the L×L logits materialised); 'dot_product' jax.nn.dot_product_attention's XLA
-implementation (the same maths under a boolean mask; never cuDNN); 'cudnn' cuDNN's fused flash attention with the
-documents as per-row offsets and lengths (NVIDIA Hopper or newer, bf16/fp16, a bound `max_segments` on documents per
-row); 'splash' the Pallas splash-attention kernel (TPU; interpreted elsewhere, which only tests use); 'auto' splash
-on TPU where the length allows it, cudnn on GPU where it can serve (cudnn_unsupported), else xla.
-"""
+"""Causal attention within packed documents, q, k, v (B, L, H, K) and segment ids (B, L), by `model.attention`: 'xla'
+(the reference), 'dot_product' (jax.nn's), 'cudnn' (packed flash attention), 'splash' (Pallas, TPU), or 'auto'
+(splash on TPU, cudnn on GPU where each can serve, else xla)."""
 
 import inspect
 import math
@@ -17,16 +13,14 @@ from laurel.config_lib import DTYPES, InputError
 
 ATTENTION = ('xla', 'dot_product', 'cudnn', 'splash', 'auto')
 AUTO_ATTENTION = {'tpu': 'splash', 'gpu': 'cudnn', 'cuda': 'cudnn'}
-# cuDNN's packed ("ragged") attention lives in jax's private jax._src.cudnn.fused_attention_stablehlo (jax PR #25812;
-# checked on jax 0.10.2): cudnn_unsupported checks that the installed jax still has it, tests/test_attention.py pins it.
+# cuDNN's packed attention is private to jax (jax._src.cudnn.fused_attention_stablehlo): checked for before use.
 CUDNN_PACKED_ARGS = ('q_seqlen', 'kv_seqlen', 'q_offsets', 'kv_offsets', 'scale', 'mask_type', 'qkv_layout')
 CUDNN_MIN_VERSION = 90600  # packed layout: jax's own test of it asks for cuDNN 9.6
 CUDNN_MAX_HEAD_WIDTH = 256  # on Hopper and newer, which the packed layout needs anyway
 
 
 def attend(cfg, q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, mask_Bx1xLxS=None):
-  """Attention by the implementation attention_impl resolves for `cfg` (an LMConfig); under a `mask` (decoding from
-  a KV cache of S slots), the reference's."""
+  """Attention by attention_impl's choice for `cfg`; under a `mask` (decoding from a cache of S slots), 'xla'."""
   qkv = (q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
   impl = 'xla' if mask_Bx1xLxS is not None else attention_impl(cfg, q_BxLxHxK.shape[1])
   if impl == 'xla':
@@ -37,8 +31,7 @@ def attend(cfg, q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, mask_Bx1xLxS=N
 
 
 def attention_impl(cfg, length: int) -> str:
-  """`cfg.attention` with 'auto' resolved for the platform the step is compiled for (the mesh's devices', a TPU
-  slice's abstract ones included; else the default backend's)."""
+  """`cfg.attention`, 'auto' resolved for the platform the step is compiled for (the mesh's, else the backend's)."""
   if cfg.attention != 'auto':
     return cfg.attention
   platform = _platform()
@@ -54,9 +47,8 @@ def _platform() -> str:
 
 
 def xla_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, mask_Bx1xLxL=None, scores_dtype=jnp.float32):
-  """The reference: causal softmax attention within each packed segment (or under `mask`), normalised after the
-  value product so that one L×L buffer, the exponentials, is all it keeps. Scores and exponentials in `scores_dtype`
-  (bfloat16 halves that buffer, as MaxText's float32_qk_product=False); row sums and value product in float32."""
+  """The reference, normalised after the value product so that it keeps one L×L buffer, the exponentials, in
+  `scores_dtype` (bfloat16 halves it); row sums and value product in float32."""
   logits_BxHxLxL = jnp.einsum('bqhk,bshk->bhqs', q_BxLxHxK, k_BxLxHxK, preferred_element_type=scores_dtype)
   logits_BxHxLxL = logits_BxHxLxL / jnp.asarray(math.sqrt(q_BxLxHxK.shape[-1]), scores_dtype)
   if mask_Bx1xLxL is None:
@@ -73,14 +65,14 @@ def xla_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, mask_Bx1xLxL
 
 
 def dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
-  """jax.nn.dot_product_attention's XLA implementation, causal, with the segments as a boolean mask."""
+  """jax.nn.dot_product_attention's XLA implementation (never cuDNN), the segments as a boolean mask."""
   same_segment_Bx1xLxL = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mask=same_segment_Bx1xLxL, is_causal=True,
                                       implementation='xla')
 
 
 def _cudnn_module():
-  """jax's private cuDNN attention module; a one-line ValueError if the installed jax lacks its packed layout."""
+  """jax's private cuDNN attention module; a ValueError if it lacks the packed layout."""
   try:
     from jax._src.cudnn import fused_attention_stablehlo as module  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -92,8 +84,7 @@ def _cudnn_module():
 
 
 def cudnn_unsupported(cfg, platform: str | None = None) -> str | None:
-  """Why cudnn attention cannot serve `cfg` on `platform` (default: the step's), as a one-line error naming the
-  field and value, or None: the config first, then the machine (Hopper or newer, cuDNN 9.6, a jax with the API)."""
+  """Why cudnn attention cannot serve `cfg` on `platform` (default: the step's), as a one-line error, or None."""
   head_width = cfg.d_model // cfg.num_heads
   if cfg.dtype not in ('bfloat16', 'float16'):
     return f"model.dtype={cfg.dtype!r}: model.attention='cudnn' needs bfloat16 or float16 compute"
@@ -122,9 +113,8 @@ def cudnn_unsupported(cfg, platform: str | None = None) -> str | None:
 
 
 def cudnn_segments(segment_ids_BxL, max_segments: int):
-  """Packed rows in cuDNN's form, M = max_segments + 1 slots per row: (seqlens_BxM, offsets_BxM1, overflow_B), the
-  length and start of each run of equal ids (each document, and the padding as a run of its own, so every token is
-  in one; -1 in unused slots and offsets' extra column), and the rows of more than M runs."""
+  """(seqlens_BxM, offsets_BxM1, overflow_B): length and start of each run of equal ids (padding is a run too) in
+  M = max_segments + 1 slots, -1 where unused, and the rows of more than M runs."""
   b, length = segment_ids_BxL.shape
   slots = max_segments + 1
   starts_BxL = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]], axis=1)
@@ -139,8 +129,7 @@ def cudnn_segments(segment_ids_BxL, max_segments: int):
 
 
 def cudnn_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, max_segments: int):
-  """cuDNN's fused flash attention, causal within each document given as offsets and lengths (never a dense mask).
-  A row of more than `max_segments` documents (the loader never makes one) comes out NaN: its step fails loudly."""
+  """cuDNN's flash attention over documents as offsets and lengths; a row of too many documents comes out NaN."""
   seqlens_BxM, offsets_BxM1, overflow_B = cudnn_segments(segment_ids_BxL, max_segments)
   seqlens_BxM, offsets_BxM1 = (nn.with_logical_constraint(x, ('act_batch', None)) for x in (seqlens_BxM, offsets_BxM1))
   module = _cudnn_module()
@@ -152,15 +141,13 @@ def cudnn_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, max_segmen
 
 
 def splash_block(length: int) -> int:
-  """Splash attention's tile: the largest of 512, 256, 128 that divides the length (0: none; keys need 128 lanes)."""
+  """Splash attention's tile: the largest of 512, 256, 128 that divides the length, else 0."""
   return next((b for b in (512, 256, 128) if length % b == 0), 0)
 
 
 def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
-  """The Pallas splash-attention kernel (causal, segment ids), interpreted off TPU, per device under shard_map (the
-  SPMD partitioner cannot split a kernel): rows over the batch axes (padded with empty rows to divide), heads over
-  theirs; heads that do not divide, or a sharded length, are a ValueError. q, k, v are sequence-minor (K×L tiles),
-  so a head width of 64 is not padded to the 128 lanes."""
+  """The Pallas splash-attention kernel, interpreted off TPU, per device under shard_map (the partitioner cannot
+  split a kernel). Sequence-minor tiles, so a head width of 64 is not padded to 128 lanes."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=import-outside-toplevel
   mesh, (batch, length, heads, _) = jax.sharding.get_abstract_mesh(), q_BxLxHxK.shape
   block, interpret = splash_block(length), _platform() != 'tpu'
@@ -198,9 +185,8 @@ def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
 
 def attention_flops(batch: int, length: int, heads: int, head_width: int, causal: bool = True,
                     train: bool = True) -> float:
-  """FLOPs of attention's two matmuls (Q·Kᵀ and P·V, 2 per multiply-add) for `batch` rows of `length`, per layer
-  (the compiler's count leaves out a Pallas kernel's own). causal: only the L(L+1)/2 pairs the mask keeps; else all
-  L². train: with the backward's four matmuls (twice the forward), without a flash kernel's recomputation of P."""
+  """FLOPs of one layer's Q·Kᵀ and P·V (the compiler does not count a Pallas kernel's); causal: the L(L+1)/2 pairs
+  only; train: with the backward's four matmuls, not a flash kernel's recomputation of P."""
   pairs = length * (length + 1) // 2 if causal else length * length
   forward = 2 * 2 * batch * heads * pairs * head_width
   return 3.0 * forward if train else float(forward)

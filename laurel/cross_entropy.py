@@ -1,9 +1,5 @@
-"""Next-token cross-entropy without the full logits (4 GiB of float32 per chip at Table 5's shape, plus their bf16
-copy and gradient): a scan over chunks of positions computes each chunk's logits once, and from them the loss and
-its gradients with respect to the hidden states and the output kernel (a custom VJP), so no chunk's logits outlive
-their iteration and the backward pass only scales the saved gradients. The label logit is a masked sum over the
-vocabulary (a one-hot contraction) on targets shifted by one, rather than a gather on sliced logits.
-"""
+"""Next-token cross-entropy without the full logits: a scan over chunks of positions computes each chunk's logits
+once, and from them the loss and its gradients (a custom VJP), so the backward pass only scales saved gradients."""
 
 import functools
 
@@ -14,8 +10,7 @@ from flax import linen as nn
 
 
 def shifted_targets(tokens_BxL, segment_ids_BxL):
-  """(targets, weights): position t predicts token t+1 of its own document, never padding (segment 0); the last
-  position has weight 0. Keeping length L (not L−1) lets the logits stay unsliced."""
+  """(targets, weights) of length L, so the logits stay unsliced: t predicts token t+1 of its document, not padding."""
   targets_BxL = jnp.pad(tokens_BxL[:, 1:], ((0, 0), (0, 1)))
   next_segment_BxL = jnp.pad(segment_ids_BxL[:, 1:], ((0, 0), (0, 1)))
   weights_BxL = ((next_segment_BxL == segment_ids_BxL) & (next_segment_BxL > 0)).astype(jnp.float32)
@@ -66,10 +61,8 @@ def _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 5, 6))
 def chunked(x_BxLxD, kernel, kernel_axes: str, targets_BxL, weights_BxL, chunk: int, dtype=None):
-  """(Σ weight·nll, Σ weight·[argmax = target]) over every position, with logits x·W computed `chunk` positions at
-  a time (0: all at once). `kernel` is the output projection, laid out as `kernel_axes` ('dv', or 'vd' for a tied
-  embedding), used in `dtype` (default: x's); matmuls accumulate in float32, as does the kernel's gradient. No
-  gradient flows to the targets or the weights."""
+  """(Σ weight·nll, Σ weight·[argmax = target]), logits x·W `chunk` positions at a time (0: all). `kernel` is laid out
+  as `kernel_axes` ('dv' or 'vd'), used in `dtype` (default: x's); matmuls accumulate in float32."""
   return _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype, grads=False)
 
 

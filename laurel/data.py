@@ -1,11 +1,5 @@
-"""LM input: documents -> tokens + EOS -> chunks of <= seq_len -> first-fit packing -> batches.
-
-Sources (`data.name`): 'c4' and 'corpus' (SentencePiece tokens; ArrayRecord shards written by scripts/prepare_c4.py
-or scripts/prepare_text.py in `path`, or for c4 a prepared TFDS C4 in `tfds_data_dir`), 'text' (files of a glob,
-byte tokens; a stable hash of each relative path holds out `validation_fraction` of them) and 'synthetic' (a tiny
-Markov language whose loss falls clearly; byte tokens). Nothing is downloaded. Batches are int32 (batch, seq_len)
-'tokens', 'segment_ids' (0 = padding, then one id per chunk) and 'positions' (restarting in each segment).
-"""
+"""LM input (docs/data.md): documents -> tokens + EOS -> chunks of <= seq_len -> first-fit packing -> batches of
+int32 'tokens', 'segment_ids' (0 = padding) and 'positions'. Nothing is downloaded."""
 
 import dataclasses
 import functools
@@ -68,14 +62,13 @@ class ByteTokenizer:
     return bytes(i - 1 for i in ids if 1 <= i <= 256).decode('utf-8', errors='replace')
 
   def document(self, text: str | bytes) -> np.ndarray:
-    """Tokens of one document, EOS appended; bytes are taken as they are (lossless)."""
+    """Tokens of one document, EOS appended."""
     data = text.encode('utf-8') if isinstance(text, str) else bytes(text)
     return np.append(np.frombuffer(data, np.uint8).astype(np.int32) + 1, np.int32(self.eos_id))
 
 
 class SentencePieceTokenizer:
-  """The model's own ids (T5's: pad 0, eos 1, unk 2); pickles as the model proto for grain's workers. A model
-  without a pad piece pads with 0: padding has segment_ids == 0, so it never reaches the loss."""
+  """The model's own ids; pickles as its proto for grain's workers; pads with 0 if the model has no pad piece."""
 
   def __init__(self, model_proto: bytes):
     import sentencepiece  # pylint: disable=g-import-not-at-top
@@ -111,14 +104,13 @@ def make_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
 
 
 def _glob_root(pattern: str) -> str:
-  """The directory before the first wildcard: relative paths (and so the split) do not depend on it."""
+  """The directory before the first wildcard, which relative paths (and so the split) do not depend on."""
   fixed = itertools.takewhile(lambda part: not glob.has_magic(part), pattern.split(os.sep)[:-1])
   return os.sep.join(fixed) or (os.sep if pattern.startswith(os.sep) else os.curdir)
 
 
 def installed_roots() -> list[tuple[str, str]]:
-  """(key prefix, folder) of the Python installed here: the standard library ('stdlib'), then each site-packages or
-  dist-packages folder on sys.path once ('site-packages'), in sys.path's order."""
+  """('stdlib', its folder), then ('site-packages', folder) of each site- or dist-packages on sys.path, once."""
   roots, seen = [('stdlib', sysconfig.get_paths()['stdlib'])], set()
   for folder in sys.path:
     real = os.path.realpath(folder or os.curdir)
@@ -129,9 +121,8 @@ def installed_roots() -> list[tuple[str, str]]:
 
 
 def python_sources(roots) -> tuple[tuple[str, str], ...]:
-  """(key, file) of every *.py under the (prefix, folder) roots, sorted by key (the prefix joined to the relative
-  path: the same on every host). A key under two roots keeps the first's file, as an import would; nested
-  site-packages are roots of their own, or not read."""
+  """(prefix/relative path, file) of every *.py under the roots, sorted; a key under two roots keeps the first's, as
+  an import would."""
   found = {}
   for prefix, root in roots:
     for folder, dirs, names in os.walk(root):
@@ -144,7 +135,7 @@ def python_sources(roots) -> tuple[tuple[str, str], ...]:
 
 @functools.lru_cache(maxsize=8)
 def _list_files(path: str) -> tuple[tuple[str, str], ...]:
-  """(key, file) sorted by key, the key being what the split hashes: a glob's path relative to its fixed part."""
+  """(key, file) sorted by key, the key (what the split hashes) being a path relative to the glob's fixed part."""
   if path == INSTALLED:
     return python_sources(installed_roots())
   if not path:
@@ -160,8 +151,7 @@ def _unit_hash(text: str) -> float:
 
 
 def split_files(path: str, validation_fraction: float) -> tuple[list[str], list[str]]:
-  """(train, validation) files, each sorted by key; a file is held out when its key's hash < fraction, and each
-  split keeps >= 1 file."""
+  """(train, validation) files, sorted by key; held out when its key's hash < fraction, >= 1 file in each."""
   keyed = sorted((_unit_hash(key), key, f) for key, f in _list_files(path))
   num_val = min(max(sum(h < validation_fraction for h, _, _ in keyed), 1), len(keyed) - 1)
   by_key = lambda part: [f for _, f in sorted((key, f) for _, key, f in part)]  # one order on every host
@@ -169,8 +159,7 @@ def split_files(path: str, validation_fraction: float) -> tuple[list[str], list[
 
 
 class SyntheticSource:
-  """Document i of a split: a walk, seeded by (split, i), on 64 random words with 2 successors each (~1 bit per
-  word), the same for every split. Deterministic and lazy."""
+  """Document i of a split: a walk, seeded by (split, i), on 64 random words with 2 successors each."""
 
   def __init__(self, num_docs: int, split: int):
     self._num_docs, self._split = num_docs, split
@@ -207,12 +196,12 @@ def _source(cfg: LMDataConfig, train: bool) -> grain.MapDataset:
 
 
 def _tokenize(tokenizer, record) -> np.ndarray:
-  """A record -> int32 tokens with EOS (bound with functools.partial: grain's worker processes pickle it)."""
+  """A record -> int32 tokens with EOS (a module function: grain's workers pickle it)."""
   return tokenizer.document(record['text'] if isinstance(record, dict) else record)
 
 
 class _Chunk(grain_exp.FlatMapTransform):
-  """Tokens -> [{'tokens': chunk}] with chunks of <= seq_len, so packing can place every token."""
+  """Tokens -> [{'tokens': chunk}] with chunks of <= seq_len."""
   max_fan_out = 1 << 20  # only read by the MapDataset flat map; the IterDataset one takes any count
 
   def __init__(self, seq_len: int):
@@ -229,9 +218,8 @@ def _rename(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
                process_count: int = 1, max_segments: int = 0) -> grain.IterDataset:
-  """Endless batches for one process: train shuffled with `seed` and reshuffled every epoch, else the validation
-  split in a fixed order. Document i of an epoch goes to process i % process_count. The iterator's state is
-  JSON-able. Rows hold at most `max_segments` chunks (0: as many as fit)."""
+  """Endless batches for one process (document i of an epoch to process i % process_count): train reshuffled every
+  epoch, validation in a fixed order. Rows hold at most `max_segments` chunks (0: as many as fit)."""
   cfg = build(LMDataConfig, data_cfg, 'data')
   tokenizer = make_tokenizer(cfg)
   ds = _source(cfg, train)
@@ -252,18 +240,21 @@ def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_ind
   return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch) if cfg.prefetch else ds
 
 
-def _vocab_size(cfg: LMDataConfig) -> int:
-  """The tokenizer's vocabulary size; a one-line InputError if its model cannot be read."""
+def _check_vocab(cfg: LMDataConfig, vocab_size: int | None, context: str = '') -> None:
+  """An InputError if the tokenizer's model cannot be read or its vocabulary is larger than `vocab_size`."""
   try:
-    return make_tokenizer(cfg).vocab_size
+    tokenizer_vocab = make_tokenizer(cfg).vocab_size
   except InputError:
     raise
   except Exception as e:  # pylint: disable=broad-except  # any filesystem's error, or sentencepiece's for a non-model
     require(False, 'data.vocab_path', cfg.vocab_path, f'cannot read a SentencePiece model: {io_error_reason(e)}')
+  if vocab_size is not None:
+    require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,
+            f"smaller than the tokenizer's {tokenizer_vocab}{context}")
 
 
 def validate(data_cfg, vocab_size: int) -> LMDataConfig:
-  """One-line InputErrors naming the bad field, before anything is traced or read in bulk."""
+  """One-line InputErrors naming the bad field, before anything is read in bulk."""
   cfg = build(LMDataConfig, data_cfg, 'data')
   fail = lambda name, why: require(False, f'data.{name}', getattr(cfg, name), why)
   if cfg.name == 'text':
@@ -280,9 +271,7 @@ def validate(data_cfg, vocab_size: int) -> LMDataConfig:
     fail('vocab_path', f'{cfg.name} needs a SentencePiece model')
   if cfg.vocab_path.startswith('gs://') and cfg.name in SENTENCEPIECE_SOURCES:
     return cfg  # checked by check_available: GCS may only be reachable from the training hosts
-  tokenizer_vocab = _vocab_size(cfg)
-  require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,
-          f"smaller than the tokenizer's {tokenizer_vocab}")
+  _check_vocab(cfg, vocab_size)
   return cfg
 
 
@@ -310,8 +299,7 @@ def num_records(shards: list[str]) -> int:
 
 
 def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
-  """<data_dir>/<name>/<version> of a prepared TFDS dataset: the version pinned in `name` ('c4/en:3.0.1'), else the
-  newest there; None if there is none. data_dir '' is TFDS's default."""
+  """<data_dir>/<name>/<version> of a prepared TFDS dataset, the version pinned in `name` or the newest; or None."""
   constants = optional_import('tensorflow_datasets.core.constants', 'tfds', f'data.tfds_data_dir={data_dir!r}')
   name, _, version = name.partition(':')
   root = epath.Path(os.path.expanduser(data_dir or constants.DATA_DIR)) / name
@@ -322,8 +310,7 @@ def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
 
 
 def check_tfds(cfg, prepare: str) -> None:
-  """`cfg`'s TFDS dataset (tfds_name, tfds_data_dir, train_split, eval_split) is prepared in ArrayRecord files;
-  else a one-line InputError, saying how to `prepare` it where it is missing."""
+  """An InputError unless `cfg`'s TFDS dataset and splits are prepared in ArrayRecord files."""
   found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
   require(found is not None, 'data.tfds_data_dir', cfg.tfds_data_dir, f'no prepared {cfg.tfds_name} in '
           f'{cfg.tfds_data_dir or "$TFDS_DATA_DIR or ~/tensorflow_datasets"}; {prepare}')
@@ -339,8 +326,7 @@ def check_tfds(cfg, prepare: str) -> None:
 
 
 def check_available(data_cfg, vocab_size: int | None = None) -> None:
-  """The source's data and vocabulary exist and can be read (gs:// included), and the vocabulary fits `vocab_size`;
-  else a one-line InputError naming the path and how to prepare what is missing. Never downloads."""
+  """An InputError unless the data and vocabulary can be read (gs:// included) and the vocabulary fits."""
   cfg = build(LMDataConfig, data_cfg, 'data')
   if cfg.name not in SENTENCEPIECE_SOURCES:
     return
@@ -356,7 +342,5 @@ def check_available(data_cfg, vocab_size: int | None = None) -> None:
               f'its {cfg.name}-{split} shards hold no documents: nothing to train or evaluate on')
   else:
     check_tfds(cfg, f'convert C4 with {prepare.format("DIR")} and set --config.data.path=DIR')
-  tokenizer_vocab = _vocab_size(cfg)
-  if vocab_size is not None:  # validate() leaves a gs:// vocabulary to this check, where GCS is reachable
-    require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,
-            f"smaller than the tokenizer's {tokenizer_vocab} (data.vocab_path={cfg.vocab_path!r})")
+  # validate() leaves a gs:// vocabulary to this check, where GCS is reachable
+  _check_vocab(cfg, vocab_size, f' (data.vocab_path={cfg.vocab_path!r})')

@@ -2,10 +2,6 @@
 
   python -m laurel.generate --workdir=DIR --prompt=TEXT [--prompt=TEXT ...] [--max_new_tokens=N]
       [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] [--nocache]
-
-Prompts of different lengths form one batch, right-padded: row b's token t sits at position t, and one prefill
-writes every prompt's keys and values, then each row decodes at its own position. --nocache recomputes the whole
-forward pass for every new token.
 """
 
 import dataclasses
@@ -25,8 +21,7 @@ FLAGS = flags.FLAGS
 
 
 def sample(logits_BxV, rng, temperature: float, top_k: int = 0, top_p: float = 1.0):
-  """Next tokens: argmax at temperature 0; else a draw from softmax(logits / T) restricted to the top k and
-  to the smallest set of tokens whose probability reaches top_p (nucleus)."""
+  """Next tokens: argmax at temperature 0, else drawn from softmax(logits / T) within the top k and top p."""
   if temperature == 0:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
   logits_BxV = logits_BxV.astype(jnp.float32) / temperature
@@ -42,8 +37,8 @@ def sample(logits_BxV, rng, temperature: float, top_k: int = 0, top_p: float = 1
 
 
 def decode_step_costs(model_cfg: lm.LMConfig, batch: int, length: int) -> tuple[float, float]:
-  """XLA's (FLOPs, bytes accessed) of one decode step of `batch` tokens against a cache of `length`, compiled from
-  shapes alone with the layers unrolled (XLA counts a scanned body once)."""
+  """XLA's (FLOPs, bytes accessed) of one decode step against a cache of `length`; layers unrolled, as XLA counts a
+  scanned body once."""
   step, variable_shapes = _decoder(dataclasses.replace(model_cfg, scan_layers=False))
   variables, token = variable_shapes(batch, length), jax.ShapeDtypeStruct((batch, 1), jnp.int32)
   return hardware.xla_costs(step.lower(variables['params'], variables['cache'], token, token).compile())
@@ -51,8 +46,7 @@ def decode_step_costs(model_cfg: lm.LMConfig, batch: int, length: int) -> tuple[
 
 @functools.lru_cache(maxsize=4)
 def _decoder(model_cfg: lm.LMConfig):
-  """(its jitted apply with the cache, variable_shapes(batch, length)), kept across calls so that a batch of a shape
-  seen before runs without compiling again."""
+  """(jitted apply with the cache, variable_shapes(batch, length)), cached so that a seen shape is not recompiled."""
   model = lm.LM(model_cfg, decode=True)
 
   @jax.jit  # params are arguments: closed over, they would be constants of the compiled program
@@ -69,9 +63,8 @@ def _decoder(model_cfg: lm.LMConfig):
 
 def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_tokens: int, *, temperature=0.0,
              top_k=0, top_p=1.0, seed=0, use_cache=True, pad_id=0, prefill_len=0) -> tuple[np.ndarray, np.ndarray]:
-  """(new tokens (B, max_new_tokens), the logits that chose them (B, max_new_tokens, V)) for each prompt.
-  `prefill_len` (at least the longest prompt; 0: the longest prompt) fixes the prefill's shape, so that callers
-  that bucket their prompts (laurel.harness) compile once per bucket."""
+  """(new tokens (B, N), the logits that chose them (B, N, V)); prompts are right-padded, each row decoding at its
+  own position. `prefill_len` (0: the longest prompt) fixes the prefill's shape, to compile once per bucket."""
   lengths_B = np.array([len(p) for p in prompts], np.int32)
   if lengths_B.min() < 1:
     raise InputError('prompt: empty after tokenisation')
@@ -110,7 +103,7 @@ def generate(model_cfg: lm.LMConfig, params, prompts: list[list[int]], max_new_t
 
 
 def until_eos(ids, eos_id: int) -> tuple[list[int], bool]:
-  """(the tokens before the first end of document, whether there was one): a continuation ends with its document."""
+  """(the tokens before the first end of document, whether there was one)."""
   ids = [int(i) for i in ids]
   return (ids[:ids.index(eos_id)], True) if eos_id in ids else (ids, False)
 
@@ -134,7 +127,7 @@ def main():
   print(f'checkpoint {step} of {FLAGS.workdir}', file=sys.stderr)
   for i, (prompt, row) in enumerate(zip(FLAGS.prompt, new_BxN)):
     ids, ended = until_eos(row, tokenizer.eos_id)
-    # A header names each sample, as its text may span several lines: `=== 1/2 | prompt 'def ' | 64 new tokens`.
+    # A header per sample, as its text may span several lines
     print(f'=== {i + 1}/{len(FLAGS.prompt)} | prompt {prompt!r} | {len(ids)} new tokens'
           + (' (then the end of the document)' if ended else ''))
     print(prompt + tokenizer.decode(ids))

@@ -1,8 +1,5 @@
-"""Image classification input on grain: ImageNet through TFDS (prepared ArrayRecord files, never downloaded), or
-synthetic learnable images. Batches of this process's shard: {'images': float32 (b, S, S, 3) normalised with the
-ImageNet mean/std, 'labels': int32 (b,)}. ImageNet train: torchvision's RandomResizedCrop and a flip, seeded per
-element; eval: the centre crop of `eval_crop_fraction` of the shorter side, resized to S.
-"""
+"""Image classification input on grain: ImageNet through TFDS (prepared, never downloaded) or synthetic images, as
+batches {'images': float32 (b, S, S, 3) normalised, 'labels': int32 (b,)}."""
 
 import dataclasses
 import io
@@ -43,7 +40,7 @@ class ImageDataConfig:
 
 
 def check_available(data_cfg) -> None:
-  """ImageNet's prepared ArrayRecord files are where the config says (never downloaded); one-line InputError."""
+  """An InputError unless ImageNet's prepared ArrayRecord files are where the config says."""
   cfg = build(ImageDataConfig, data_cfg, 'data')
   if cfg.name == 'imagenet':
     data.check_tfds(cfg, f'prepare it with tfds build {cfg.tfds_name} --manual_dir=<ILSVRC2012 tars> '
@@ -55,8 +52,7 @@ def normalize(image_HxWx3: np.ndarray) -> np.ndarray:
 
 
 def random_crop_box(height, width, rng, min_area, max_ratio):
-  """(left, top, right, bottom) of torchvision's RandomResizedCrop: area share in [min_area, 1], log-uniform aspect
-  ratio, ten tries, then the whole image clamped to the allowed aspect ratios."""
+  """(left, top, right, bottom) of torchvision's RandomResizedCrop: ten tries, then the whole image clamped."""
   log_ratio = (-math.log(max_ratio), math.log(max_ratio))
   for _ in range(10):
     area = height * width * rng.uniform(min_area, 1.0)
@@ -78,8 +74,7 @@ def centre_crop_box(height, width, fraction):
 
 @dataclasses.dataclass(frozen=True)
 class CropTransform(grain.transforms.RandomMap):
-  """TFDS's decoded uint8 image (or encoded bytes) -> RGB, cropped (train: a random-resized crop, then a flip;
-  eval: the centre crop), resized to S×S and normalised."""
+  """TFDS's image (decoded or encoded) -> cropped (train: random-resized, flipped; eval: centre), S×S, normalised."""
   cfg: ImageDataConfig
   train: bool
 
@@ -101,7 +96,7 @@ class CropTransform(grain.transforms.RandomMap):
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticExample(grain.transforms.Map):
-  """Index -> a deterministic learnable example: class colour + class stripe orientation/frequency + noise."""
+  """Index -> a deterministic learnable example: class colour and stripes, plus noise."""
   cfg: ImageDataConfig
   split: int  # 0 train, 1 eval: disjoint generator streams
 
@@ -130,8 +125,8 @@ def _source(cfg: ImageDataConfig, train: bool) -> grain.MapDataset:
 
 def image_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_index: int = 0,
                   process_count: int = 1, num_epochs: int | None = None) -> grain.IterDataset:
-  """Shuffled (train: the same permutation on every process, another each epoch), sharded, repeated (forever unless
-  num_epochs is set), decoded and augmented, batched; the iterators checkpoint with get_state/set_state."""
+  """Shuffled (train: one permutation on every process, another each epoch), sharded, repeated (forever unless
+  num_epochs is set), decoded and augmented, batched."""
   cfg = build(ImageDataConfig, data_cfg, 'data')
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index}: must be in [0, process_count={process_count})')

@@ -1,8 +1,5 @@
 """Decoder-only transformer LM whose residual stream is one design of laurel.designs (`model.stream.design`).
 
-Pre- or post-norm blocks of causal attention (laurel.attention) and a GELU or SwiGLU MLP, RoPE or learned positions,
-tied or untied embeddings; the design's sites (per block, per sublayer, or on attention only) form one chain, its
-weights outside the layer scan. Orthogonal to it: value residual (ResFormer) and ResidualTransformer's weight sharing.
 Shapes: B batch, L length, D model width, H heads, K head width, F MLP width, V vocabulary, N layers, G groups.
 """
 
@@ -19,12 +16,10 @@ from laurel import designs
 from laurel.attention import ATTENTION, attend
 from laurel.designs.buffer import stack_rebuilding_buffer
 from laurel.designs.laurel import LaurelSpec
-from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number,
-                               one_of, require)
+from laurel.config_lib import BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number, one_of, require
 
-# What the backward pass keeps of a layer (`model.remat`), the rest recomputed; names are checkpoint_name's below (q,
-# k, v after RoPE, attention's output before and after its projection, the MLP's input and its hidden activation
-# before the nonlinearity). 'minimal' saves every projection the backward reads (as dots_no_batch does, by name).
+# What the backward pass keeps of a layer (`model.remat`), by checkpoint_name's names below; the rest is recomputed.
+# 'minimal' saves every projection the backward reads (as dots_no_batch does, by name).
 _saving = jax.checkpoint_policies.save_only_these_names
 _QKV = ('query_proj', 'key_proj', 'value_proj')
 REMAT_POLICIES = {'none': None, 'full': jax.checkpoint_policies.nothing_saveable,
@@ -37,8 +32,7 @@ REMAT_POLICIES = {'none': None, 'full': jax.checkpoint_policies.nothing_saveable
 
 @dataclasses.dataclass(frozen=True)
 class ShareSpec:
-  """`model.share`: ResidualTransformer (arXiv 2310.02489, §3.2–3.3). Groups of K consecutive layers share every
-  attention and MLP matrix W; layer l uses W + A_l·B_l + D_l (rank R, and a diagonal; norms stay per layer)."""
+  """`model.share`: ResidualTransformer (arXiv 2310.02489): K layers share W; layer l uses W + A_l·B_l + D_l."""
   group_size: int = field(1, POSITIVE_INT)  # K; 1 = no sharing
   rank: int = field(16, POSITIVE_INT)  # R
   diagonal: bool = field(True, BOOL)  # D_l
@@ -67,8 +61,7 @@ class LMConfig:
   loss_chunk: int = field(256, NON_NEGATIVE_INT, resumable=True)
   attention: str = field('xla', one_of(*ATTENTION))
   attention_scores: str = field('float32', one_of('float32', 'bfloat16'))  # L×L scores of the xla path and decoding
-  # Most documents the loader packs into one row (grain's max_sequences_per_bin); 0 = as many as fit. cudnn attention
-  # needs a bound: it keeps softmax statistics for max_segments + 1 runs per row (the documents and the padding).
+  # Most documents the loader packs into a row, 0 = as many as fit; cudnn attention needs a bound (state per document).
   max_segments: int = field(0, NON_NEGATIVE_INT)
   stream: Any = designs.stream_field(LaurelSpec())  # the residual design's config (laurel.designs)
   value_residual: bool = field(False, BOOL)  # ResFormer (arXiv 2410.17897)
@@ -112,8 +105,7 @@ class LMConfig:
 
 
 def layer_kernels(cfg: LMConfig) -> dict:
-  """name -> (shape, logical axes, input axes, init scale) of every matrix of a layer: the one place they are
-  declared, for Dense and for ResidualTransformer's shared copies (SharedKernels)."""
+  """name -> (shape, logical axes, input axes, init scale) of every matrix of a layer."""
   h, k, d, f = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.d_model, cfg.d_ff
   out_scale = 1.0 / (2 * cfg.num_layers)  # keeps the residual stream's variance flat with depth
   qkv = ((d, h, k), ('embed', 'heads', 'kv'), 1, 1.0)
@@ -125,12 +117,11 @@ def layer_kernels(cfg: LMConfig) -> dict:
 
 
 def _param(module, name, init, shape, axes):
-  """A parameter of `module` (whose `cfg` gives its dtype) with its logical axes."""
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, DTYPES[module.cfg.param_dtype])
 
 
 def kernel_param(module, name, spec, stack=0):
-  """A kernel of `spec`, or `stack` of them along a leading 'layers' axis, each initialised as one."""
+  """A kernel of `spec`, or `stack` of them along a leading 'layers' axis."""
   shape, names, n_in, scale = spec
   lead = (stack,) if stack else ()
   axes = lambda lo, hi: tuple(range(len(lead) + lo, len(lead) + hi))
@@ -140,15 +131,13 @@ def kernel_param(module, name, spec, stack=0):
 
 
 class Dense(nn.Module):
-  """Bias-free map of x's last `spec[2]` axes by a kernel of `spec` (layer_kernels' form; flax's DenseGeneral
-  initialises a flattened kernel, which breaks logical sharding)."""
+  """Bias-free map of x's last `spec[2]` axes (flax's DenseGeneral flattens its kernel: no logical sharding)."""
   spec: tuple
   cfg: LMConfig
 
   @nn.compact
   def __call__(self, x, out_scale=None, shared=None):
-    """`out_scale` (a scalar, or a vector over the last output axis) multiplies the kernel, not the output.
-    `shared`: ResidualTransformer's kernel of this layer's group, to which the layer adds its own A·B + D."""
+    """`out_scale` multiplies the kernel, not the output; `shared`: the group's kernel, plus this layer's delta."""
     n_in, dtype = self.spec[2], DTYPES[self.cfg.dtype]
     kernel = kernel_param(self, 'kernel', self.spec) if shared is None else shared + self.layer_delta()
     kernel = kernel if out_scale is None else kernel * out_scale
@@ -156,8 +145,7 @@ class Dense(nn.Module):
     return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
 
   def layer_delta(self):
-    """ResidualTransformer's A_l·B_l + D_l over the kernel seen as an M×N matrix (§3.3; D_l is M×N diagonal).
-    B = D = 0 at init (A as a fan-in normal): the layers of a group start equal, as weight sharing alone."""
+    """A_l·B_l + D_l over the kernel as an M×N matrix; B = D = 0 at init, so a group's layers start equal."""
     (shape, names, n_in, _), rank = self.spec, self.cfg.share.rank
     m, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
     a_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=tuple(range(n_in)))
@@ -185,10 +173,8 @@ def rope(x_BxLxHxK, positions_BxL, base):
 
 
 class Attention(nn.Module):
-  """Causal multi-head attention over packed segments -> (output, V_1). The input is one normed x, or a (query, key,
-  value) triple of normed inputs, each with its own kernel (MUDDFormer, DCA). With `value_residual`, ResFormer's
-  (arXiv 2410.17897, §3) values V'_n = λ_1·V_1 + λ_2·V_n for layers n > 1, V_1 being layer 0's v, λ learned from
-  ½ each (the paper's U_n = ½·A_n(V_n + V_1)); the KV cache holds k and v as mixed, so decoding needs no more."""
+  """Causal attention over packed segments -> (output, V_1); x may be a (query, key, value) triple (MUDDFormer, DCA).
+  With `value_residual` (ResFormer), later layers use V'_n = λ_1·V_1 + λ_2·V_n (V_1: the first layer's, λ from ½)."""
   cfg: LMConfig
 
   @nn.compact
@@ -206,8 +192,7 @@ class Attention(nn.Module):
     if cfg.positional == 'rope':
       q_BxLxHxK, k_BxLxHxK = (rope(x, positions_BxL, cfg.rope_base) for x in (q_BxLxHxK, k_BxLxHxK))
     q_BxLxHxK = nn.with_logical_constraint(q_BxLxHxK, ('act_batch', 'act_len', 'act_heads', None))
-    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (checkpoint_name(a, f'{n}_proj') for a, n in (
-        (q_BxLxHxK, 'query'), (k_BxLxHxK, 'key'), (v_BxLxHxK, 'value')))
+    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = map(checkpoint_name, (q_BxLxHxK, k_BxLxHxK, v_BxLxHxK), _QKV)
     if decode:  # keys and values of every position so far live in the cache; row b's token t sits at slot t
       k_BxSxHxK, v_BxSxHxK = self.cached(k_BxLxHxK, v_BxLxHxK, positions_BxL)
       slots_S = jnp.arange(k_BxSxHxK.shape[1])  # the reference path: fused kernels take training shapes
@@ -220,7 +205,7 @@ class Attention(nn.Module):
     return checkpoint_name(out_BxLxD, 'out_proj'), first_values
 
   def cached(self, k_BxLxHxK, v_BxLxHxK, positions_BxL):
-    """The 'cache' collection (sized by the first call) with the new keys and values written at their positions."""
+    """The 'cache' collection (sized by the first call) with the new keys and values written in."""
     cache = lambda name, x: self.variable('cache', name, jnp.zeros, x.shape, x.dtype)
     keys, values = cache('keys', k_BxLxHxK), cache('values', v_BxLxHxK)
     rows_Bx1 = jnp.arange(k_BxLxHxK.shape[0])[:, None]
@@ -243,8 +228,7 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """Attention and MLP around the design's sites. Carry: (the design's carry, value residual's V_1); `layer_xs`:
-  (layer index, its slice of the chain weights); `shared_G`: every group's SharedKernels, of which it takes its own."""
+  """Attention and MLP around the design's sites. Carry: (design carry, V_1); `layer_xs`: (index, chain slice)."""
   cfg: LMConfig
   decode: bool = False
 
@@ -271,9 +255,8 @@ class Block(nn.Module):
     return (stream, values), None
 
   def sublayers(self, attn_f, mlp_f):
-    """{sublayer: (f, norm_in, norm_out)}: f(x, xn, scale) = scale·f(x) reads xn = norm_in(x), norm_out follows the
-    sum (one of the two an identity). The scale multiplies f's last kernel, so autodiff keeps no activation for it;
-    when decoding, f's output (a scale folded into a kernel costs a multiply per entry)."""
+    """{sublayer: (f, norm_in, norm_out)}: f(x, xn, scale) = scale·f(x), one norm an identity. The scale goes into
+    f's last kernel (autodiff keeps no activation for it), but onto f's output when decoding (cheaper per token)."""
     cfg = self.cfg
     norm_attn, norm_mlp = _norm(cfg, 'norm_attn'), _norm(cfg, 'norm_mlp')
     if self.decode:
@@ -297,8 +280,7 @@ class Block(nn.Module):
 
 
 class SharedKernels(nn.Module):
-  """ResidualTransformer's shared weights (arXiv 2310.02489, §3.2): each attention and MLP kernel W_g once per group,
-  stacked; the layers stay one scan taking their group's W_g (a scan of K-block groups keeps K blocks' activations)."""
+  """ResidualTransformer's W_g of each group, stacked, so the layers stay one scan."""
   cfg: LMConfig
 
   @nn.compact
@@ -310,38 +292,33 @@ class SharedKernels(nn.Module):
 
 
 def output_kernel(cfg: LMConfig, params) -> tuple[jax.Array, str]:
-  """(the vocabulary projection's kernel, its einsum axes): the tied embedding (V×D) or the unembedding (D×V)."""
+  """(the vocabulary projection's kernel, its einsum axes 'vd' or 'dv')."""
   return (params['embed']['embedding'], 'vd') if cfg.tie_embeddings else (params['unembed']['kernel'], 'dv')
 
 
 class LM(nn.Module):
-  """`LM(cfg).apply(variables, tokens_BxL, positions_BxL, segment_ids_BxL)` -> float32 logits (B, L, V). decode=True
-  reads and writes a KV cache (the mutable 'cache'): prefill, then a token per row at its own position (generate)."""
+  """-> float32 logits (B, L, V), or with hidden=True the final-normed (B, L, D) (laurel.cross_entropy projects them).
+  decode=True reads and writes a KV cache (the mutable 'cache')."""
   cfg: LMConfig
   decode: bool = False
 
   @nn.compact
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, hidden=False):
-    """hidden=True returns the final-normed hidden states (B, L, D) instead, for a loss that projects them onto the
-    vocabulary itself (laurel.cross_entropy, with `output_kernel`)."""
     cfg, (b, length), (design, spec) = self.cfg, tokens_BxL.shape, designs.select(self.cfg)
     positions_BxL = jnp.broadcast_to(jnp.arange(length), (b, length)) if positions_BxL is None else positions_BxL
     segment_ids_BxL = jnp.ones((b, length), jnp.int32) if segment_ids_BxL is None else segment_ids_BxL
+    embed_init = nn.initializers.normal(cfg.d_model ** -0.5)
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                     embedding_init=nn.with_logical_partitioning(
-                         nn.initializers.normal(cfg.d_model ** -0.5), ('vocab', 'embed')), name='embed')
-    # The lookup reads a table whose embed axis is gathered first: from an fsdp-sharded one, XLA's SPMD partitioner
-    # replicates the gathered rows before sharding them by batch ("involuntary full rematerialization").
+                     embedding_init=nn.with_logical_partitioning(embed_init, ('vocab', 'embed')), name='embed')
+    # Gathering the embed axis first: from an fsdp-sharded table XLA would replicate the looked-up rows.
     table_VxD = nn.with_logical_constraint(embed.embedding.astype(DTYPES[cfg.dtype]), ('vocab', None))
     x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     if cfg.positional == 'learned':
-      pos_embed = _param(self, 'pos_embed', nn.initializers.normal(cfg.d_model ** -0.5),
-                         (cfg.max_len, cfg.d_model), (None, 'embed'))
+      pos_embed = _param(self, 'pos_embed', embed_init, (cfg.max_len, cfg.d_model), (None, 'embed'))
       x_BxLxD = x_BxLxD + pos_embed[positions_BxL].astype(x_BxLxD.dtype)
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ('act_batch', 'act_len', 'act_embed'))
-    values_BxLxHxK = None  # value residual's V_1
-    if cfg.value_residual:
-      values_BxLxHxK = jnp.zeros((b, length, cfg.num_heads, cfg.d_model // cfg.num_heads), DTYPES[cfg.dtype])
+    head_shape = (b, length, cfg.num_heads, cfg.d_model // cfg.num_heads)
+    values_BxLxHxK = jnp.zeros(head_shape, DTYPES[cfg.dtype]) if cfg.value_residual else None  # V_1
     chain_N = design.chain(spec, cfg.num_layers, cfg.sites_per_layer, cfg.d_model, DTYPES[cfg.param_dtype],
                            name=design.chain.module_name)()
     layer_xs = (jnp.arange(cfg.num_layers), chain_N)
@@ -371,8 +348,6 @@ class LM(nn.Module):
     x_BxLxD = design.read_out(spec, carry[0], _norm(cfg, 'final_norm'))
     if hidden:
       return x_BxLxD
-    if cfg.tie_embeddings:
-      logits_BxLxV = embed.attend(x_BxLxD)
-    else:
-      logits_BxLxV = Dense(((cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), 1, 1.0), cfg, name='unembed')(x_BxLxD)
+    unembed = Dense(((cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), 1, 1.0), cfg, name='unembed')
+    logits_BxLxV = embed.attend(x_BxLxD) if cfg.tie_embeddings else unembed(x_BxLxD)
     return nn.with_logical_constraint(logits_BxLxV.astype(jnp.float32), ('act_batch', 'act_len', 'act_vocab'))

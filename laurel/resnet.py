@@ -1,15 +1,6 @@
-"""Bottleneck ResNet (ResNet-50 by default) whose residual connections are sites of a residual design.
+"""Bottleneck ResNet v1.5 (stride on the 3×3; ResNet-50 by default), each block's residual a site of a residual design:
+`relu(site(α·f(x), x=shortcut(x)))`. Each stage is one chain, as shapes change between stages.
 
-He et al. 2016, "v1.5" (stride on the 3×3): stem 7×7/2 conv + BN + ReLU + max-pool 3×3/2; bottleneck blocks
-1×1 f → 3×3 f → 1×1 4f with BN after each conv (the last one's scale starts at 0) and a 1×1 conv + BN on the
-shortcut where the shape changes; global average pool, Dense head. Stage s has f = base_width·2^s. At the
-defaults: 25,557,032 parameters and 53,120 batch statistics, as the reference.
-
-One site per block (`model.stream.design`: LAuReL, ReZero or LayerScale, laurel.designs), `relu(f(x) + shortcut(x))`
--> `relu(site(α·f(x), x=shortcut(x)))` with D = 4f, so LAuReL adds exactly `closed_form_params(spec, 4f)` per block.
-Each stage is one chain: other stages' activations have other shapes, so PA's sums restart at every stage and block
-j of a stage receives min(j, k−1) earlier terms (the entries whose terms fall past a stage's end get no gradient).
-BatchNorm's running statistics are the 'batch_stats' collection; under jax.jit it reduces over the global batch.
 Shapes: B batch, H×W spatial, C channels, K classes.
 """
 
@@ -49,7 +40,7 @@ class ResNetConfig:
 
   @property
   def block_channels(self) -> tuple:
-    """Output channels 4f of every block in order; the LAuReL width D of each site."""
+    """Output channels 4f of every block in order: each site's D."""
     return tuple(EXPANSION * self.base_width * 2 ** s for s, n in enumerate(self.stage_sizes) for _ in range(n))
 
   def check(self, prefix: str) -> None:
@@ -90,8 +81,7 @@ def _bn(cfg, train, name, zero_scale=False):
 
 
 class Bottleneck(nn.Module):
-  """1×1 f → 3×3 f (stride) → 1×1 4f around a residual site. Carries the design's carry; `start`: a stage's first
-  block, which gets x and starts the stage's chain from its shortcut."""
+  """1×1 f → 3×3 f (stride) → 1×1 4f around a site; `start`: a stage's first block, which gets x, not a carry."""
   cfg: ResNetConfig
   width: int  # f
   strides: int
@@ -114,8 +104,7 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-  """`ResNet(cfg).apply(variables, images_BxHxWx3, train)` -> float32 logits (B, num_classes); train=True
-  normalises with batch statistics and needs `mutable=['batch_stats']` to update the running ones."""
+  """-> float32 logits (B, K); train=True needs `mutable=['batch_stats']`."""
   cfg: ResNetConfig
 
   @nn.compact

@@ -10,9 +10,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from laurel.config_lib import InputError
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
-# Logical axis -> mesh axes. Parameters shard over fsdp (and tensor for the wide dims); activations shard their
-# batch over data x fsdp. Each residual design adds its own (laurel.designs.logical_axis_rules); override
-# `logical_axis_rules` in a config to try other layouts.
+# Logical axis -> mesh axes; each residual design adds its own (laurel.designs.logical_axis_rules), and a config may
+# override `logical_axis_rules`.
 LOGICAL_AXIS_RULES = (
     ('act_batch', ('data', 'fsdp')), ('act_len', None), ('act_embed', None), ('act_heads', 'tensor'),
     ('act_mlp', 'tensor'), ('act_vocab', 'tensor'), ('act_channels', None), ('embed', 'fsdp'), ('vocab', 'tensor'),
@@ -21,7 +20,7 @@ LOGICAL_AXIS_RULES = (
 
 
 def num_params(tree) -> int:
-  """How many numbers a tree of arrays (or of shapes) holds: the one parameter count every report uses."""
+  """How many numbers a tree of arrays (or of shapes) holds."""
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
@@ -46,7 +45,7 @@ def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
 
 
 def logical_shardings(abstract_boxed_tree, mesh, rules):
-  """NamedShardings for a tree whose leaves may be flax `nn.Partitioned` boxes (unboxed structure)."""
+  """NamedShardings for a tree whose leaves may be flax `nn.Partitioned` boxes."""
   return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed_tree), mesh, rules)
 
 

@@ -1,4 +1,4 @@
-"""Task definitions: what the one train loop needs from a model family (model, loss, metrics, data)."""
+"""What the one train loop needs from a model family: model, loss, metrics, data."""
 
 import dataclasses
 
@@ -13,18 +13,12 @@ from laurel.config_lib import DTYPES, InputError, build
 
 
 class Task:
-  """What the train step and loop (laurel.step, laurel.train) ask of a model family: `config` (the typed
-  step.TrainConfig once step.validate_config built it), its typed `model_cfg` and `data_cfg`, the `model`, and
-    validate(), check_data()      one-line InputErrors: the sections' cross checks; the data can be read
-    unused_fields()               {dotted field: why it changes nothing here}
-    sharded_sizes()               logical axis -> (its config field, size)
-    laurel_site_widths()          D of every LAuReL site, for parameter accounting
-    num_params(params)            of a tree of the model's parameters (or shapes), the one count
-    units_per_example(), model_flops(batch_size), example_batch(batch_size), init(rng, batch)
-    least_step_bytes(batch_size)  memory the step must hold at once on this host, known before compiling
-    loss(params, model_state, batch, train) -> (loss, (metrics, model_state))
-    dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset
-  Each metric is a (sum, weight) pair, so train and eval report sum/weight however many batches or devices."""
+  """A model family as laurel.step and laurel.train use it: `config`, typed `model_cfg` and `data_cfg`, `model`, and
+    validate(), check_data()  one-line InputErrors: the sections' cross checks; the data can be read
+    unused_fields() -> {field: why}, sharded_sizes() -> {logical axis: (field, size)}, laurel_site_widths(),
+    num_params(params), units_per_example(), model_flops(b), example_batch(b), init(rng, batch), least_step_bytes(b),
+    dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset,
+    loss(params, model_state, batch, train) -> (loss, (metrics, model_state)), each metric a (sum, weight) pair."""
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
 
   def __init__(self, config, model_config, data_config, model):
@@ -85,31 +79,26 @@ class LMTask(Task):
     return [self.model_cfg.d_model] * self.model_cfg.num_sites
 
   def num_params(self, params) -> int:
-    """Less a design's scan padding: stored parameters that are structurally 0."""
+    """Less a design's scan padding (stored parameters that are structurally 0)."""
     m = self.model_cfg
     return sharding.num_params(params) - designs.REGISTRY[m.stream.design].padded_params(m.stream, m.num_layers,
                                                                                            m.d_model)
 
   def least_step_bytes(self, batch_size: int) -> int:
-    """One layer's L×L attention scores over `batch_size` rows, on the paths that hold them (xla, dot_product)."""
+    """Memory known before compiling: one layer's L×L scores, on the paths that hold them."""
     cfg, seq_len = self.model_cfg, self.data_cfg.seq_len
     if attention.attention_impl(cfg, seq_len) not in ('xla', 'dot_product'):
       return 0
     return batch_size * cfg.num_heads * seq_len**2 * jnp.dtype(DTYPES[cfg.attention_scores]).itemsize
 
   def model_flops(self, batch_size: int) -> float:
-    """PaLM's model FLOPs (Chowdhery et al. 2022, appendix B): 6N + 12·L·H·Q·T per token, T the sequence
-    length. N counts every parameter that multiplies an activation: all of them but the lookup tables (an
-    untied input embedding, learned positions); a tied embedding counts once, as the output projection. Shared
-    weights (ResidualTransformer) count once per layer that multiplies by them."""
+    """PaLM's model FLOPs (appendix B): 6N + 12·L·H·Q·T per token, N the parameters that multiply an activation (no
+    lookup tables; shared weights once per layer)."""
     cfg = dataclasses.replace(self.model_cfg, share=lm.ShareSpec())
     batch = self.example_batch(1)
     shapes = jax.eval_shape(lm.LM(cfg).init, jax.random.key(0), batch['tokens'], batch['positions'])['params']
-    n = self.num_params(shapes)
-    if not cfg.tie_embeddings:
-      n -= cfg.vocab_size * cfg.d_model
-    if cfg.positional == 'learned':
-      n -= cfg.max_len * cfg.d_model
+    lookup_rows = cfg.vocab_size * (not cfg.tie_embeddings) + cfg.max_len * (cfg.positional == 'learned')
+    n = self.num_params(shapes) - lookup_rows * cfg.d_model  # a tied embedding counts, as the output projection
     seq_len = self.data_cfg.seq_len
     return batch_size * seq_len * (6 * n + 12 * cfg.num_layers * cfg.d_model * seq_len)
 
@@ -157,7 +146,7 @@ class ClassificationTask(Task):
     return list(self.model_cfg.block_channels)
 
   def model_flops(self, batch_size: int) -> float:
-    """3× the compiler's FLOPs of the forward pass (backward ≈ 2× forward), as convolutions reuse weights."""
+    """3× the compiler's FLOPs of the forward pass, as convolutions reuse weights."""
     images = jax.ShapeDtypeStruct(self.example_batch(batch_size)['images'].shape, jnp.float32)
     variables = jax.eval_shape(self.init, jax.random.key(0), self.example_batch(1))
     return 3 * xla_flops(jax.jit(lambda v, x: self.model.apply(v, x, train=False)).lower(variables, images))
