@@ -72,8 +72,7 @@ def parse_accelerator(name: str, topology: str | None = None, flag: str = '--acc
   if not (match := ACCELERATOR_TYPE.fullmatch(name)):
     raise unknown
   prefix, size = match.group(1).replace('v5e', 'v5litepod'), int(match.group(2))
-  gen = next(g for g, tpu in TPUS.items() if tpu.accelerator == prefix)
-  tpu = TPUS[gen]
+  gen, tpu = next((g, tpu) for g, tpu in TPUS.items() if tpu.accelerator == prefix)
   chips, table = size // tpu.cores_per_chip, (TOPOLOGY_3D if tpu.dims == 3 else TOPOLOGY_2D)
   if size % tpu.cores_per_chip or chips not in table or size > tpu.largest:
     sizes = ', '.join(str(c * tpu.cores_per_chip) for c in table if c * tpu.cores_per_chip <= tpu.largest)
@@ -126,4 +125,4 @@ def peak_memory_bytes(compiled) -> int:
   """XLA's peak, or arguments + outputs + temporaries - donated if larger (the CPU's peak is the arguments only)."""
   m = compiled.memory_analysis()
   buffers = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  return int(max(getattr(m, 'peak_memory_in_bytes', 0) or 0, buffers))
+  return int(max(m.peak_memory_in_bytes or 0, buffers))

@@ -1,9 +1,6 @@
 """WORKDIR/lease.json: the run that holds a workdir, so that a second, uncoordinated run on it is refused at start.
-
-A lease, not a lock, so that a run killed with SIGKILL does not block its rerun: process 0 creates it, renews its
-heartbeat and removes it at the end; a later run takes it over where why_free says (hosts' clocks must agree within
-a fraction of STALE_S: NTP).
-"""
+A lease, not a lock (a run killed with SIGKILL must not block its rerun): a later run takes it over where its heartbeat
+is stale, its pid gone or its Slurm job requeued. Hosts' clocks must agree within a fraction of STALE_S (NTP)."""
 
 import contextlib
 import datetime
@@ -49,18 +46,6 @@ def _pid_alive(pid) -> bool:
   return True
 
 
-def why_free(holder: dict, me: dict, now: float, stale_s: float = STALE_S) -> str | None:
-  """Why the lease `holder` no longer holds the workdir, or None where it still does."""
-  if (age := now - float(holder.get('heartbeat', 0))) > stale_s:
-    return f'its last heartbeat is {age:.0f} s old (stale after {stale_s:.0f} s)'
-  if holder.get('host') == me['host'] and not _pid_alive(holder.get('pid')):
-    return f'its pid {holder.get("pid")} is gone from this host'
-  if (me.get('slurm_job') and holder.get('slurm_job') == me['slurm_job']
-      and int(holder.get('slurm_restart', 0)) < int(me.get('slurm_restart', 0))):
-    return f'it is an earlier run of Slurm job {me["slurm_job"]} (requeued)'
-  return None
-
-
 class Lease:
   """The lease on one workdir, held by this process from acquire() to release()."""
   def __init__(self, workdir, process_id: int = 0, processes: int = 1, heartbeat_s: float = HEARTBEAT_S,
@@ -91,7 +76,7 @@ class Lease:
   def acquire(self) -> 'Lease':
     if self.read() is not None or not self._create():
       holder = self.read() or {}  # created by another run a moment ago, or taken over below
-      reason = why_free(holder, self.record, time.time(), self.stale_s) if holder else 'it is unreadable'
+      reason = self._why_free(holder) if holder else 'it is unreadable'
       if reason is None:
         raise Held(self._held_message(holder))
       print(f'lease: taking over {self.path} from {describe(holder)}: {reason}', file=sys.stderr, flush=True)
@@ -101,6 +86,17 @@ class Lease:
         raise Held(self._held_message(self.read() or {}))
     self._thread.start()
     return self
+
+  def _why_free(self, holder: dict) -> str | None:
+    """Why the lease `holder` no longer holds the workdir, or None where it still does."""
+    if (age := time.time() - float(holder.get('heartbeat', 0))) > self.stale_s:
+      return f'its last heartbeat is {age:.0f} s old (stale after {self.stale_s:.0f} s)'
+    if holder.get('host') == self.record['host'] and not _pid_alive(holder.get('pid')):
+      return f'its pid {holder.get("pid")} is gone from this host'
+    job, restart = self.record['slurm_job'], self.record['slurm_restart']
+    if job and holder.get('slurm_job') == job and int(holder.get('slurm_restart', 0)) < restart:
+      return f'it is an earlier run of Slurm job {job} (requeued)'
+    return None
 
   def _held_message(self, holder: dict) -> str:
     age = time.time() - float(holder.get('heartbeat', 0))

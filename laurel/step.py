@@ -240,8 +240,7 @@ def lower_step(task, mesh):
   lowered = jax.jit(train_step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, repl),
                     donate_argnums=0).lower(abstract, abstract_batch)
   # Initialisation runs once and its RNG code compiles slowly on CPU at full optimisation; values are the same.
-  init = jax.jit(init_state, out_shardings=state_shardings,
-                 compiler_options={'xla_backend_optimization_level': 0})
+  init = jax.jit(init_state, out_shardings=state_shardings, compiler_options={'xla_backend_optimization_level': 0})
   return lowered, init, abstract, state_shardings
 
 
