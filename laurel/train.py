@@ -28,7 +28,7 @@ from etils import epath
 from laurel import checkpoint, config_lib, console, hardware, lease, metric_writers, sharding
 from laurel.checkpoint import run_dir, utc_now
 from laurel.config_lib import InputError
-from laurel.files import write_text_atomic
+from laurel.files import is_remote, write_text_atomic
 from laurel.stats import weighted_mean_se
 from laurel.step import (LOGICAL_AXIS_RULES, check_fits_host, compile_step, num_data_shards,  # noqa: F401
                          step_flops, validate_config)  # LOGICAL_AXIS_RULES: importable from here
@@ -72,7 +72,6 @@ class MetricsLog:
   def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False):
     self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
     self.path, self.lines = workdir / 'metrics.jsonl', []
-    self.appends = '://' not in os.fspath(self.path)
     if self.active and self.path.exists():
       text = self.path.read_text()
       for number, line in enumerate(text.splitlines(), 1):
@@ -96,7 +95,7 @@ class MetricsLog:
     self.writer.write_scalars(step, {k: v for k, v in values.items() if v is not None})
     if self.active:
       self.lines.append(json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n')
-      if self.appends:
+      if not is_remote(self.path):
         with self.path.open('a') as f:
           f.write(self.lines[-1])
       else:
@@ -109,7 +108,7 @@ def check_inputs(task, workdir: epath.Path) -> None:
   for name, path in [('--workdir', os.fspath(workdir))] + [(f'data.{k}', getattr(task.data_cfg, k, '') or '')
                                                            for k in ('path', 'tfds_data_dir', 'vocab_path')]:
     try:
-      if '://' in path:
+      if is_remote(path):
         epath.Path(path).exists()
     except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
       raise InputError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
