@@ -33,8 +33,8 @@ TPUS = {'v4': TPU(('TPU v4',), 275e12, 32 * 2**30, 1200e9, 3, 2, 'v4', 'tpu-ubun
         'v5e': TPU(('TPU v5 lite', 'TPU v5e'), 197e12, 16e9, 819e9, 2, 1, 'v5litepod', 'v2-alpha-tpuv5-lite', 256),
         'v5p': TPU(('TPU v5', 'TPU v5p'), 459e12, 95e9, 2765e9, 3, 2, 'v5p', 'v2-alpha-tpuv5', 4096),
         'v6e': TPU(('TPU v6 lite', 'TPU v6e'), 918e12, 32e9, 1638e9, 2, 1, 'v6e', 'v2-alpha-tpuv6e', 256)}
-# Dense bf16 peak FLOP/s per jax device kind, for MFU (absent: e.g. CPU). NVIDIA's datasheets: 1,979 for the H100
-# SXM and H200 is with 2:4 sparsity.
+# Dense bf16 peak FLOP/s per jax device kind, for MFU (absent: e.g. CPU); NVIDIA's from its datasheets, whose 1,979
+# for the H100 SXM and the H200 is with 2:4 sparsity.
 PEAK_FLOPS = {**{kind: tpu.peak_flops for tpu in TPUS.values() for kind in tpu.device_kinds},
               'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12,
               'NVIDIA A100-SXM4-40GB': 312e12}
