@@ -1,12 +1,5 @@
-"""The train step compiled for a TPU slice on a machine without one: libtpu's compiler on compile-only devices.
-
-  compile_for_slice(config, topology)  the TPU compiler's per-chip memory, FLOPs and bytes accessed; nothing runs
-  preflight(config, topology)          the same as a report with the run's cost, or a one-line InputError
-
-A slice is 'v6e:4x4' or 'v6e-16' (laurel.hardware.parse_accelerator); needs libtpu (`pip install -e '.[tpu]'`). A
-compile-only client cannot load an executable back from JAX's persistent cache, so the compiler's figures of each
-program are kept instead (laurel.compile_cache.record): a second pre-flight lowers its programs and compiles none.
-"""
+"""The train step compiled for a TPU slice ('v6e:4x4' or 'v6e-16') on a machine without one: libtpu's compiler on
+compile-only devices. compile_for_slice gives its figures; preflight, the report before a launch."""
 
 import importlib.metadata
 import importlib.util
@@ -49,16 +42,28 @@ def slice_devices(topology: str) -> list:
 
 
 def compile_only_process() -> None:
-  """For a command line's start: the CPU as the backend (on a TPU VM too: its chips may be busy training), and
-  JAX's persistent cache off, from which a compile-only client cannot load an executable back."""
+  """The CPU as backend (a TPU VM's chips may be busy training), and JAX's persistent cache off: a compile-only
+  client cannot load an executable back from it."""
   if not os.environ.get('JAX_PLATFORMS'):
     jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_enable_compilation_cache', False)
 
 
 def _kept(lowered, devices, topology: str, chip: TPU) -> dict:
-  """The TPU compiler's figures of a program (MEMORY, FLOPs and bytes accessed), or DoesNotFit where it ran out of
-  HBM; kept under the compilation cache, keyed by the program, the slice and the compiler: compiled only once."""
+  """The TPU compiler's figures of a program (MEMORY, FLOPs and bytes accessed), kept by compile_cache.record keyed by
+  the program, the slice and the compiler; DoesNotFit where it ran out of HBM."""
+  def figures():
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      if 'RESOURCE_EXHAUSTED' in str(e):
+        return {'resource_exhausted': str(e).splitlines()[0]}
+      raise
+    m = compiled.memory_analysis()
+    sizes = (m.peak_memory_in_bytes, m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
+             m.temp_size_in_bytes)
+    return {**dict(zip(MEMORY, map(int, sizes))), **dict(zip(('flops', 'bytes_accessed'), xla_costs(compiled)))}
+
   try:
     libtpu = importlib.metadata.version('libtpu')
   except importlib.metadata.PackageNotFoundError:
@@ -66,35 +71,21 @@ def _kept(lowered, devices, topology: str, chip: TPU) -> dict:
   slice_desc = f'{devices[0].device_kind} x{len(devices)} in {len({d.process_index for d in devices})} processes'
   key = [lowered.as_text(), slice_desc, jax.__version__, libtpu, os.environ.get('XLA_FLAGS', ''),
          os.environ.get('LIBTPU_INIT_ARGS', '')]
-  figures = compile_cache.record(key, lambda: _figures(lowered))
-  if 'resource_exhausted' in figures:
-    raise _not_fitting(topology, chip, figures['resource_exhausted'])
-  return figures
-
-
-def _figures(lowered) -> dict:
-  try:
-    compiled = lowered.compile()
-  except jax.errors.JaxRuntimeError as e:
-    if 'RESOURCE_EXHAUSTED' in str(e):
-      return {'resource_exhausted': str(e).splitlines()[0]}
-    raise
-  m = compiled.memory_analysis()
-  sizes = (m.peak_memory_in_bytes, m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
-           m.temp_size_in_bytes)
-  return {**dict(zip(MEMORY, map(int, sizes))), **dict(zip(('flops', 'bytes_accessed'), xla_costs(compiled)))}
+  kept = compile_cache.record(key, figures)
+  if 'resource_exhausted' in kept:
+    raise _not_fitting(topology, chip, kept['resource_exhausted'])
+  return kept
 
 
 class DoesNotFit(InputError):
   """The step needs more HBM than a chip has; `need_bytes` what the compiler said it needs (None if it did not)."""
-
   def __init__(self, message: str, need_bytes: int | None = None):
     super().__init__(message)
     self.need_bytes = need_bytes
 
 
 def _not_fitting(topology: str, chip: TPU, error: str) -> DoesNotFit:
-  """The TPU compiler's out-of-memory error as one line: what the step needs per chip, and what the chip has."""
+  """The TPU compiler's out-of-memory error as one line: what the step needs per chip, what the chip has."""
   first = (error.splitlines() or [''])[0]
   need = re.search(r'required for [\w ]+\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)', first) or \
       re.search(r'Used ([\d.]+)([KMGT]?) of ([\d.]+[KMGT]?) hbm', first)
@@ -108,9 +99,8 @@ def _not_fitting(topology: str, chip: TPU, error: str) -> DoesNotFit:
 
 
 def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
-  """The step of `config` compiled by the TPU compiler for `topology`, per chip: parameters and MEMORY (the peak is
-  the compiler's own figure); with `costs`, also FLOPs and bytes accessed per step (step.step_costs, which compiles
-  what XLA's loop counting leaves out) and the roofline step time max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)."""
+  """Per chip: parameters and MEMORY; with `costs`, FLOPs and bytes accessed per step (step.step_costs) and the
+  roofline step time max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)."""
   chip, devices = TPUS[parse_accelerator(topology, flag='topology')['generation']], slice_devices(topology)
   task = step.validate_config(config, len(devices), len({d.process_index for d in devices}))
   mesh = sharding.make_mesh(task.config.mesh, devices)
@@ -134,9 +124,8 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
 
 
 def preflight(config, topology: str | None) -> str:
-  """The check before every TPU launch: the step compiled for `topology`, and a report (it fits each chip's HBM, then
-  what the run will cost, laurel.cost) or a one-line InputError giving the per-chip need and the chip's HBM. Without
-  --mfu the estimate needs the compiler's roofline, which compiles more (step.step_costs)."""
+  """The report before every TPU launch (it fits each chip's HBM, then laurel.cost's estimate), else a one-line
+  InputError. Without --mfu the estimate takes the roofline, which compiles more."""
   if not topology:
     raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
   accel = parse_accelerator(topology, flag='topology')

@@ -1,10 +1,5 @@
-"""Joins this process to the other processes of its run, through JAX's own cluster detection (in its order: Open
-MPI's mpirun, Slurm's srun, a Cloud TPU VM's slice, a Kubernetes Indexed Job or JobSet pod; docs/clusters.md).
-
-Where the environment names several processes and joining fails or times out, the run ends before compiling with one
-line and JOIN_FAILED: every process would otherwise train alone into the same workdir. A TPU VM whose runtime lists
-one host still trains alone then.
-"""
+"""Joins this process to the rest of its run through JAX's cluster detection (docs/clusters.md). Where the environment
+names several processes and joining fails, the run ends with one line and JOIN_FAILED rather than train alone."""
 
 import dataclasses
 import glob
@@ -27,7 +22,6 @@ JOIN_TIMEOUT_S = 300  # jax's own default
 
 @dataclasses.dataclass(frozen=True)
 class Environment:
-  """A cluster environment as its variables describe this process."""
   name: str
   processes: int | None  # as the environment names them; None where only jax can tell (Kubernetes)
   source: str  # the variable read, as NAME=value
@@ -35,7 +29,7 @@ class Environment:
 
 
 def detect(environ=None) -> Environment | None:
-  """The environment this process runs in, read from its variables alone (nothing started, nothing asked)."""
+  """The cluster this process runs in, from its variables alone (nothing started, nothing asked)."""
   env = os.environ if environ is None else environ
   if 'OMPI_COMM_WORLD_SIZE' in env:
     fix = ('start every rank with mpirun; Open MPI 5 sets no OMPI_MCA_orte_hnp_uri, from which jax finds the '
@@ -67,7 +61,7 @@ def _count(env, name: str) -> int:
 
 def join(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
          timeout_s: float = JOIN_TIMEOUT_S) -> Environment | None:
-  """Joins the run's processes (explicit flags first, else the environment's), then says so in one line."""
+  """Joins the run's processes (the flags' first, else the environment's), then says so in one line."""
   if coordinator_address or num_processes:
     found = Environment('flags', num_processes, f'--num_processes={num_processes}',
                         'start every process with the same --coordinator_address and --num_processes, each with its '
@@ -94,8 +88,8 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
 
 
 def _initialize(found: Environment, timeout_s: float, **arguments):
-  """jax.distributed.initialize, bounded: where a peer never registers jax aborts with a C++ stack; a timer ends
-  the process first, with one line."""
+  """jax.distributed.initialize, bounded by a timer that ends the process with one line before jax aborts with a C++
+  stack (a peer never registered)."""
   started = time.monotonic()
 
   def give_up():
@@ -130,9 +124,8 @@ def _initialize(found: Environment, timeout_s: float, **arguments):
 
 
 def local_device_ids(environ=None) -> list[int] | None:
-  """The devices this process uses: None lets jax keep one GPU per process (the local rank's) where several
-  processes share a node; [] keeps every visible device, where one process drives the whole node or the scheduler
-  already gave each process its own GPU (CUDA_VISIBLE_DEVICES names one)."""
+  """None: jax keeps the local rank's GPU, for several processes per node; []: every visible device, for one process
+  per node or one GPU each (CUDA_VISIBLE_DEVICES names one)."""
   env = os.environ if environ is None else environ
   if 'OMPI_COMM_WORLD_LOCAL_SIZE' in env:
     local = int(env['OMPI_COMM_WORLD_LOCAL_SIZE'])
@@ -157,8 +150,7 @@ def _slurm_tasks_on_node(tasks_per_node: str, node: int) -> int | None:
 
 
 def _tpu_host_count() -> int | None:
-  """Hosts in this TPU VM's slices, as the TPU runtime lists them (the environment on GKE, else the VM's metadata
-  server); None where neither says."""
+  """Hosts in this TPU VM's slices as the environment (GKE) or the metadata server lists them; None if neither does."""
   workers = os.environ.get('TPU_PROCESS_ADDRESSES') or os.environ.get('TPU_WORKER_HOSTNAMES')
   if workers is None:
     host = os.environ.get('GCE_METADATA_IP', 'metadata.google.internal')
@@ -175,6 +167,5 @@ def _tpu_host_count() -> int | None:
 
 
 def on_tpu_vm() -> bool:
-  """A Cloud TPU VM's chips are device files (/dev/accel* up to v4, /dev/vfio/<n> from v5e); libtpu alone is not
-  enough, since the TPU compiler is installed on CPU machines too."""
+  """By its chips' device files (/dev/accel* up to v4, /dev/vfio/<n> from v5e): CPU machines have libtpu too."""
   return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))

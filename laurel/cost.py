@@ -1,6 +1,5 @@
-"""What a run will cost, as the pre-flight states it: tokens per step, step time, wall time and chip-hours, from the
-step's model FLOPs and either an assumed MFU (--mfu, a flag of laurel.main and scripts/launch_tpu.py) or the TPU
-compiler's roofline step time."""
+"""What a run will cost, as the pre-flight states it: from the step's model FLOPs and either an assumed MFU (--mfu, a
+flag of laurel.main and scripts/launch_tpu.py) or the TPU compiler's roofline step time."""
 
 from absl import flags
 
@@ -22,8 +21,7 @@ def mfu_flag() -> float | None:
 
 def estimate(*, model_flops: float, units_per_step: int, steps: int, chips: int, peak_flops: float,
              mfu: float | None = None, roofline_s: float | None = None) -> dict:
-  """A run's cost: with `mfu`, a step takes model_flops / (chips · peak_flops · mfu); without, the roofline's
-  `roofline_s`, and the MFU that implies. Wall time is steps × step time: training steps only."""
+  """Training steps only: each takes model_flops / (chips · peak_flops · mfu), else `roofline_s` (the MFU implied)."""
   step_s = model_flops / (chips * peak_flops * mfu) if mfu is not None else roofline_s
   wall_s = steps * step_s
   return {'units_per_step': units_per_step, 'step_s': step_s, 'steps': steps, 'wall_s': wall_s,
@@ -33,11 +31,9 @@ def estimate(*, model_flops: float, units_per_step: int, steps: int, chips: int,
 
 def line(est: dict, unit: str) -> str:
   """`cost: 524,288 tokens per step; 0.812 s per step, 500 steps in 6m46s on 16 chips: 1.80 chip-hours (...)`."""
-  if est['basis'] == 'mfu':
-    basis = f"an MFU of {100 * est['mfu']:.3g}% (--mfu)"
-  else:
-    basis = (f"the TPU compiler's roofline, max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth) per chip: a "
-             f"lower bound, as an MFU of {100 * est['mfu']:.3g}%; --mfu=F assumes a measured one")
+  basis = (f"an MFU of {100 * est['mfu']:.3g}% (--mfu)" if est['basis'] == 'mfu' else
+           "the TPU compiler's roofline, max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth) per chip: a "
+           f"lower bound, as an MFU of {100 * est['mfu']:.3g}%; --mfu=F assumes a measured one")
   return (f"cost: {est['units_per_step']:,} {unit} per step; {est['step_s']:.3g} s per step, {est['steps']:,} steps "
           f"in {duration(est['wall_s'])} on {est['chips']} chip{'s' * (est['chips'] > 1)}: "
           f"{est['chip_hours']:.3g} chip-hours (estimated from {basis}; training steps only: not compiling, "

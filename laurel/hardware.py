@@ -1,10 +1,5 @@
-"""The one table of accelerator facts, Cloud TPU slices, and what XLA's compiler says a program costs.
-
-  TPUS[generation]         a Cloud TPU generation's chip (peak FLOP/s, HBM, bandwidth) and slices (cores, runtime)
-  parse_accelerator(name)  a slice in either spelling, 'v6e-16' (gcloud's) or 'v6e:4x4' (the TPU compiler's)
-  PEAK_FLOPS[kind]         dense bf16 peak FLOP/s per device of a jax device kind, for MFU (absent: e.g. CPU)
-  xla_costs(compiled)      XLA's (FLOPs, bytes accessed) of a lowered or compiled computation
-"""
+"""Accelerator facts (TPUS, PEAK_FLOPS), Cloud TPU slices in either spelling (parse_accelerator), and what XLA's
+compiler says a program costs."""
 
 import dataclasses
 import math
@@ -38,11 +33,11 @@ TPUS = {'v4': TPU(('TPU v4',), 275e12, 32 * 2**30, 1200e9, 3, 2, 'v4', 'tpu-ubun
         'v5e': TPU(('TPU v5 lite', 'TPU v5e'), 197e12, 16e9, 819e9, 2, 1, 'v5litepod', 'v2-alpha-tpuv5-lite', 256),
         'v5p': TPU(('TPU v5', 'TPU v5p'), 459e12, 95e9, 2765e9, 3, 2, 'v5p', 'v2-alpha-tpuv5', 4096),
         'v6e': TPU(('TPU v6 lite', 'TPU v6e'), 918e12, 32e9, 1638e9, 2, 1, 'v6e', 'v2-alpha-tpuv6e', 256)}
-# Dense bf16 peak FLOP/s per device of the other accelerators this code reports MFU on (NVIDIA's datasheets; the H100
-# SXM and the H200 share one, 1,979 being the figure with 2:4 sparsity; the A100's is 312).
-_OTHER_PEAK_FLOPS = {'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12,
-                     'NVIDIA A100-SXM4-40GB': 312e12}
-PEAK_FLOPS = {**{kind: tpu.peak_flops for tpu in TPUS.values() for kind in tpu.device_kinds}, **_OTHER_PEAK_FLOPS}
+# Dense bf16 peak FLOP/s per jax device kind, for MFU (absent: e.g. CPU); NVIDIA's from its datasheets, whose 1,979
+# for the H100 SXM and the H200 is with 2:4 sparsity.
+PEAK_FLOPS = {**{kind: tpu.peak_flops for tpu in TPUS.values() for kind in tpu.device_kinds},
+              'NVIDIA H100 80GB HBM3': 989e12, 'NVIDIA H200': 989e12, 'NVIDIA A100-SXM4-80GB': 312e12,
+              'NVIDIA A100-SXM4-40GB': 312e12}
 # Chips -> a Cloud TPU slice's topology: 2-D for v5e/v6e, 3-D for v4/v5p.
 TOPOLOGY_2D = {1: '1x1', 4: '2x2', 8: '2x4', 16: '4x4', 32: '4x8', 64: '8x8', 128: '8x16', 256: '16x16'}
 TOPOLOGY_3D = {4: '2x2x1', 8: '2x2x2', 16: '2x2x4', 32: '2x4x4', 64: '4x4x4', 128: '4x4x8', 256: '4x8x8',
@@ -51,15 +46,13 @@ ACCELERATOR_TYPE = re.compile(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)')
 
 
 def _dims(shape: str) -> list[int] | None:
-  """'4x4' -> [4, 4]; None where it is no topology."""
   dims = shape.split('x')
   return [int(d) for d in dims] if all(d.isdigit() and int(d) > 0 for d in dims) else None
 
 
 def parse_accelerator(name: str, topology: str | None = None, flag: str = '--accelerator') -> dict:
-  """A Cloud TPU slice, as an accelerator type ('v6e-16') or a topology ('v6e:4x4') -> its name, generation, chips,
-  hosts, topology ('4x4'), runtime version and gcloud's create flags; a one-line InputError naming `flag`
-  otherwise. `topology`: a custom v4 topology (AxBxC)."""
+  """A slice as gcloud's accelerator type ('v6e-16') or the TPU compiler's topology ('v6e:4x4') -> its name,
+  generation, chips, hosts, topology, runtime version and gcloud's create flags. `topology`: a custom v4 one (AxBxC)."""
   name = name or ''
   unknown = InputError(f'{flag}={name!r}: unknown TPU accelerator type or topology: must be an accelerator type '
                        f'(e.g. v6e-16) or a topology (e.g. v6e:4x4; generations: {", ".join(TPUS)})')
@@ -79,8 +72,7 @@ def parse_accelerator(name: str, topology: str | None = None, flag: str = '--acc
   if not (match := ACCELERATOR_TYPE.fullmatch(name)):
     raise unknown
   prefix, size = match.group(1).replace('v5e', 'v5litepod'), int(match.group(2))
-  gen = next(g for g, tpu in TPUS.items() if tpu.accelerator == prefix)
-  tpu = TPUS[gen]
+  gen, tpu = next((g, tpu) for g, tpu in TPUS.items() if tpu.accelerator == prefix)
   chips, table = size // tpu.cores_per_chip, (TOPOLOGY_3D if tpu.dims == 3 else TOPOLOGY_2D)
   if size % tpu.cores_per_chip or chips not in table or size > tpu.largest:
     sizes = ', '.join(str(c * tpu.cores_per_chip) for c in table if c * tpu.cores_per_chip <= tpu.largest)
@@ -100,7 +92,7 @@ def parse_accelerator(name: str, topology: str | None = None, flag: str = '--acc
 
 
 def utilisation(flops_per_step: float | None, step_time_s: float, peak_flops: float | None) -> float | None:
-  """FLOPs per step over the step time and the devices' summed peak FLOP/s (None where either is unknown)."""
+  """FLOPs per step / step time / the devices' summed peak FLOP/s; None where either is unknown."""
   return flops_per_step / step_time_s / peak_flops if peak_flops and flops_per_step else None
 
 
@@ -110,7 +102,7 @@ def device_slug(kind: str) -> str:
 
 
 def xla_costs(lowered_or_compiled) -> tuple[float, float]:
-  """XLA's (FLOPs, bytes accessed) of a lowered or compiled computation (per device; a loop's body counted once)."""
+  """XLA's (FLOPs, bytes accessed), per device; a loop's body counted once."""
   cost = lowered_or_compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
@@ -121,7 +113,7 @@ def xla_flops(lowered_or_compiled) -> float:
 
 
 def available_host_bytes() -> int | None:
-  """The memory this host can still give a process (Linux's MemAvailable), or None where it does not say."""
+  """Linux's MemAvailable, or None where it does not say."""
   try:
     with open('/proc/meminfo', encoding='ascii') as f:
       return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
@@ -130,8 +122,7 @@ def available_host_bytes() -> int | None:
 
 
 def peak_memory_bytes(compiled) -> int:
-  """Peak bytes of a compiled computation. XLA's CPU backend reports only the arguments as its peak, so take
-  the larger of that and arguments + outputs + temporaries - aliased (donated) buffers."""
+  """XLA's peak, or arguments + outputs + temporaries - donated if larger (the CPU's peak is the arguments only)."""
   m = compiled.memory_analysis()
   buffers = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  return int(max(getattr(m, 'peak_memory_in_bytes', 0) or 0, buffers))
+  return int(max(m.peak_memory_in_bytes or 0, buffers))

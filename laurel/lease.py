@@ -1,11 +1,6 @@
 """WORKDIR/lease.json: the run that holds a workdir, so that a second, uncoordinated run on it is refused at start.
-
-A lease, not a lock: a run killed with SIGKILL must not block its rerun. Process 0 of a run creates it (a hard link,
-which fails where another run's exists), renews its heartbeat every HEARTBEAT_S and removes it at the end. A run
-starting on a held workdir takes the lease over, saying why, where its heartbeat is older than STALE_S, its pid is
-gone from this host, or it is an earlier incarnation of this Slurm job (requeued); else it is refused (Held). Hosts'
-clocks should agree within a fraction of STALE_S (NTP).
-"""
+A lease, not a lock (a run killed with SIGKILL must not block its rerun): a later run takes it over where its heartbeat
+is stale, its pid gone or its Slurm job requeued. Hosts' clocks must agree within a fraction of STALE_S (NTP)."""
 
 import contextlib
 import datetime
@@ -51,21 +46,8 @@ def _pid_alive(pid) -> bool:
   return True
 
 
-def why_free(holder: dict, me: dict, now: float, stale_s: float = STALE_S) -> str | None:
-  """Why the lease `holder` no longer holds the workdir, or None where it still does."""
-  if (age := now - float(holder.get('heartbeat', 0))) > stale_s:
-    return f'its last heartbeat is {age:.0f} s old (stale after {stale_s:.0f} s)'
-  if holder.get('host') == me['host'] and not _pid_alive(holder.get('pid')):
-    return f'its pid {holder.get("pid")} is gone from this host'
-  if (me.get('slurm_job') and holder.get('slurm_job') == me['slurm_job']
-      and int(holder.get('slurm_restart', 0)) < int(me.get('slurm_restart', 0))):
-    return f'it is an earlier run of Slurm job {me["slurm_job"]} (requeued)'
-  return None
-
-
 class Lease:
   """The lease on one workdir, held by this process from acquire() to release()."""
-
   def __init__(self, workdir, process_id: int = 0, processes: int = 1, heartbeat_s: float = HEARTBEAT_S,
                stale_s: float = STALE_S):
     self.path = epath.Path(workdir) / NAME
@@ -92,20 +74,29 @@ class Lease:
     return (self.read() or {}).get('token') == self.record['token']
 
   def acquire(self) -> 'Lease':
-    if self.read() is None and self._create():
-      self._thread.start()
-      return self
-    holder = self.read() or {}  # created by another run a moment ago, or taken over below
-    reason = why_free(holder, self.record, time.time(), self.stale_s) if holder else 'it is unreadable'
-    if reason is None:
-      raise Held(self._held_message(holder))
-    print(f'lease: taking over {self.path} from {describe(holder)}: {reason}', file=sys.stderr, flush=True)
-    self._write()
-    time.sleep(0.05)  # two runs taking over at once: the later rename wins, and the other sees it here
-    if not self._mine():
-      raise Held(self._held_message(self.read() or {}))
+    if self.read() is not None or not self._create():
+      holder = self.read() or {}  # created by another run a moment ago, or taken over below
+      reason = self._why_free(holder) if holder else 'it is unreadable'
+      if reason is None:
+        raise Held(self._held_message(holder))
+      print(f'lease: taking over {self.path} from {describe(holder)}: {reason}', file=sys.stderr, flush=True)
+      self._write()
+      time.sleep(0.05)  # two runs taking over at once: the later rename wins, and the other sees it here
+      if not self._mine():
+        raise Held(self._held_message(self.read() or {}))
     self._thread.start()
     return self
+
+  def _why_free(self, holder: dict) -> str | None:
+    """Why the lease `holder` no longer holds the workdir, or None where it still does."""
+    if (age := time.time() - float(holder.get('heartbeat', 0))) > self.stale_s:
+      return f'its last heartbeat is {age:.0f} s old (stale after {self.stale_s:.0f} s)'
+    if holder.get('host') == self.record['host'] and not _pid_alive(holder.get('pid')):
+      return f'its pid {holder.get("pid")} is gone from this host'
+    job, restart = self.record['slurm_job'], self.record['slurm_restart']
+    if job and holder.get('slurm_job') == job and int(holder.get('slurm_restart', 0)) < restart:
+      return f'it is an earlier run of Slurm job {job} (requeued)'
+    return None
 
   def _held_message(self, holder: dict) -> str:
     age = time.time() - float(holder.get('heartbeat', 0))
@@ -114,7 +105,7 @@ class Lease:
             'its last heartbeat); two runs in one workdir overwrite each other')
 
   def _create(self) -> bool:
-    """Writes the lease where there is none: False where another run's appeared first."""
+    """False where another run's lease appeared first."""
     data = json.dumps(self.record, indent=1).encode()
     if not files.is_remote(self.path):
       try:
@@ -155,8 +146,8 @@ class Lease:
 
 @contextlib.contextmanager
 def held(workdir, process_id: int, processes: int, agree=None, **timing):
-  """Holds the workdir's lease for the block where this is process 0 (the others hold none). With several processes
-  every one raises Held where process 0 does: `agree(flag)` returns process 0's flag (default: jax's broadcast)."""
+  """Process 0 holds the workdir's lease for the block; every process raises Held where process 0 does (`agree(flag)`
+  returns process 0's flag: jax's broadcast by default)."""
   lease, refusal = None, None
   if process_id == 0:
     try:

@@ -1,5 +1,5 @@
-"""The train step and what it costs: the run's typed config (TrainConfig, built once by validate_config and read
-from `task.config` from then on), the optimizer, the step compiled ahead of time, and its FLOPs and bytes."""
+"""The train step and what it costs: the typed config (TrainConfig, built by validate_config, then `task.config`), the
+optimizer, the step compiled ahead of time, and its FLOPs and bytes."""
 
 import dataclasses
 import functools
@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from laurel import config_lib, cross_entropy, lm, sharding, tasks
+from laurel import config_lib, cross_entropy, designs, sharding, tasks
 from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, STRING, InputError,
                                field, in_range, is_int, one_of, require)
-from laurel import designs
 from laurel.hardware import available_host_bytes, peak_memory_bytes, xla_costs
 
 LOGICAL_AXIS_RULES = designs.logical_axis_rules()  # sharding's and each registered design's
@@ -114,8 +113,7 @@ def num_data_shards(config) -> int:
 
 
 def validate_config(config, num_devices: int | None = None, process_count: int | None = None) -> tasks.Task:
-  """Every check that needs no tracing; returns the task of the typed config (its `config`, a TrainConfig with the
-  task's typed model and data sections). Errors are one line naming field and value."""
+  """Every check that needs no tracing, as one-line errors naming field and value; the task of the typed config."""
   train_cfg = config_lib.build(TrainConfig, config, '', skip=('model', 'data'))
   task = tasks.get_task(config)
   train_cfg = dataclasses.replace(train_cfg, model=task.model_cfg, data=task.data_cfg,  # a design imported later too
@@ -149,8 +147,8 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
 
 
 def check_overrides(config, spec: str, overridden) -> list[str]:
-  """An InputError for a --config.<field> override that changes nothing (a sweep would train one model many times)
-  where it differs from the config file's (`spec`) value; the warnings to print where it only repeats that value."""
+  """An InputError for an override of an unused field (a sweep would train one model many times) that differs from
+  the config file's (`spec`) value; warnings for those that only repeat it."""
   unused = tasks.get_task(config).unused_fields()
   overridden = [name for name in overridden if name in unused]
   base = config_lib.load(spec) if overridden else None
@@ -242,16 +240,14 @@ def lower_step(task, mesh):
   lowered = jax.jit(train_step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, repl),
                     donate_argnums=0).lower(abstract, abstract_batch)
   # Initialisation runs once and its RNG code compiles slowly on CPU at full optimisation; values are the same.
-  init = jax.jit(init_state, out_shardings=state_shardings,
-                 compiler_options={'xla_backend_optimization_level': 0})
+  init = jax.jit(init_state, out_shardings=state_shardings, compiler_options={'xla_backend_optimization_level': 0})
   return lowered, init, abstract, state_shardings
 
 
 def check_fits_host(task, compiled=None, num_devices: int = 1) -> None:
-  """On the CPU, where the kernel kills a step too large for the host with no message: an InputError where the step
-  needs more memory than the host has available. Before compiling (`compiled` None), what the task knows the step
-  holds at once (an LM's L×L attention scores of one layer: compiling alone can exhaust the host at such shapes);
-  after, the compiled step's peak on `num_devices` CPU devices of this host (XLA's figure is per device)."""
+  """On the CPU, whose kernel kills a step too large for the host with no message: an InputError where the step needs
+  more than the host has. Before compiling (`compiled` None, as compiling alone can exhaust the host) an LM's one
+  layer of attention scores; after, the compiled step's per-device peak on `num_devices` devices."""
   available = available_host_bytes()
   if jax.devices()[0].platform != 'cpu' or available is None:
     return
@@ -287,7 +283,7 @@ def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, fl
 
 
 def _with(task, scan_unroll: int):
-  """The same task with one micro-batch per step and the layer scan unrolled `scan_unroll` times (if it has one)."""
+  """The task with one micro-batch per step and its layer scan (if any) unrolled `scan_unroll` times."""
   config, model = task.config, task.model_cfg
   if hasattr(model, 'scan_unroll'):
     model = dataclasses.replace(model, scan_unroll=scan_unroll)
@@ -315,7 +311,7 @@ def _uncounted_loss_chunks(config, mesh, lowered_costs=None) -> tuple[float, flo
 
 
 def step_flops(task) -> float:
-  """FLOPs of one train step of `task` on the global batch (step_costs of the step lowered for one device)."""
+  """FLOPs of one train step on the global batch, lowered for one device."""
   def lowered_costs(t):
     with nn.logical_axis_rules(t.config.logical_axis_rules):
       _, init_state, train_step = make_train_fns(t)

@@ -1,7 +1,5 @@
-"""The train loop shared by every task (laurel.tasks): input shards, metrics, eval, preemption, the watchdog.
-
-Resumes from WORKDIR/checkpoints (laurel.checkpoint); writes WORKDIR/metrics.jsonl, tensorboard/ and final.json.
-"""
+"""The train loop of every task (laurel.tasks): resumes from WORKDIR/checkpoints, writes metrics.jsonl, tensorboard/
+and final.json; input shards, eval, preemption and a watchdog."""
 
 import collections
 import contextlib
@@ -30,7 +28,7 @@ from etils import epath
 from laurel import checkpoint, config_lib, console, hardware, lease, metric_writers, sharding
 from laurel.checkpoint import run_dir, utc_now
 from laurel.config_lib import InputError
-from laurel.files import write_text_atomic
+from laurel.files import is_remote, write_text_atomic
 from laurel.stats import weighted_mean_se
 from laurel.step import (LOGICAL_AXIS_RULES, check_fits_host, compile_step, num_data_shards,  # noqa: F401
                          step_flops, validate_config)  # LOGICAL_AXIS_RULES: importable from here
@@ -71,11 +69,9 @@ def local_dataset(task, *, train: bool):
 class MetricsLog:
   """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.metric_writers. Process 0 writes it: by appends
   where local, rewritten whole behind '://' (gcsfs overwrites on 'a'; GCS replaces an object atomically)."""
-
   def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False):
     self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
     self.path, self.lines = workdir / 'metrics.jsonl', []
-    self.appends = '://' not in os.fspath(self.path)
     if self.active and self.path.exists():
       text = self.path.read_text()
       for number, line in enumerate(text.splitlines(), 1):
@@ -99,7 +95,7 @@ class MetricsLog:
     self.writer.write_scalars(step, {k: v for k, v in values.items() if v is not None})
     if self.active:
       self.lines.append(json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n')
-      if self.appends:
+      if not is_remote(self.path):
         with self.path.open('a') as f:
           f.write(self.lines[-1])
       else:
@@ -108,12 +104,11 @@ class MetricsLog:
 
 
 def check_inputs(task, workdir: epath.Path) -> None:
-  """What would otherwise fail after compiling, as one-line InputErrors: every gs:// path's filesystem, the data and
-  vocabulary (task.check_data), the metric writers' extras, a writable workdir."""
+  """As one-line InputErrors, what would otherwise fail after compiling: remote paths, data, extras, the workdir."""
   for name, path in [('--workdir', os.fspath(workdir))] + [(f'data.{k}', getattr(task.data_cfg, k, '') or '')
                                                            for k in ('path', 'tfds_data_dir', 'vocab_path')]:
     try:
-      if '://' in path:
+      if is_remote(path):
         epath.Path(path).exists()
     except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
       raise InputError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
@@ -130,8 +125,7 @@ def check_inputs(task, workdir: epath.Path) -> None:
 
 @functools.cache
 def code_commit() -> str | None:
-  """The repository's git commit ('+' if tracked files changed), else its COMMIT file (scripts/launch_tpu.py ships
-  one with a copied tree), else None."""
+  """The git commit ('+' if tracked files changed), else the COMMIT file scripts/launch_tpu.py ships, else None."""
   git = lambda *args: subprocess.run(['git', '-C', str(config_lib.REPO), *args], capture_output=True, text=True,
                                      check=False)
   head = git('rev-parse', 'HEAD') if (config_lib.REPO / '.git').exists() else None  # not an enclosing repo's
@@ -160,10 +154,9 @@ WATCHDOG_EXIT = 75  # a hung process: restart it from its last checkpoint (EX_TE
 
 
 class Watchdog:
-  """Ends this process with WATCHDOG_EXIT when its loop stops making progress (e.g. a collective one host never
-  entered), naming host and step and printing every thread's stack, so that a supervisor restarts the run. Call
-  `beat(step)` after each step, `beat()` after other progress. The limit: `limit_s`, and once WARMUP steps have run
-  (they include compiling), max(factor × the median step time, min_s)."""
+  """Ends a process whose loop stopped making progress (e.g. a collective one host never entered) with WATCHDOG_EXIT,
+  printing every thread's stack, for a supervisor to restart. Call `beat(step)` after each step, `beat()` after other
+  progress. The limit: `limit_s`, and after WARMUP steps (compiling) max(factor × the median step time, min_s)."""
   WARMUP = 3
 
   def __init__(self, factor: float, min_s: float, limit_s: float, flush=lambda: None):
@@ -223,8 +216,8 @@ class Watchdog:
 def train(config, workdir: str, devices=None, allow_config_change: bool = False, allow_fresh_start: bool = False,
           hold_lease: bool = False) -> dict:
   """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Bad input is refused before
-  anything compiles. Where every checkpoint was unreadable (moved aside) it starts from step 0 only if
-  `allow_fresh_start`. With `hold_lease` process 0 holds WORKDIR/lease.json throughout (laurel.lease)."""
+  anything compiles. Where every checkpoint was unreadable it starts from step 0 only if `allow_fresh_start`. With
+  `hold_lease` process 0 holds WORKDIR/lease.json throughout."""
   started = time.perf_counter()
   devices = jax.devices() if devices is None else devices
   task = validate_config(config, num_devices=len(devices))
@@ -244,22 +237,21 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
   canonical = json.dumps(json.loads(config.to_json_best_effort()), sort_keys=True)
   info = {'commit': code_commit(), 'config_hash': hashlib.sha256(canonical.encode()).hexdigest()[:16],
           'started_at': utc_now()}  # what identifies the run
-  mesh = sharding.make_mesh(cfg.mesh, devices)
-  nproc, plural = jax.process_count(), 's' * (len(devices) > 1)
+  mesh, nproc = sharding.make_mesh(cfg.mesh, devices), jax.process_count()
 
-  with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules):
-    with console.phase(f'compiling the train step for {len(devices)} device{plural}'):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules), contextlib.ExitStack() as cleanup:
+    with console.phase(f'compiling the train step for {len(devices)} device{"s" * (len(devices) > 1)}'):
       compiled, init_state, abstract_state, state_shardings = compile_step(task, mesh)
     check_fits_host(task, compiled, len(devices))
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
     train_iter = iter(local_dataset(task, train=True))
     mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
+    cleanup.callback(mngr.close)
     with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
       state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter,
                                                             allow_change=allow_config_change)
     if state is None and (quarantined := checkpoint.quarantined_steps(workdir)) and not allow_fresh_start:
-      mngr.close()
       raise InputError(f'--workdir={os.fspath(workdir)!r}: no readable checkpoint: step'
                        f'{"s" * (len(quarantined) > 1)} {", ".join(map(str, quarantined))} moved to '
                        f'{workdir / "unreadable_checkpoints"}; pass --allow_fresh_start to train from step 0')
@@ -273,7 +265,6 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
         state = init_state(jax.random.key(cfg.seed))
     elif start >= cfg.steps and (workdir / 'final.json').exists():
       print(f'already finished: checkpoint {start} in {workdir}', flush=True)
-      mngr.close()
       return json.loads((workdir / 'final.json').read_text())
     else:
       print(f'resumed from checkpoint {start} in {workdir}', flush=True)
@@ -288,8 +279,11 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
     with console.deferred():  # it rewrites metrics.jsonl
       log = MetricsLog(workdir, config, start, info, keep_later_steps=keep)
+    cleanup.callback(log.writer.close)
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
+    cleanup.callback(watchdog.stop)
     profiler = metric_writers.Profiler(workdir / 'profile', cfg.profile_steps)
+    cleanup.callback(profiler.close)
     actions = [metric_writers.Progress(log.writer, cfg.log_every, cfg.steps), profiler]
     print(f'{num_params:,} params | {jax.device_count()} device{"s" * (jax.device_count() > 1)}, mesh '
           f'{dict(mesh.shape)} | peak memory of the compiled step {peak_memory / 2**20:,.1f} MiB', flush=True)
@@ -308,8 +302,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
                         **{task.unit: int(totals['loss'][1])})
       return {f'eval_{k}': float(s / max(w, 1.0)) for k, (s, w) in totals.items()}
 
-    def check_finite(step, metrics, saving=None):
-      """The loss; before a save, also the state `saving`: only a finite state becomes a checkpoint."""
+    def check_finite(step, metrics, saving=None):  # before a save also the state: only a finite one is a checkpoint
       loss = float(metrics['loss'])
       if math.isfinite(loss) and (saving is None or checkpoint.is_finite(saving)):
         return
@@ -323,63 +316,55 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     # preemption service catches SIGTERM), so no host starts a collective save alone.
     preempted = []
     handler = _preemption_handler(preempted, nproc)
-    previous = {s: signal.signal(s, handler) for s in ((signal.SIGTERM, signal.SIGINT) if nproc == 1 else
-                                                       (signal.SIGINT,))}
+    for signum in (signal.SIGTERM, signal.SIGINT) if nproc == 1 else (signal.SIGINT,):
+      cleanup.callback(signal.signal, signum, signal.signal(signum, handler))  # the old handler back at the end
     eval_metrics, eval_noise, pending, step_times, interval = {}, {}, None, [], []
     t0, interval_start = time.time(), start
     watchdog.start()
-    try:
-      for step in range(start, cfg.steps):
-        state, metrics = compiled(state, sharding.global_batch(next(train_iter), mesh))
-        if pending is not None:  # one step behind, so the host never waits on the step in flight
-          check_finite(*pending)
-        pending, done = (step + 1, metrics), step + 1
-        interval.append(metrics)  # on the device until logged
-        for action in actions:
-          action.after_step(done)
-        last = done == cfg.steps
-        stop = mngr.reached_preemption(done) if nproc > 1 else bool(preempted)
-        if done % cfg.log_every == 0 or last or stop:
-          check_finite(*pending)
-          dt = (time.time() - t0) / (done - interval_start)
-          step_times.append(dt)
-          row, interval = interval_mean(jax.device_get(interval)), []
-          row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
-                     peak_memory_bytes=peak_memory, params=num_params,
-                     **{k: f / dt / (peak_flops * jax.device_count()) for k, f in flops.items()})
-          if 'peak_bytes_in_use' in (stats := jax.local_devices()[0].memory_stats() or {}):
-            row['device_peak_bytes'] = stats['peak_bytes_in_use']
-          log.write(done, row)
-          print(console.step_line(done, cfg.steps, row, task.unit), flush=True)
-        if done % cfg.eval_every == 0 or last:
-          eval_metrics = evaluate()
-          log.write(done, eval_metrics)
-          print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
-        if done % cfg.checkpoint_every == 0 or last or stop:
-          check_finite(*pending, saving=state)
-          checkpoint.save(mngr, done, state, train_iter, config)
-        if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
-          t0, interval_start = time.time(), done
-        watchdog.beat(done)
-        if stop:
-          checkpoint.finish(mngr)
-          print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
-          return {'step': done, 'preempted': True}
-      if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
+    for done in range(start + 1, cfg.steps + 1):
+      state, metrics = compiled(state, sharding.global_batch(next(train_iter), mesh))
+      if pending is not None:  # one step behind, so the host never waits on the step in flight
+        check_finite(*pending)
+      pending = (done, metrics)
+      interval.append(metrics)  # on the device until logged
+      for action in actions:
+        action.after_step(done)
+      last = done == cfg.steps
+      stop = mngr.reached_preemption(done) if nproc > 1 else bool(preempted)
+      if done % cfg.log_every == 0 or last or stop:
+        check_finite(*pending)
+        dt = (time.time() - t0) / (done - interval_start)
+        step_times.append(dt)
+        row, interval = interval_mean(jax.device_get(interval)), []
+        row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
+                   peak_memory_bytes=peak_memory, params=num_params,
+                   **{k: f / dt / (peak_flops * jax.device_count()) for k, f in flops.items()})
+        if 'peak_bytes_in_use' in (stats := jax.local_devices()[0].memory_stats() or {}):
+          row['device_peak_bytes'] = stats['peak_bytes_in_use']
+        log.write(done, row)
+        print(console.step_line(done, cfg.steps, row, task.unit), flush=True)
+      if done % cfg.eval_every == 0 or last:
         eval_metrics = evaluate()
-      checkpoint.finish(mngr)
-      final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
-               'peak_memory_bytes': peak_memory,
-               'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
-               'finished_at': utc_now()}
-      log.writer.write_summary(final)
-    finally:
-      profiler.close()
-      watchdog.stop()
-      for signum, old in previous.items():
-        signal.signal(signum, old)
-      log.writer.close()
-      mngr.close()
+        log.write(done, eval_metrics)
+        print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
+      if done % cfg.checkpoint_every == 0 or last or stop:
+        check_finite(*pending, saving=state)
+        checkpoint.save(mngr, done, state, train_iter, config)
+      if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
+        t0, interval_start = time.time(), done  # steps only: not the logging, eval and saving
+      watchdog.beat(done)
+      if stop:
+        checkpoint.finish(mngr)
+        print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
+        return {'step': done, 'preempted': True}
+    if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
+      eval_metrics = evaluate()
+    checkpoint.finish(mngr)
+    final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
+             'peak_memory_bytes': peak_memory,
+             'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
+             'finished_at': utc_now()}
+    log.writer.write_summary(final)
 
   if jax.process_index() == 0:
     with console.deferred():
@@ -389,8 +374,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
 
 
 def interval_mean(rows: list[dict]) -> dict:
-  """A logging interval's steps as one row: each metric's mean (the learning rate: the last step's), and how many
-  steps that is (`mean_of_steps`)."""
+  """Each metric's mean over a logging interval's steps (the learning rate: the last step's), and `mean_of_steps`."""
   row = {k: statistics.fmean(float(r[k]) for r in rows) for k in rows[-1] if k != 'learning_rate'}
   if 'learning_rate' in rows[-1]:
     row['learning_rate'] = float(rows[-1]['learning_rate'])
