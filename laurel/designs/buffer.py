@@ -1,8 +1,5 @@
 """The write-once buffer of the designs that keep every layer's output (`Design.buffer`: MUDDFormer's, DCA's), and
-the layer scan's backward that keeps no copy of it. J = N + 1 slots; B batch, L length, D width.
-
-The backward gives every layer the final buffer, so a layer's reads must give slots it has not yet seen (j > its
-layer index) weight 0 (`filled_slots`), and its write overwrites its slot rather than adding to it.
+the layer stack's backward that keeps no copy of it. J = N + 1 slots; B batch, L length, D width.
 """
 
 import flax.linen as nn
@@ -19,26 +16,23 @@ def start_buffer(x_BxLxD, num_layers):
 
 
 def write_slot(buffer_JxBxLxD, slot_J, y_BxLxD):
-  """y written over the buffer's slot of the one-hot slot_J (a layer's row of `np.eye(N + 1)[1:]`, from its chain):
-  an update in place, which reads and writes one slot, not the whole buffer."""
+  """y written over the slot of the one-hot slot_J (a layer's row of `np.eye(N + 1)[1:]`), in place."""
   return jax.lax.dynamic_update_index_in_dim(buffer_JxBxLxD, y_BxLxD.astype(buffer_JxBxLxD.dtype),
                                              jnp.argmax(slot_J), 0)
 
 
 def filled_slots(slot_J):
-  """1 on the slots written before the layer whose slot is slot_J's (j ≤ its index), else 0."""
+  """1 on the slots written before the layer whose slot is slot_J's, else 0: the backward gives every layer the
+  final buffer, so a layer's reads must weigh the slots it has not yet seen 0."""
   return 1 - jnp.cumsum(slot_J)
 
 
 def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, positions_BxL, segment_ids_BxL,
                             layer_xs, shared_G):
-  """`stack(carry, ...)`, the scanned layers (each the unbound module `block`), with a backward that keeps no copy of
-  the carry's write-once buffer (entry `index`; None: none): every layer is given the final one, whose slots past its
-  own it does not read (`filled_slots`). A scan's own backward saves N copies of N + 1 slots; this one the final
-  buffer and each layer's carry without it, and rebuilds value residual's V_1 (written by layer 0) too. The carry's
-  entry `mirror` (None: none), which at layer i's input is the buffer's slot i, is not kept either: it is read
-  there. A layer's forward keeps what its vjp under the remat `policy` keeps, less its own inputs and outputs (the
-  backward has them: a layer's output is the next one's input), so it recomputes only what the policy does not save."""
+  """`stack(carry, ...)`, the scanned layers (each the unbound module `block`), with a backward that keeps the final
+  write-once buffer (carry entry `index`; None: none) in place of a scan's N copies, and rebuilds value residual's
+  V_1 (written by layer 0) and the entry `mirror` (the buffer's slot i at layer i's input) from it. A layer keeps
+  what its vjp under the remat `policy` keeps, less its inputs and outputs (a layer's output is the next's input)."""
   def layer(params_l, carry, chain_l, shared, layer_index):
     return block.apply({'params': params_l}, carry, positions_BxL, segment_ids_BxL, (layer_index, chain_l), shared)[0]
 
