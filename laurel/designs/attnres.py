@@ -53,8 +53,7 @@ class AttnResChain(Chain):
     big_n, t_sites, d = self.num_layers, self.sites_per_layer, self.features
     sites = big_n * t_sites
     k = receivers(self.spec, sites)
-    make = lambda name, init: self.param(name, nn.with_logical_partitioning(init, ('attnres_sites', self.embed_axis)),
-                                         (k, d), self.param_dtype).astype(F32)
+    make = lambda name, init: self.make(name, init, (k, d), ('attnres_sites', self.embed_axis)).astype(F32)
     w_KxD = make('attnres_query', nn.initializers.zeros) * make('attnres_key_scale', nn.initializers.ones)
     s_NxT = np.arange(sites).reshape(big_n, t_sites)
     w_NxTxKxD = jnp.broadcast_to(w_KxD, (big_n, t_sites, k, d))

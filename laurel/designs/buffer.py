@@ -38,7 +38,9 @@ def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, pos
 
   if policy is not None:
     layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-  structure = {}  # the vjp's tree and where each of its leaves comes from: the same at every layer
+  # the vjp's tree, and where each of its leaves comes from (an index into the layer's input and output leaves,
+  # None where kept): the same at every layer
+  structure = {}
 
   def replaced(stream, i, value):
     return stream if i is None else stream[:i] + (value,) + stream[i + 1:]
@@ -57,14 +59,6 @@ def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, pos
     """The buffer's slot j, where there is a mirror to restore from it."""
     return None if mirror is None else jax.lax.dynamic_index_in_dim(buffer_JxBxLxD, j, 0, keepdims=False)
 
-  def find(leaf, inputs, outputs):
-    """('in', k) or ('out', k): the residual is the layer's k-th input or output leaf; None: it is kept."""
-    for kind, leaves in (('in', inputs), ('out', outputs)):
-      k = next((k for k, a in enumerate(leaves) if a is leaf), None)
-      if k is not None:
-        return kind, k
-    return None
-
   def forward(mdl, carry, layer_xs, shared_G):
     params = mdl.variables['params']
 
@@ -73,8 +67,8 @@ def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, pos
       inputs = (params_l, carry, chain_l, shared_G)
       out, vjp = jax.vjp(lambda p, c, w, s: layer(p, c, w, s, layer_index), *inputs)
       leaves, structure['tree'] = jax.tree.flatten(vjp)
-      input_leaves, output_leaves = jax.tree.leaves(inputs), jax.tree.leaves(put(out, None, None))
-      structure['source'] = [find(leaf, input_leaves, output_leaves) for leaf in leaves]
+      found = jax.tree.leaves(inputs) + jax.tree.leaves(put(out, None, None))
+      structure['source'] = [next((k for k, a in enumerate(found) if a is leaf), None) for leaf in leaves]
       kept = [leaf for leaf, k in zip(leaves, structure['source']) if k is None]
       return out, (put_mirror(put(carry, None, None), None), kept)
     out, saved = jax.lax.scan(one, carry, (params, layer_xs), unroll=cfg.scan_unroll)
@@ -89,11 +83,10 @@ def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, pos
       params_l, (carry, kept), (layer_index, chain_l) = xs
       first_values = None if final[1] is None else jnp.where(layer_index > 0, final[1], 0)
       carry_in = put_mirror(put(carry, final_JxBxLxD, first_values), slot(final_JxBxLxD, layer_index))
-      leaves = {'in': jax.tree.leaves((params_l, carry_in, chain_l, shared_G)),
-                'out': jax.tree.leaves(put_mirror(next_carry, slot(final_JxBxLxD, layer_index + 1)))}
+      found = (jax.tree.leaves((params_l, carry_in, chain_l, shared_G))
+               + jax.tree.leaves(put_mirror(next_carry, slot(final_JxBxLxD, layer_index + 1))))
       kept = iter(kept)
-      vjp = jax.tree.unflatten(structure['tree'], [next(kept) if k is None else leaves[k[0]][k[1]]
-                                                   for k in structure['source']])
+      vjp = jax.tree.unflatten(structure['tree'], [next(kept) if k is None else found[k] for k in structure['source']])
       g_params, g_carry, g_chain, g_shared_l = vjp(g_carry)
       return (g_carry, jax.tree.map(jnp.add, g_shared, g_shared_l), carry), (g_params, g_chain)
     (g_carry, g_shared, _), (g_params, g_chain) = jax.lax.scan(

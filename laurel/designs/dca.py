@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import POSITIVE_INT, field
-from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, make_param, register
 from laurel.designs.buffer import start_buffer, write_slot
 
 STREAMS = 3  # Q, K, V
@@ -67,6 +67,13 @@ def grn_columns(b_CxKxD, w_CxD, k, receiver, buffer_JxBxLxD):
   return out_CxBxLxD
 
 
+def _grn_weights(make, lead, lead_names, k, d, embed_axis):
+  """(b, w) of GRNs over k + 2 columns, b = 1 and w = 0 (every GRN is then Σ_j y_j), leading axes `lead`."""
+  bias = make('dca_bias', nn.initializers.ones, lead + (k + 2, d), lead_names + ('dca_sources', embed_axis))
+  query = make('dca_query', nn.initializers.zeros, lead + (d,), lead_names + (embed_axis,))
+  return bias.astype(F32), query.astype(F32)
+
+
 class DCAChain(Chain):
   """(b_NxCxKxD, w_NxCxD, slot_NxJ): receiver i's GRN weights, and the slot its output takes (i + 1)."""
 
@@ -74,11 +81,7 @@ class DCAChain(Chain):
   def __call__(self):
     big_n, d = self.num_layers, self.features
     k = last_k(self.spec, big_n)
-    make = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape,
-                                                       self.param_dtype).astype(F32)
-    bias = make('dca_bias', nn.initializers.ones, (big_n, STREAMS, k + 2, d),
-                ('layers', 'dca_streams', 'dca_sources', self.embed_axis))
-    query = make('dca_query', nn.initializers.zeros, (big_n, STREAMS, d), ('layers', 'dca_streams', self.embed_axis))
+    bias, query = _grn_weights(self.make, (big_n, STREAMS), ('layers', 'dca_streams'), k, d, self.embed_axis)
     return bias, query, jnp.asarray(np.eye(big_n + 1)[1:], F32)
 
 
@@ -108,13 +111,11 @@ class DCAReadout(nn.Module):
   features: int
   k: int
   param_dtype: Any = F32
+  make = make_param
 
   @nn.compact
   def __call__(self, buffer_JxBxLxD):
-    make = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape,
-                                                       self.param_dtype).astype(F32)
-    bias = make('dca_bias', nn.initializers.ones, (1, self.k + 2, self.features), (None, 'dca_sources', 'embed'))
-    query = make('dca_query', nn.initializers.zeros, (1, self.features), (None, 'embed'))
+    bias, query = _grn_weights(self.make, (1,), (None,), self.k, self.features, 'embed')
     return grn_columns(bias, query, self.k, buffer_JxBxLxD.shape[0] - 1, buffer_JxBxLxD)[0]
 
 

@@ -31,8 +31,7 @@ class DWAChain(Chain):
     pairs = [(i, j) for i in range(big_n) if (i + 1) % s.dwa_period == 0
              for j in range((i + 1) % s.dwa_dilation, i + 2, s.dwa_dilation)]
     i_P, j_P = np.array(pairs).T
-    alpha_P = self.param('dwa_alpha', nn.with_logical_partitioning(const(j_P == i_P + 1), ('layers_dwa',)),
-                         (len(pairs),), self.param_dtype).astype(F32)
+    alpha_P = self.make('dwa_alpha', const(j_P == i_P + 1), (len(pairs),), ('layers_dwa',)).astype(F32)
     sender_P, emb_P = np.maximum(j_P - 1, 0), j_P == 0
     passthrough = np.zeros((big_n, big_n))
     passthrough[[i for i in range(big_n) if (i + 1) % s.dwa_period], 0] = 1.0

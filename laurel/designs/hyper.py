@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, is_int, one_of, require
-from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, make_param, register
 
 V4_HC_EPS = 1e-6  # DeepSeek-V4's hc_eps
 MHC_LITE_MAX_N = 5  # 5! = 120 logits per token and site; 6! = 720 would dwarf the layer's own mixing
@@ -85,16 +85,15 @@ class HyperChain(Chain):
   def __call__(self):
     s, n, shape = self.spec, self.spec.expansion, (self.num_layers, self.sites_per_layer, self.spec.expansion)
     onehot_NxTxN = np.eye(n)[np.arange(shape[0] * shape[1]).reshape(shape[:2]) % n]  # e_{k mod n}, eq. 14
-    make = lambda name, value: self.param(name, nn.with_logical_partitioning(
-        const(value), ('layers', 'stream_sites', 'stream')), shape, self.param_dtype).astype(F32)
+    param = lambda name, value: self.make(name, const(value), shape, ('layers', 'stream_sites', 'stream')).astype(F32)
     if s.design == 'hc':
-      return make('a_m', onehot_NxTxN)
+      return param('a_m', onehot_NxTxN)
     if s.design == 'mhc_lite' and s.mhc_lite_init == 'authors':
       b_pre = shift = np.broadcast_to(2 * np.eye(n)[np.arange(shape[0]) % n][:, None] - 1, shape)
     else:
       p_NxTxN = (1.0 / n + onehot_NxTxN) / 2  # σ(b_pre): sums to 1, tilted to stream k mod n
       b_pre, shift = np.log(p_NxTxN / (1 - p_NxTxN)), np.zeros(shape)
-    return jnp.stack([make('b_pre', b_pre), jnp.asarray(shift, F32)], axis=-2)
+    return jnp.stack([param('b_pre', b_pre), jnp.asarray(shift, F32)], axis=-2)
 
 
 def _flat_rms(h_NxBxLxD):
@@ -212,14 +211,15 @@ class V4Readout(nn.Module):
   at init."""
   spec: Any
   features: int
+  param_dtype: Any = F32
+  make = make_param
 
   @nn.compact
   def __call__(self, h_NxBxLxD):
     n, d = self.spec.expansion, self.features
-    param = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape, F32)
-    phi = param('readout_phi', nn.initializers.zeros, (n, d, n), ('stream', 'embed', 'stream_coeff'))
-    b = param('readout_b', nn.initializers.zeros, (n,), ('stream',))
-    s = param('readout_scale', const(0.01), (), ())
+    phi = self.make('readout_phi', nn.initializers.zeros, (n, d, n), ('stream', 'embed', 'stream_coeff'))
+    b = self.make('readout_b', nn.initializers.zeros, (n,), ('stream',))
+    s = self.make('readout_scale', const(0.01), (), ())
     w_BxLxN = jax.nn.sigmoid(s * jnp.einsum('nbld,ndk->blk', _flat_rms(h_NxBxLxD), phi) + b) + V4_HC_EPS
     return jnp.einsum('bln,nbld->bld', w_BxLxN.astype(h_NxBxLxD.dtype), h_NxBxLxD)
 

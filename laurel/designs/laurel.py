@@ -119,8 +119,7 @@ class ChainRW(Chain):
       shape, names = shape + (2,), names + ('laurel_rw',)
     if s.rw_per_dim:
       shape, names = shape + (self.features,), names + (self.embed_axis,)
-    w = self.param('rw_w', nn.with_logical_partitioning(nn.initializers.zeros, names), shape, self.param_dtype)
-    w = w.astype(jnp.float32)
+    w = self.make('rw_w', nn.initializers.zeros, shape, names).astype(jnp.float32)
     if s.rw_norm == 'softmax':  # §2.1: α, β = rw_scale·softmax(w), or rw_scale·(σ(w), σ(−w))
       alpha_S, beta_S = jnp.moveaxis(s.rw_scale * jax.nn.softmax(w, axis=1), 1, 0)
     else:

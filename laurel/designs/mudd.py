@@ -62,9 +62,8 @@ class MUDDChain(Chain):
     hidden_N = np.array([k for *_, k in layer_shapes(self.spec, big_n)])
     hidden = np.arange(max_hidden(self.spec, big_n)) < hidden_N[:, None]
     slot = np.eye(big_n + 1)[1:]
-    bias = self.param('mudd_bias', nn.with_logical_partitioning(const(slot[:, None, :]),
-                                                                 ('layers', 'mudd_streams', 'mudd_sources')),
-                      (big_n, c, big_n + 1), self.param_dtype).astype(F32)
+    bias = self.make('mudd_bias', const(slot[:, None, :]), (big_n, c, big_n + 1),
+                     ('layers', 'mudd_streams', 'mudd_sources')).astype(F32)
     return bias, jnp.asarray(hidden, F32), jnp.asarray(slot, F32)
 
 

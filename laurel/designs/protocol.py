@@ -23,6 +23,11 @@ def const(value):
   return lambda key, shape, dtype=F32: jnp.broadcast_to(jnp.asarray(value, dtype), shape)
 
 
+def make_param(module, name, init, shape, names):
+  """A parameter of logical axes `names`, in the module's param_dtype."""
+  return module.param(name, nn.with_logical_partitioning(init, names), shape, module.param_dtype)
+
+
 def scaled(y, scale):
   """scale·y (y where scale is None). Autodiff keeps y for the scale's gradient: fold it into a kernel instead."""
   return y if scale is None else scale.astype(y.dtype) * y
@@ -38,9 +43,7 @@ class Site(nn.Module):
   axes: tuple = ACT  # logical axes of x
   embed_axis: str = 'embed'  # logical axis of x's features, for per-feature parameters
   decode: bool = False
-
-  def make(self, name, init, shape, names):
-    return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
+  make = make_param
 
   def attention_inputs(self, norm_in, q, k, v):
     """(norm_in(q), k, v with their own RMSNorms): MUDDFormer's and DCA's separate attention input norms."""
@@ -67,6 +70,7 @@ class Chain(nn.Module):
   param_dtype: Any = F32
   embed_axis: str = 'embed'
   module_name = 'stream_chain'  # its name in the model's parameters
+  make = make_param
 
   def __call__(self):
     return None
