@@ -27,21 +27,18 @@ class AttnResSpec:
   """`model.attnres` (Full AttnRes)."""
   attnres_heads: int = field(1, POSITIVE_INT)  # independent depth softmaxes over channel groups
   attnres_delta: bool = field(False, BOOL)  # over the increments, added to the ordinary stream
+  block_size = 1  # sites per block
+
+  def receivers(self, sites: int) -> int:
+    """The sites, and the read-out site S but with delta (which reads out the stream x)."""
+    return sites + (0 if self.attnres_delta else 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttnResBlockSpec(AttnResSpec):
   """`model.attnres_block` (Block AttnRes)."""
   attnres_block: int = field(2, POSITIVE_INT)  # sites (attention, MLP) per block
-
-
-def block_size(spec) -> int:
-  return spec.attnres_block if spec.design == 'attnres_block' else 1
-
-
-def receivers(spec, sites: int) -> int:
-  """The sites, and the read-out site S but with delta (which reads out the stream x)."""
-  return sites + (0 if spec.attnres_delta else 1)
+  block_size = property(lambda self: self.attnres_block)
 
 
 class AttnResChain(Chain):
@@ -52,12 +49,12 @@ class AttnResChain(Chain):
   def __call__(self):
     big_n, t_sites, d = self.num_layers, self.sites_per_layer, self.features
     sites = big_n * t_sites
-    k = receivers(self.spec, sites)
+    k = self.spec.receivers(sites)
     make = lambda name, init: self.make(name, init, (k, d), ('attnres_sites', self.embed_axis)).astype(F32)
     w_KxD = make('attnres_query', nn.initializers.zeros) * make('attnres_key_scale', nn.initializers.ones)
     s_NxT = np.arange(sites).reshape(big_n, t_sites)
     w_NxTxKxD = jnp.broadcast_to(w_KxD, (big_n, t_sites, k, d))
-    return w_NxTxKxD, jnp.asarray(s_NxT % block_size(self.spec) == 0, F32), jnp.asarray(s_NxT, F32)
+    return w_NxTxKxD, jnp.asarray(s_NxT % self.spec.block_size == 0, F32), jnp.asarray(s_NxT, F32)
 
 
 def _unit_rms(v_BxLxD, heads):
@@ -119,7 +116,7 @@ class AttnResSite(Site):
     w_TxKxD, boundary_T, site_T = chain_l
     heads, k, s = self.spec.attnres_heads, w_TxKxD.shape[1], site_T[self.t].astype(jnp.int32)
     w_KxHxE, boundary = w_TxKxD[self.t].reshape(k, heads, -1), boundary_T[self.t] > 0
-    full = block_size(self.spec) == 1
+    full = self.spec.block_size == 1
     logit_KxBxLxH = jnp.einsum('blhe,khe->kblh', _unit_rms(p_BxLxD, heads), w_KxHxE)
     sums = _push(sums, p_BxLxD, logit_KxBxLxH if full else jnp.where(boundary, logit_KxBxLxH, NEG))
     if full:  # every site is a block's first: p is pushed, never read
@@ -142,7 +139,7 @@ class AttnResSite(Site):
 
 
 def _start(spec, x_BxLxD, num_layers):
-  k, heads = receivers(spec, 2 * num_layers), spec.attnres_heads  # the sublayer placement: 2 sites per layer
+  k, heads = spec.receivers(2 * num_layers), spec.attnres_heads  # the sublayer placement: 2 sites per layer
   per_head = x_BxLxD.shape[:2] + (heads,)
   return (x_BxLxD, x_BxLxD if spec.attnres_delta else None, jnp.zeros((k,) + x_BxLxD.shape, x_BxLxD.dtype),
           jnp.zeros((k,) + per_head, F32), jnp.full((k,) + per_head, NEG, F32), jnp.zeros(per_head, F32))

@@ -86,8 +86,7 @@ class DCAChain(Chain):
 
 
 class DCASite(Site):
-  """Site 0 runs the attention on its GRNs of the buffer; site 1 (MLP) is a residual around h, and writes
-  y_{i+1} = a + m to its slot."""
+  """Site 0: the attention on the buffer's GRNs; site 1: the MLP around h, writing y_{i+1} = a + m to its slot."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):

@@ -207,8 +207,7 @@ class MHCLiteSite(MHCSite):
 
 
 class V4Readout(nn.Module):
-  """DeepSeek-V4's read-out (`hc_head`): Σ_k w_k X_k, w = σ(s·(RMSNorm(vec X)·φ_head) + b) + ε; (½ + ε)·(the sum)
-  at init."""
+  """DeepSeek-V4's read-out (`hc_head`): Σ_k w_k X_k, w = σ(s·(RMSNorm(vec X)·φ_head) + b) + ε."""
   spec: Any
   features: int
   param_dtype: Any = F32
@@ -252,9 +251,8 @@ class FracSite(Site):
 
 
 def _check_mhc(spec, prefix, num_layers, width, sites):
-  require(spec.expansion >= 2, f'{prefix}.expansion', spec.expansion,
-          f"must be >= 2 for design '{spec.design}' (σ(b_pre) < 1 cannot start as the plain residual with one "
-          'stream)')
+  require(spec.expansion >= 2, f'{prefix}.expansion', spec.expansion, f"must be >= 2 for design '{spec.design}' "
+          '(σ(b_pre) < 1 cannot start as the plain residual with one stream)')
   require(spec.design != 'mhc_lite' or spec.expansion <= MHC_LITE_MAX_N, f'{prefix}.expansion', spec.expansion,
           f"must be <= {MHC_LITE_MAX_N} for design 'mhc_lite': it mixes all n! permutations "
           f'({math.factorial(spec.expansion) if is_int(spec.expansion) else "?"} logits per token and site)')

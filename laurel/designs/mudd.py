@@ -53,8 +53,7 @@ def max_hidden(spec, num_layers: int) -> int:
 
 
 class MUDDChain(Chain):
-  """(a_NxCxJ, hidden_NxK, slot_NxJ): the bias a_i (one-hot on j = i + 1), the mask of layer i's hidden units (k <
-  K_i) and the slot its output takes (i + 1)."""
+  """(a_NxCxJ, hidden_NxK, slot_NxJ): layer i's bias a_i (one-hot on j = i + 1), hidden-unit mask and slot."""
 
   @nn.compact
   def __call__(self):
@@ -75,8 +74,7 @@ def mix(buffer_JxBxLxD, a_BxLxCxJ):
 
 
 class MUDDSite(Site):
-  """Site 0 mixes the streams from the buffer by the last layer's A: h = X^R + Attn(…); site 1: out = h +
-  MLP(norm(h)), written to its slot, then this layer's A from out."""
+  """Site 0: h = X^R + Attn(X^Q, X^K, X^V) by the last layer's A; site 1: h + MLP(norm(h)) to its slot, and its A."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):

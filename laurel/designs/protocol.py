@@ -133,8 +133,7 @@ def StreamSpec(design: str = 'residual', **fields):  # pylint: disable=invalid-n
 
 
 def _sections(default, overrides: dict) -> dict:
-  """config_lib.config_dict of a model's `stream`: `stream.design` and every design's section, popped from
-  `overrides`."""
+  """config_lib.config_dict of a model's `stream`: `stream.design` and every section, popped from `overrides`."""
   stream = dict(overrides.pop('stream', {}))
   name = stream.pop('design', default.design)
   lookup(name)
@@ -149,8 +148,7 @@ def _sections(default, overrides: dict) -> dict:
 
 
 def _build(default, values: dict, prefix: str):
-  """config_lib.build of a model's `stream`: pops `stream` and every design's section, each checked, and returns
-  the chosen design's config."""
+  """config_lib.build of a model's `stream`: the chosen design's config; pops `stream` and every section."""
   stream = values.pop('stream', None)
   if dataclasses.is_dataclass(stream):  # a config already built
     return stream
@@ -187,8 +185,7 @@ def check(model_cfg, prefix: str, num_layers: int, width: int, sites: int) -> No
 
 
 def unused_fields(spec, prefix: str) -> dict[str, str]:
-  """{field: why} of the other designs' fields, and of the chosen config's that change nothing (its
-  `unused_fields`)."""
+  """{field: why} of the other designs' fields, and the chosen config's own `unused_fields`."""
   chosen = REGISTRY[spec.design]
   out = {f'{prefix}.{d.section}.{f.name}': f'only design {d.name!r} reads it, not {prefix}.stream.design='
          f'{spec.design!r}' for d in REGISTRY.values() if d is not chosen for f in dataclasses.fields(d.config)}
