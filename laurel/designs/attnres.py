@@ -2,8 +2,9 @@
 
 Site s reads h_s = Σ_{j ≤ s} softmax_j(w_sᵀ RMSNorm_s(v_j))·v_j over the embedding and the earlier outputs (Block: the
 finished blocks' sums and the current partial one); read out by a final site S. `attnres_delta`: over the increments,
-added to the ordinary stream (arXiv 2605.18855); `attnres_heads`: one softmax per channel group (arXiv 2607.27230).
-Push form (docs/designs.md): each source joins the online-softmax sums (U, Z, M) of every later receiver.
+added to the ordinary stream (arXiv 2605.18855; at site 0 the formula's 2·x_0 where its code takes x_0, equal after
+the pre-norm); `attnres_heads`: one softmax per channel group (arXiv 2607.27230). Push form (docs/designs.md): each
+source joins the online-softmax sums (U, Z, M) of every later receiver.
 """
 
 import dataclasses

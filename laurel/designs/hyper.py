@@ -232,8 +232,8 @@ class FracSite(Site):
     m, d = self.spec.fractions, self.features
     h_BxLxMxW = x_BxLxD.reshape(x_BxLxD.shape[:-1] + (m, d // m))
     eye = const(np.eye(m))
-    gamma = self.make('frac_gamma', eye, (m, m), ('stream', None)).astype(F32)
-    a = self.make('frac_a', eye, (m, m), ('stream', None)).astype(F32)
+    gamma = self.make('frac_gamma', eye, (m, m), ('stream', None)).astype(F32)  # fractions -> the layer's input
+    a = self.make('frac_a', eye, (m, m), ('stream', None)).astype(F32)  # fractions -> the carried fractions
     beta = self.make('frac_beta', nn.initializers.ones, (m,), ('stream',)).astype(F32)
     cast = lambda c: c.astype(x_BxLxD.dtype)
     # Per token, as HC's: a token-batched einsum is no dot that `dots_no_batch` remat would save (3 D-wide a layer).
@@ -272,6 +272,7 @@ def readout(spec) -> str:
 
 
 def _sum_streams(spec, h_NxBxLxD):
+  """HC §2.1's read-out, the sum of the streams."""
   return h_NxBxLxD.sum(axis=0, dtype=F32).astype(h_NxBxLxD.dtype)
 
 

@@ -164,9 +164,13 @@ class LaurelSite(Site):
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
     x, pending = carry
     alpha, beta_K = (None, None) if chain_l is None else (chain_l[0][self.t], chain_l[1][self.t])
-    beta = None if beta_K is None else beta_K[0]
     x_normed = norm_in(x)
-    afx = fn(x, x_normed, alpha)
+    out, pending = self.residual(fn(x, x_normed, alpha), x, pending, beta_K, x_normed)
+    return nn.with_logical_constraint(norm_out(out), self.axes), pending
+
+  def residual(self, afx, x, pending, beta_K, x_normed):
+    """(x_{i+1}, pending') from afx = α·f(x_i)."""
+    beta = None if beta_K is None else beta_K[0]
     g_rest = None  # g besides β·x_i; without PA, pending passes on (a plain spec inside a PA chain)
     if self.spec.pa:
       g_rest, pending = self._pa_term(x, pending, beta_K)
@@ -175,7 +179,7 @@ class LaurelSite(Site):
       g_rest = scaled(x_normed + lr_out, beta)
     elif self.spec.lr:  # eq. 3/5: x A (βB)
       g_rest = self._low_rank(x, self.lr_a, self.lr_b, beta)
-    return nn.with_logical_constraint(norm_out(self._combine(afx, x, beta, g_rest)), self.axes), pending
+    return self._combine(afx, x, beta, g_rest), pending
 
   def _pa_term(self, x, pending, beta_K):
     """(the PA sum site i receives, pending')."""

@@ -53,7 +53,8 @@ def max_hidden(spec, num_layers: int) -> int:
 
 
 class MUDDChain(Chain):
-  """(a_NxCxJ, hidden_NxK, slot_NxJ): layer i's bias a_i (one-hot on j = i + 1), hidden-unit mask and slot."""
+  """(a_NxCxJ, hidden_NxK, slot_NxJ): layer i's bias a_i (one-hot on j = i + 1), hidden-unit mask and slot. Sources
+  j > i + 1 need no mask (`filled_slots` weighs them 0), nor the last layer's Q, K, V weights (never read)."""
 
   @nn.compact
   def __call__(self):
