@@ -5,7 +5,6 @@
   mHC-lite  arXiv 2601.05732: mHC with H_res = Σ_r a_r P_rᵀ over the n! permutation matrices, no Sinkhorn
   Frac      Zhu et al., arXiv 2503.14125: HC over m fractions of one stream
 Each starts as the plain pre-norm chain up to a factor the final RMSNorm removes (docs/designs.md says how).
-Streams are carried stream-leading, h_NxBxLxD.
 """
 
 import dataclasses
