@@ -1,17 +1,10 @@
-"""Attention Residuals: each sublayer's input is a softmax over depth (Kimi Team, arXiv 2603.15031, §3; reference
-code `modeling_qwen3_attnres.py`, `block_attn_res`, modes 'full' and 'block').
+"""Attention Residuals (Kimi Team, arXiv 2603.15031, §3; reference code `modeling_qwen3_attnres.py`).
 
-  Full    h_s = Σ_{j ≤ s} α_{j→s}·v_j,  α_{j→s} = softmax_j(w_sᵀ RMSNorm_s(v_j)),  v_0 = x_0, v_{j+1} = F_j(norm_j(h_j))
-  Block   the same over [b_0, …, b_{n−1}, p_s]: b_n the sum of block n's outputs, p_s the current block's partial sum
-  delta   sources the increments x_{j+1} − x_j (δ_0 = x_0), input x_s + h_s, x the ordinary stream (arXiv 2605.18855,
-          code `delta_attn_res`; at site 0 the formula's 2·x_0 where the code takes x_0: equal after the pre-norm)
-  heads   H independent softmaxes, each over D/H channels with its own RMSNorm (arXiv 2607.27230, text not read)
-The read-out is a final site S before the final norm (with delta: the stream x_S, as the delta code). w_s = 0 and
-γ_s = 1 at init: every site starts as the uniform average of its sources (the documented exception to "equals the
-plain model"). Push form: ℓ_{j→s} = (w_s ⊙ γ_s)ᵀ v_j / rms(v_j) depends on the sender's content and the receiver's
-parameters only, so each source joins the running softmax sums (U, Z) of every later receiver as soon as it exists,
-with an online-softmax max M under stop_gradient (exact gradient, no overflow). Under remat the site inputs are
-saved by name (`SAVED`), so a layer's backward never reads the sums. Full is Block with one site per block.
+Site s reads h_s = Σ_{j ≤ s} softmax_j(w_sᵀ RMSNorm_s(v_j))·v_j over the embedding and the earlier outputs (Block: the
+finished blocks' sums and the current partial one); read out by a final site S. `attnres_delta`: over the increments,
+added to the ordinary stream (arXiv 2605.18855; at site 0 the formula's 2·x_0 where its code takes x_0, equal after
+the pre-norm); `attnres_heads`: one softmax per channel group (arXiv 2607.27230). Push form (docs/designs.md): each
+source joins the online-softmax sums (U, Z, M) of every later receiver.
 """
 
 import dataclasses
@@ -35,39 +28,34 @@ class AttnResSpec:
   """`model.attnres` (Full AttnRes)."""
   attnres_heads: int = field(1, POSITIVE_INT)  # independent depth softmaxes over channel groups
   attnres_delta: bool = field(False, BOOL)  # over the increments, added to the ordinary stream
+  block_size = 1  # sites per block
+
+  def receivers(self, sites: int) -> int:
+    """The sites, and the read-out site S but with delta (which reads out the stream x)."""
+    return sites + (0 if self.attnres_delta else 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttnResBlockSpec(AttnResSpec):
   """`model.attnres_block` (Block AttnRes)."""
   attnres_block: int = field(2, POSITIVE_INT)  # sites (attention, MLP) per block
-
-
-def block_size(spec) -> int:
-  return spec.attnres_block if spec.design == 'attnres_block' else 1
-
-
-def receivers(spec, sites: int) -> int:
-  """The sites, plus the read-out site S but with delta (which reads out the stream x)."""
-  return sites + (0 if spec.attnres_delta else 1)
+  block_size = property(lambda self: self.attnres_block)
 
 
 class AttnResChain(Chain):
-  """(w̃_NxTxKxD, boundary_NxT, site_NxT), K = `receivers` (S + 1; S with delta): w̃[l, t, r] = w_r ⊙ γ_r of receiver
-  r, the same at every site s = T·l + t (site_NxT, float32 as every chain leaf); boundary marks a block's first
-  site."""
+  """(w̃_NxTxKxD, boundary_NxT, site_NxT): w̃[l, t, r] = w_r ⊙ γ_r of every receiver r at each site s = T·l + t;
+  boundary marks a block's first site."""
 
   @nn.compact
   def __call__(self):
     big_n, t_sites, d = self.num_layers, self.sites_per_layer, self.features
     sites = big_n * t_sites
-    k = receivers(self.spec, sites)
-    make = lambda name, init: self.param(name, nn.with_logical_partitioning(init, ('attnres_sites', self.embed_axis)),
-                                         (k, d), self.param_dtype).astype(F32)
+    k = self.spec.receivers(sites)
+    make = lambda name, init: self.make(name, init, (k, d), ('attnres_sites', self.embed_axis)).astype(F32)
     w_KxD = make('attnres_query', nn.initializers.zeros) * make('attnres_key_scale', nn.initializers.ones)
     s_NxT = np.arange(sites).reshape(big_n, t_sites)
     w_NxTxKxD = jnp.broadcast_to(w_KxD, (big_n, t_sites, k, d))
-    return w_NxTxKxD, jnp.asarray(s_NxT % block_size(self.spec) == 0, F32), jnp.asarray(s_NxT, F32)
+    return w_NxTxKxD, jnp.asarray(s_NxT % self.spec.block_size == 0, F32), jnp.asarray(s_NxT, F32)
 
 
 def _unit_rms(v_BxLxD, heads):
@@ -86,7 +74,7 @@ def _per_head(a_XxH, v_XxD):
 
 
 def _push(sums, v_BxLxD, logit_KxBxLxH):
-  """Adds exp(ℓ − M)·v to every receiver's sums, rescaling them to the new max M (online softmax), per head."""
+  """Adds exp(ℓ − M)·v to every receiver's sums, rescaled to the new max M (online softmax), per head."""
   u_KxBxLxD, z_KxBxLxH, m_KxBxLxH = sums
   m_new = jax.lax.stop_gradient(jnp.maximum(m_KxBxLxH, logit_KxBxLxH))
   # A constant factor: otherwise the carry's (zero, but not symbolically zero) tangent of M keeps U for the backward.
@@ -101,15 +89,14 @@ def _average(u_BxLxD, z_BxLxH):
 
 @_average.defjvp
 def _average_jvp(primals, tangents):
-  """d(u/z) = (du − h·dz)/z through the output h, named: under remat, saving h (1 D-wide per site) spares the layer
-  from keeping its input U (K D-wide), which recomputing u would need."""
+  """d(u/z) = (du − h·dz)/z through the output h, named: saving h (D-wide) under remat spares keeping U (K·D)."""
   (u, z), (du, dz) = primals, tangents
   h = checkpoint_name(_average(u, z), SAVED)
   return h, _per_head(1 / z, du - _per_head(dz, h))
 
 
 def _read(sums, receiver, p_BxLxD, logit_p_BxLxH):
-  """A receiver's softmax average, with the partial block p as one more source of logit ℓ_p (NEG: absent)."""
+  """A receiver's softmax average, the partial block p one more source of logit ℓ_p (NEG: absent)."""
   u, z, m = (jax.lax.dynamic_slice_in_dim(a, receiver, 1) for a in sums)
   u, z, _ = _push((u, z, m), p_BxLxD, logit_p_BxLxH[None])
   return _average(u[0], z[0]).astype(p_BxLxD.dtype)
@@ -119,12 +106,10 @@ SUMS_ACT = (STREAM_ACT, STREAM_ACT[:3] + (None,), STREAM_ACT[:3] + (None,))  # U
 
 
 class AttnResSite(Site):
-  """Site s of Full or Block AttnRes. Carry (p, x, U, Z, M, ℓ): p the newest sources not yet pushed (x_0, the
-  partial block); x the ordinary stream with `attnres_delta` (else None); U_KxBxLxD, Z_KxBxLxH, M_KxBxLxH the
-  softmax sums of every receiver, at its own index (those before s read already: they take pushes they never read,
-  so each update is elementwise: no shift). A block's first site pushes p (a finished block) to every receiver and
-  restarts it; the others read p as one more source. A layer's last site leaves ℓ, the logit of p to the next
-  receiver: after the last layer, the read-out's (`_finish`; without delta)."""
+  """Carry (p, x, U, Z, M, ℓ): p the sources not yet pushed (x_0, the partial block); x the ordinary stream with
+  delta, else None; U_KxBxLxD, Z_KxBxLxH, M_KxBxLxH every receiver's sums at its own index (so each push is
+  elementwise); ℓ the logit of p to the read-out. A block's first site pushes p and restarts it; the others read
+  p as one more source."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
@@ -132,7 +117,7 @@ class AttnResSite(Site):
     w_TxKxD, boundary_T, site_T = chain_l
     heads, k, s = self.spec.attnres_heads, w_TxKxD.shape[1], site_T[self.t].astype(jnp.int32)
     w_KxHxE, boundary = w_TxKxD[self.t].reshape(k, heads, -1), boundary_T[self.t] > 0
-    full = block_size(self.spec) == 1
+    full = self.spec.block_size == 1
     logit_KxBxLxH = jnp.einsum('blhe,khe->kblh', _unit_rms(p_BxLxD, heads), w_KxHxE)
     sums = _push(sums, p_BxLxD, logit_KxBxLxH if full else jnp.where(boundary, logit_KxBxLxH, NEG))
     if full:  # every site is a block's first: p is pushed, never read
@@ -155,15 +140,14 @@ class AttnResSite(Site):
 
 
 def _start(spec, x_BxLxD, num_layers):
-  k, heads = receivers(spec, 2 * num_layers), spec.attnres_heads  # the sublayer placement: 2 sites per layer
+  k, heads = spec.receivers(2 * num_layers), spec.attnres_heads  # the sublayer placement: 2 sites per layer
   per_head = x_BxLxD.shape[:2] + (heads,)
   return (x_BxLxD, x_BxLxD if spec.attnres_delta else None, jnp.zeros((k,) + x_BxLxD.shape, x_BxLxD.dtype),
           jnp.zeros((k,) + per_head, F32), jnp.full((k,) + per_head, NEG, F32), jnp.zeros(per_head, F32))
 
 
 def _finish(spec, carry):
-  """The read-out h_S (receiver S, the last) over every source and the last block; with delta, the ordinary stream
-  x_S (the delta code has no final mix)."""
+  """The read-out h_S (receiver S); with delta the stream x_S (the delta code has no final mix)."""
   p_BxLxD, x_BxLxD, *sums, logit_p = carry
   return _read(sums, sums[0].shape[0] - 1, p_BxLxD, logit_p) if x_BxLxD is None else x_BxLxD
 

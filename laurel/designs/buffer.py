@@ -1,8 +1,5 @@
 """The write-once buffer of the designs that keep every layer's output (`Design.buffer`: MUDDFormer's, DCA's), and
-the layer scan's backward that keeps no copy of it. J = N + 1 slots; B batch, L length, D width.
-
-The backward gives every layer the final buffer, so a layer's reads must give slots it has not yet seen (j > its
-layer index) weight 0 (`filled_slots`), and its write overwrites its slot rather than adding to it.
+the layer stack's backward that keeps no copy of it. J = N + 1 slots; B batch, L length, D width.
 """
 
 import flax.linen as nn
@@ -19,32 +16,31 @@ def start_buffer(x_BxLxD, num_layers):
 
 
 def write_slot(buffer_JxBxLxD, slot_J, y_BxLxD):
-  """y written over the buffer's slot of the one-hot slot_J (a layer's row of `np.eye(N + 1)[1:]`, from its chain):
-  an update in place, which reads and writes one slot, not the whole buffer."""
+  """y written over the slot of the one-hot slot_J (a layer's row of `np.eye(N + 1)[1:]`), in place."""
   return jax.lax.dynamic_update_index_in_dim(buffer_JxBxLxD, y_BxLxD.astype(buffer_JxBxLxD.dtype),
                                              jnp.argmax(slot_J), 0)
 
 
 def filled_slots(slot_J):
-  """1 on the slots written before the layer whose slot is slot_J's (j ≤ its index), else 0."""
+  """1 on the slots written before the layer whose slot is slot_J's, else 0: the backward gives every layer the
+  final buffer, so a layer's reads must weigh the slots it has not yet seen 0."""
   return 1 - jnp.cumsum(slot_J)
 
 
 def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, positions_BxL, segment_ids_BxL,
                             layer_xs, shared_G):
-  """`stack(carry, ...)`, the scanned layers (each the unbound module `block`), with a backward that keeps no copy of
-  the carry's write-once buffer (entry `index`; None: none): every layer is given the final one, whose slots past its
-  own it does not read (`filled_slots`). A scan's own backward saves N copies of N + 1 slots; this one the final
-  buffer and each layer's carry without it, and rebuilds value residual's V_1 (written by layer 0) too. The carry's
-  entry `mirror` (None: none), which at layer i's input is the buffer's slot i, is not kept either: it is read
-  there. A layer's forward keeps what its vjp under the remat `policy` keeps, less its own inputs and outputs (the
-  backward has them: a layer's output is the next one's input), so it recomputes only what the policy does not save."""
+  """`stack(carry, ...)`, the scanned layers (each the unbound module `block`), with a backward that keeps the final
+  write-once buffer (carry entry `index`; None: none) in place of a scan's N copies, and rebuilds value residual's
+  V_1 (written by layer 0) and the entry `mirror` (the buffer's slot i at layer i's input) from it. A layer keeps
+  what its vjp under the remat `policy` keeps, less its inputs and outputs (a layer's output is the next's input)."""
   def layer(params_l, carry, chain_l, shared, layer_index):
     return block.apply({'params': params_l}, carry, positions_BxL, segment_ids_BxL, (layer_index, chain_l), shared)[0]
 
   if policy is not None:
     layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-  structure = {}  # the vjp's tree and where each of its leaves comes from: the same at every layer
+  # the vjp's tree, and where each of its leaves comes from (an index into the layer's input and output leaves,
+  # None where kept): the same at every layer
+  structure = {}
 
   def replaced(stream, i, value):
     return stream if i is None else stream[:i] + (value,) + stream[i + 1:]
@@ -63,14 +59,6 @@ def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, pos
     """The buffer's slot j, where there is a mirror to restore from it."""
     return None if mirror is None else jax.lax.dynamic_index_in_dim(buffer_JxBxLxD, j, 0, keepdims=False)
 
-  def find(leaf, inputs, outputs):
-    """('in', k) or ('out', k): the residual is the layer's k-th input or output leaf; None: it is kept."""
-    for kind, leaves in (('in', inputs), ('out', outputs)):
-      k = next((k for k, a in enumerate(leaves) if a is leaf), None)
-      if k is not None:
-        return kind, k
-    return None
-
   def forward(mdl, carry, layer_xs, shared_G):
     params = mdl.variables['params']
 
@@ -79,8 +67,8 @@ def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, pos
       inputs = (params_l, carry, chain_l, shared_G)
       out, vjp = jax.vjp(lambda p, c, w, s: layer(p, c, w, s, layer_index), *inputs)
       leaves, structure['tree'] = jax.tree.flatten(vjp)
-      input_leaves, output_leaves = jax.tree.leaves(inputs), jax.tree.leaves(put(out, None, None))
-      structure['source'] = [find(leaf, input_leaves, output_leaves) for leaf in leaves]
+      found = jax.tree.leaves(inputs) + jax.tree.leaves(put(out, None, None))
+      structure['source'] = [next((k for k, a in enumerate(found) if a is leaf), None) for leaf in leaves]
       kept = [leaf for leaf, k in zip(leaves, structure['source']) if k is None]
       return out, (put_mirror(put(carry, None, None), None), kept)
     out, saved = jax.lax.scan(one, carry, (params, layer_xs), unroll=cfg.scan_unroll)
@@ -95,11 +83,10 @@ def stack_rebuilding_buffer(stack, block, cfg, index, mirror, policy, carry, pos
       params_l, (carry, kept), (layer_index, chain_l) = xs
       first_values = None if final[1] is None else jnp.where(layer_index > 0, final[1], 0)
       carry_in = put_mirror(put(carry, final_JxBxLxD, first_values), slot(final_JxBxLxD, layer_index))
-      leaves = {'in': jax.tree.leaves((params_l, carry_in, chain_l, shared_G)),
-                'out': jax.tree.leaves(put_mirror(next_carry, slot(final_JxBxLxD, layer_index + 1)))}
+      found = (jax.tree.leaves((params_l, carry_in, chain_l, shared_G))
+               + jax.tree.leaves(put_mirror(next_carry, slot(final_JxBxLxD, layer_index + 1))))
       kept = iter(kept)
-      vjp = jax.tree.unflatten(structure['tree'], [next(kept) if k is None else leaves[k[0]][k[1]]
-                                                   for k in structure['source']])
+      vjp = jax.tree.unflatten(structure['tree'], [next(kept) if k is None else found[k] for k in structure['source']])
       g_params, g_carry, g_chain, g_shared_l = vjp(g_carry)
       return (g_carry, jax.tree.map(jnp.add, g_shared, g_shared_l), carry), (g_params, g_chain)
     (g_carry, g_shared, _), (g_params, g_chain) = jax.lax.scan(

@@ -1,15 +1,8 @@
-"""DCA, DeepCrossAttention (Heddes et al., arXiv 2502.06785, ICML 2025): GRN-v3 (§3.1), the DCA block (§3.2,
-Fig. 4) and the read-out y = GRN(G_{N+1}) (§4.1; App. H, Fig. 10).
+"""DCA, DeepCrossAttention (Heddes et al., arXiv 2502.06785): GRN-v3 §3.1, the DCA block §3.2, the read-out §4.1.
 
-  y_0 the embedding, y_{i+1} = layer i's block output a_i + m_i (its skip is not added, §3.2)
-  GRN(G_i) = Σ_{j ≤ i} ReLU(b_{i,j} + w_iᵀ y_j) ⊙ y_j, per token and dimension, b_{i,j}, w_i ∈ R^D
-  layer i, a GRN for each of Q, K, V: a_i = Attn(norm(u^Q), norm_k(u^K), norm_v(u^V)), h = u^Q + a_i,
-  m_i = MLP(norm(h)); the read-out (before the final norm) a GRN of receiver N
-b = 1, w = 0 at init: every GRN is Σ y_j = x_i, the plain model. ReLU(b + wᵀy) is App. H's reading (App. A's
-b + ReLU(wᵀy) would leave w without gradient at w = 0). `dca_k` is k-DCA (§3.1, §5): the stack [y_0,
-Σ_{1 ≤ j ≤ i−k} y_j, y_{i−k+1}, …, y_i], at most k + 2 columns (`dca` is k = N). Pull form over a write-once buffer
-of every block output (laurel.designs.buffer, as MUDDFormer's): each layer reads its last k slots as a slice.
-`padded_params` counts the weights of columns still empty at a receiver.
+GRN(G_i) = Σ_{j ≤ i} ReLU(b_{i,j} + w_iᵀ y_j) ⊙ y_j (App. H's reading) over y_0, the embedding, and y_{j+1}, layer j's
+block output without its skip; one GRN for each of the attention's Q, K, V. k-DCA (`dca_k`): the stack [y_0,
+Σ_{1≤j≤i−k} y_j, y_{i−k+1}, …, y_i]. Pull form over laurel.designs.buffer, as MUDDFormer's.
 """
 
 import dataclasses
@@ -21,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import POSITIVE_INT, field
-from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, make_param, register
 from laurel.designs.buffer import start_buffer, write_slot
 
 STREAMS = 3  # Q, K, V
@@ -46,8 +39,7 @@ def last_k(spec, num_layers):
 
 
 def stack_selection(k, receiver, slots):
-  """(k + 2, slots): receiver i's columns as sums of buffer slots, y_0, Σ_{1≤j≤i−k} y_j, y_i, …, y_{i−k+1} (a y_j
-  with j < 1 an empty column)."""
+  """(k + 2, slots): receiver i's columns y_0, Σ_{1≤j≤i−k} y_j, y_i, …, y_{i−k+1} as sums of slots (empty: j < 1)."""
   select = np.zeros((k + 2, slots), np.float32)
   select[0, 0] = 1.0
   select[1, 1:max(receiver - k + 1, 1)] = 1.0
@@ -57,9 +49,8 @@ def stack_selection(k, receiver, slots):
 
 
 def grn_columns(b_CxKxD, w_CxD, k, receiver, buffer_JxBxLxD):
-  """GRN(G_i) of receiver i (traced) for each stream c over its k + 2 columns (`stack_selection`'s), read from the
-  buffer as y_0, the k slots up to y_i (a slice; those not y_1, …, y_i, or past the last k, weigh nothing) and, for
-  k-DCA, the merged column (a masked sum of slots). Slots past y_i are never read, so the buffer may hold later ones."""
+  """GRN(G_i) of receiver i (traced) for each stream c over `stack_selection`'s columns: y_0, a slice of the last k
+  slots up to y_i (any other weighs nothing: the buffer may hold later ones) and the merged column."""
   slots = buffer_JxBxLxD.shape[0]
   width = min(k, slots - 1)  # a k past N has columns that stay empty
   start = jnp.clip(receiver - width + 1, 0, slots - width)
@@ -76,25 +67,26 @@ def grn_columns(b_CxKxD, w_CxD, k, receiver, buffer_JxBxLxD):
   return out_CxBxLxD
 
 
+def _grn_weights(make, lead, lead_names, k, d, embed_axis):
+  """(b, w) of GRNs over k + 2 columns, b = 1 and w = 0 (every GRN is then Σ_j y_j), leading axes `lead`."""
+  bias = make('dca_bias', nn.initializers.ones, lead + (k + 2, d), lead_names + ('dca_sources', embed_axis))
+  query = make('dca_query', nn.initializers.zeros, lead + (d,), lead_names + (embed_axis,))
+  return bias.astype(F32), query.astype(F32)
+
+
 class DCAChain(Chain):
-  """(b_NxCxKxD, w_NxCxD, slot_NxJ): receiver i's weights of its k + 2 columns (`stack_selection`'s), `dca_bias` and
-  `dca_query`; the slot its output takes (i + 1)."""
+  """(b_NxCxKxD, w_NxCxD, slot_NxJ): receiver i's GRN weights, and the slot its output takes (i + 1)."""
 
   @nn.compact
   def __call__(self):
     big_n, d = self.num_layers, self.features
     k = last_k(self.spec, big_n)
-    make = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape,
-                                                       self.param_dtype).astype(F32)
-    bias = make('dca_bias', nn.initializers.ones, (big_n, STREAMS, k + 2, d),
-                ('layers', 'dca_streams', 'dca_sources', self.embed_axis))
-    query = make('dca_query', nn.initializers.zeros, (big_n, STREAMS, d), ('layers', 'dca_streams', self.embed_axis))
+    bias, query = _grn_weights(self.make, (big_n, STREAMS), ('layers', 'dca_streams'), k, d, self.embed_axis)
     return bias, query, jnp.asarray(np.eye(big_n + 1)[1:], F32)
 
 
 class DCASite(Site):
-  """Pull form over a buffer of every block output. Site 0 reads its k + 2 columns from the buffer, its GRNs
-  over them, and runs the attention; site 1 (MLP) is a residual around h, and writes y_{i+1} = a + m to its slot."""
+  """Site 0: the attention on the buffer's GRNs; site 1: the MLP around h, writing y_{i+1} = a + m to its slot."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
@@ -114,17 +106,15 @@ class DCASite(Site):
 
 
 class DCAReadout(nn.Module):
-  """The read-out GRN over y_0, the merged column and the last k of y_1, …, y_N."""
+  """The read-out GRN over y_0, …, y_N."""
   features: int
   k: int
   param_dtype: Any = F32
+  make = make_param
 
   @nn.compact
   def __call__(self, buffer_JxBxLxD):
-    make = lambda name, init, shape, names: self.param(name, nn.with_logical_partitioning(init, names), shape,
-                                                       self.param_dtype).astype(F32)
-    bias = make('dca_bias', nn.initializers.ones, (1, self.k + 2, self.features), (None, 'dca_sources', 'embed'))
-    query = make('dca_query', nn.initializers.zeros, (1, self.features), (None, 'embed'))
+    bias, query = _grn_weights(self.make, (1,), (None,), self.k, self.features, 'embed')
     return grn_columns(bias, query, self.k, buffer_JxBxLxD.shape[0] - 1, buffer_JxBxLxD)[0]
 
 

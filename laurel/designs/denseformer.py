@@ -1,7 +1,6 @@
-"""DenseFormer: depth-weighted averages of the earlier blocks' outputs (Pagliardini et al., arXiv 2402.02622).
+"""DenseFormer: depth-weighted averages of the earlier blocks' outputs (Pagliardini et al., arXiv 2402.02622, §3).
 
-  X_i = B_i(Y_{i−1}); after every p-th block Y_i = Σ_{j ≤ i, j ≡ i (mod k)} α_{i,j}·X_j, else Y_i = X_i
-  (§3, §3.2–3.3; k = dwa_dilation, p = dwa_period). Init α_{i,i} = 1, the rest 0 (§3): exactly the plain chain.
+X_i = B_i(Y_{i−1}); after every p-th block Y_i = Σ_{j ≤ i, j ≡ i (mod k)} α_{i,j}·X_j, else Y_i = X_i (§3.2–3.3).
 """
 
 import dataclasses
@@ -22,10 +21,9 @@ class DenseFormerSpec:
 
 
 class DWAChain(Chain):
-  """α in push layout, (u_NxR, w_NxR), R = N: what layer j adds to running sum r (block j + r's DWA): u[0, r] =
-  α_{r,0} (the embedding), w[j, r] = α_{j+r, j+1} (block j's output); a block without DWA passes its output on
-  (w[j, 0] = 1). α is flat: the DWA blocks i ((i+1) % p == 0) in order, each over j = (i+1) % k, …, i+1 step k
-  (DWAModules' weights, joined)."""
+  """α in push layout, (u_NxR, w_NxR): what layer j adds to running sum r (block j + r's DWA), u[0, r] = α_{r,0}
+  (the embedding), w[j, r] = α_{j+r, j+1} (block j's output; 1 at r = 0 without DWA). The parameter is DWAModules'
+  weights joined, init α_{i,i} = 1, the rest 0 (§3): exactly the plain chain."""
 
   @nn.compact
   def __call__(self):
@@ -33,8 +31,7 @@ class DWAChain(Chain):
     pairs = [(i, j) for i in range(big_n) if (i + 1) % s.dwa_period == 0
              for j in range((i + 1) % s.dwa_dilation, i + 2, s.dwa_dilation)]
     i_P, j_P = np.array(pairs).T
-    alpha_P = self.param('dwa_alpha', nn.with_logical_partitioning(const(j_P == i_P + 1), ('layers_dwa',)),
-                         (len(pairs),), self.param_dtype).astype(F32)
+    alpha_P = self.make('dwa_alpha', const(j_P == i_P + 1), (len(pairs),), ('layers_dwa',)).astype(F32)
     sender_P, emb_P = np.maximum(j_P - 1, 0), j_P == 0
     passthrough = np.zeros((big_n, big_n))
     passthrough[[i for i in range(big_n) if (i + 1) % s.dwa_period], 0] = 1.0
@@ -44,10 +41,9 @@ class DWAChain(Chain):
 
 
 class DenseFormerSite(Site):
-  """x + F(norm(x)); the last site of layer j then applies DWA_j (§3) in push form: running sums S_r (block j + r's
-  DWA so far); the first site adds u_j[r]·X_j (non-zero for the embedding, j = 0), the last adds w_j[r]·X_{j+1}, reads
-  S_0 as Y_j and shifts the queue. All linear in S: a layer scan's backward keeps only each block's input and output
-  (kept anyway), never the history X_0 … X_j per step that a pull form would (O(N²) activations)."""
+  """x + F(norm(x)), then at layer j's last site DWA_j in push form over running sums S_r: the first site adds
+  u_j[r]·X_j, the last w_j[r]·X_{j+1}, reads S_0 as Y_j and shifts the queue. Linear in S, so a scan's backward
+  keeps no history X_0 … X_j per layer."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):

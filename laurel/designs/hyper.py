@@ -1,21 +1,10 @@
-"""Hyper-connections: n residual streams mixed at every site; equation numbers are each paper's.
+"""Hyper-connections and their kin: n residual streams (or m fractions of the width) mixed at every site.
 
-  HC         h_0ᵀ = A_mᵀH, H' = A_rᵀH, Ĥ = Bᵀ(F h_0)ᵀ + H'                 Zhu et al., arXiv 2409.19606, eqs. 3–5
-    dynamic  H̄ = norm(H); B(H) = s_β∘tanh(H̄W_β)ᵀ + B, A_m(H) = s_α∘tanh(H̄W_m) + A_m, A_r likewise   eqs. 10–13
-  mHC        x_{l+1} = H_res·x_l + H_postᵀ·F(H_pre·x_l)                     Xie et al., arXiv 2512.24880, eq. 3
-             H̃ = α·(RMSNorm(vec x_l)·φ) + b; H_pre = σ(H̃_pre), H_post = 2σ(H̃_post), H_res = SK(H̃_res)   eqs. 7–8
-             SK: M⁽⁰⁾ = exp(H̃_res), M⁽ᵗ⁾ = T_r(T_c(M⁽ᵗ⁻¹⁾)), t_max = sinkhorn_iters                      eq. 9
-  read-out   'sum' (HC §2.1, mHC's); 'norm_sum' (mHC-lite's code): the final norm on each stream, then the sum;
-             'v4' (DeepSeek-V4's hc_head): Σ_k (σ(s·(RMSNorm(vec X)·φ_head)_k + b_k) + ε)·X_k
-  mHC-lite   H_res = Σ_r a_r P_rᵀ over the n! permutation matrices P_r = I[σ_r] (itertools order),
-             a = softmax(α_res·(x̂φ_res) + b_res): exactly doubly stochastic, no Sinkhorn   arXiv 2601.05732
-  Frac       H = split(x) into m fractions, x_in = merge(ΓᵀH), H' = diag(β)·split(F(norm(x_in))) + AᵀH
-             (dynamic: HC eqs. 10–13 per fraction), carried as x itself      Zhu et al., arXiv 2503.14125
-
-Each starts as the plain pre-norm chain up to a factor the final RMSNorm removes (docs/designs.md says how): HC eq. 14
-(A_m = e_{k mod n}, A_r = I, B = 1, W = 0); mHC with φ = 0, H_post = 1, H_pre = (1/n + e_{k mod n})/2 (the tilt
-lets the equal streams part), H_res = (I + 11ᵀ/n)/2; mHC-lite at that H_res exactly (`mhc_lite_init='authors'`:
-its code's start instead); Frac with Γ = A = I, β = 1. Streams are carried stream-leading, h_NxBxLxD.
+  HC        Zhu et al., arXiv 2409.19606, eqs. 3–5; dynamic, eqs. 10–13
+  mHC       Xie et al., arXiv 2512.24880, eqs. 3, 7–9
+  mHC-lite  arXiv 2601.05732: mHC with H_res = Σ_r a_r P_rᵀ over the n! permutation matrices, no Sinkhorn
+  Frac      Zhu et al., arXiv 2503.14125: HC over m fractions of one stream
+Each starts as the plain pre-norm chain up to a factor the final RMSNorm removes (docs/designs.md says how).
 """
 
 import dataclasses
@@ -30,16 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, is_int, one_of, require
-from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, make_param, register
 
 V4_HC_EPS = 1e-6  # DeepSeek-V4's hc_eps
 MHC_LITE_MAX_N = 5  # 5! = 120 logits per token and site; 6! = 720 would dwarf the layer's own mixing
 
 
 _expansion = lambda: field(4, POSITIVE_INT)  # HC/mHC n
-_dynamic = lambda: field(False, BOOL)  # HC eqs. 10–13
-# the streams -> one: each design's authors' ('sum' for mhc, 'norm_sum' for mhc_lite); HC §2.1's sum, then the final
-# norm; the final norm on each stream, then the sum (mHC-lite's code); or DeepSeek-V4's weighted sum
+_hc_dynamic = lambda: field(False, BOOL)  # HC eqs. 10–13
+# the streams -> one: each design's authors' (`readout`); HC §2.1's sum, then the final norm; the final norm on
+# each stream, then the sum (mHC-lite's code); or DeepSeek-V4's weighted sum (`V4Readout`)
 _readout = lambda: field('authors', one_of('authors', 'sum', 'norm_sum', 'v4'))
 
 
@@ -47,7 +36,7 @@ _readout = lambda: field('authors', one_of('authors', 'sum', 'norm_sum', 'v4'))
 class HCSpec:
   """`model.hc`."""
   expansion: int = _expansion()
-  hc_dynamic: bool = _dynamic()
+  hc_dynamic: bool = _hc_dynamic()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +59,13 @@ class MHCLiteSpec:
 class FracSpec:
   """`model.frac`."""
   fractions: int = field(2, POSITIVE_INT)  # m
-  hc_dynamic: bool = _dynamic()
+  hc_dynamic: bool = _hc_dynamic()
 
 
 @functools.partial(jax.checkpoint, static_argnums=(1,))
 def sinkhorn(logits, iters: int):
-  """mHC eq. 9 over the last two axes, in float32: exp, then `iters` × (columns, then rows, sum to 1). The backward
-  pass recomputes the iterations (as the paper's kernel does, §4.3.1) instead of keeping 2·iters n×n per token."""
+  """mHC eq. 9 over the last two axes, in float32. The backward recomputes the iterations (as the paper's kernel,
+  §4.3.1) instead of keeping 2·iters n×n per token."""
   def step(_, m):
     m = m / m.sum(-2, keepdims=True)  # T_c
     return m / m.sum(-1, keepdims=True)  # T_r
@@ -95,16 +84,15 @@ class HyperChain(Chain):
   def __call__(self):
     s, n, shape = self.spec, self.spec.expansion, (self.num_layers, self.sites_per_layer, self.spec.expansion)
     onehot_NxTxN = np.eye(n)[np.arange(shape[0] * shape[1]).reshape(shape[:2]) % n]  # e_{k mod n}, eq. 14
-    make = lambda name, value: self.param(name, nn.with_logical_partitioning(
-        const(value), ('layers', 'stream_sites', 'stream')), shape, self.param_dtype).astype(F32)
+    param = lambda name, value: self.make(name, const(value), shape, ('layers', 'stream_sites', 'stream')).astype(F32)
     if s.design == 'hc':
-      return make('a_m', onehot_NxTxN)
+      return param('a_m', onehot_NxTxN)
     if s.design == 'mhc_lite' and s.mhc_lite_init == 'authors':
       b_pre = shift = np.broadcast_to(2 * np.eye(n)[np.arange(shape[0]) % n][:, None] - 1, shape)
     else:
       p_NxTxN = (1.0 / n + onehot_NxTxN) / 2  # σ(b_pre): sums to 1, tilted to stream k mod n
       b_pre, shift = np.log(p_NxTxN / (1 - p_NxTxN)), np.zeros(shape)
-    return jnp.stack([make('b_pre', b_pre), jnp.asarray(shift, F32)], axis=-2)
+    return jnp.stack([param('b_pre', b_pre), jnp.asarray(shift, F32)], axis=-2)
 
 
 def _flat_rms(h_NxBxLxD):
@@ -114,8 +102,8 @@ def _flat_rms(h_NxBxLxD):
 
 
 def _hyper_update(h_NxBxLxD, a_m_BxLxN, a_r_BxLxNxN, b_BxLxN, fn, norm_in):
-  """HC eqs. 3–5 with per-token weights: h_0 = Σ_i A_m[i]·H_i, Ĥ_j = B_j·F(norm(h_0)) + Σ_i A_r[i, j]·H_i.
-  mHC eq. 3 is the same with A_m = H_preᵀ, A_r = H_resᵀ, B = H_post."""
+  """HC eqs. 3–5 per token: h_0 = Σ_i A_m[i]·H_i, Ĥ_j = B_j·F(norm(h_0)) + Σ_i A_r[i, j]·H_i. mHC eq. 3 is the
+  same with A_m = H_preᵀ, A_r = H_resᵀ, B = H_post."""
   cast = lambda a: a.astype(h_NxBxLxD.dtype)
   x_BxLxD = jnp.einsum('bln,nbld->bld', cast(a_m_BxLxN), h_NxBxLxD)
   y_BxLxD = fn(x_BxLxD, norm_in(x_BxLxD), None)  # B is per stream: it cannot fold into F's kernel
@@ -125,8 +113,8 @@ def _hyper_update(h_NxBxLxD, a_m_BxLxN, a_r_BxLxNxN, b_BxLxN, fn, norm_in):
 
 
 def _dynamic(site, h, h_axes: str, out_axes: str, axis: str, coeffs: int):
-  """HC eqs. 10–13's input-dependent terms (s_α∘tanh(H̄W_α), s_β∘tanh(H̄w_β)), H̄ = LayerNorm over h's last axis (the
-  logical `axis`), W_α with `coeffs` columns; `h_axes` names h's axes and `out_axes` the token and stream ones."""
+  """HC eqs. 10–13's terms (s_α∘tanh(H̄W_α), s_β∘tanh(H̄w_β)), H̄ = LayerNorm over h's last axis (logical `axis`),
+  W_α with `coeffs` columns; einsum axes `h_axes` of h, `out_axes` of the tokens and streams."""
   ones, zeros = nn.initializers.ones, nn.initializers.zeros
   hbar = nn.LayerNorm(dtype=F32, param_dtype=site.param_dtype, name='norm',
                       scale_init=nn.with_logical_partitioning(ones, (axis,)),
@@ -140,7 +128,7 @@ def _dynamic(site, h, h_axes: str, out_axes: str, axis: str, coeffs: int):
 
 
 class HCSite(Site):
-  """Hyper-connections, static (eqs. 3–5) or dynamic (eqs. 10–13); A_m comes from `HyperChain` (chain_l[t])."""
+  """HC, static (eqs. 3–5) or dynamic (eqs. 10–13); A_m from `HyperChain`."""
 
   @nn.compact
   def __call__(self, h_NxBxLxD, fn, norm_in, norm_out, chain_l):
@@ -155,7 +143,8 @@ class HCSite(Site):
 
 
 class MHCSite(Site):
-  """Manifold-constrained hyper-connections, eqs. 3 and 7–9; b_pre comes from `HyperChain` (chain_l[t])."""
+  """mHC, eqs. 3 and 7–9: H̃ = α·(RMSNorm(vec x_l)·φ) + b, H_pre = σ(H̃_pre), H_post = 2σ(H̃_post), H_res =
+  Sinkhorn(H̃_res); b_pre from `HyperChain`."""
 
   def res_logits(self) -> int:
     return self.spec.expansion ** 2
@@ -165,7 +154,7 @@ class MHCSite(Site):
     return np.log((np.eye(n) + 1.0 / n) / 2)
 
   def h_res(self, logits_BxLxR):
-    """H_res per token from its logits: Sinkhorn (eq. 9) over mat(logits), row-major n×n."""
+    """Sinkhorn (eq. 9) over the logits as row-major n×n."""
     n = self.spec.expansion
     return sinkhorn(logits_BxLxR.reshape(logits_BxLxR.shape[:-1] + (n, n)), self.spec.sinkhorn_iters)
 
@@ -188,7 +177,7 @@ class MHCSite(Site):
             self.h_res(alpha_3[2] * res + self.b_res.astype(F32).reshape(-1)))
 
   def __call__(self, h_NxBxLxD, fn, norm_in, norm_out, chain_l):
-    b_pre, b_post_shift = chain_l[self.t]  # HyperChain
+    b_pre, b_post_shift = chain_l[self.t]
     h_pre, h_post, h_res = self.coefficients(h_NxBxLxD, b_pre, b_post_shift)
     return _hyper_update(h_NxBxLxD, h_pre, jnp.swapaxes(h_res, -1, -2), h_post, fn, norm_in)
 
@@ -199,9 +188,8 @@ def permutations(n: int) -> np.ndarray:
 
 
 class MHCLiteSite(MHCSite):
-  """mHC-lite: H_res = Σ_r a_r P_rᵀ (a_r on P_r = I[σ_r] moves stream i to σ_r(i), the authors' labels). b_res
-  starts H_res at mHC's (I + 11ᵀ/n)/2 exactly (a_I = ½ + ½/n!, the others ½/n!); `mhc_lite_init='authors'`: their
-  code's b_res = (0, −8, …), H_res ≈ 0.99·I at n = 4."""
+  """mHC-lite: H_res = Σ_r a_r P_rᵀ, a = softmax(logits). b_res starts H_res at mHC's (I + 11ᵀ/n)/2 exactly;
+  `mhc_lite_init='authors'`: their code's b_res = (0, −8, …)."""
 
   def res_logits(self) -> int:
     return math.factorial(self.spec.expansion)
@@ -218,26 +206,25 @@ class MHCLiteSite(MHCSite):
 
 
 class V4Readout(nn.Module):
-  """DeepSeek-V4's read-out (`hc_head`): Σ_k w_k X_k, w = σ(s·(RMSNorm(vec X)·φ_head) + b) + ε. φ_head = 0, b = 0
-  and s = 0.01 at init: (½ + ε)·(the streams' sum), which the final RMSNorm removes."""
+  """DeepSeek-V4's read-out (`hc_head`): Σ_k w_k X_k, w = σ(s·(RMSNorm(vec X)·φ_head) + b) + ε."""
   spec: Any
   features: int
+  param_dtype: Any = F32
+  make = make_param
 
   @nn.compact
   def __call__(self, h_NxBxLxD):
     n, d = self.spec.expansion, self.features
-    param = lambda name, init, shape, names: self.param(
-        name, nn.with_logical_partitioning(init, names), shape, F32)
-    phi = param('readout_phi', nn.initializers.zeros, (n, d, n), ('stream', 'embed', 'stream_coeff'))
-    b = param('readout_b', nn.initializers.zeros, (n,), ('stream',))
-    s = param('readout_scale', const(0.01), (), ())
+    phi = self.make('readout_phi', nn.initializers.zeros, (n, d, n), ('stream', 'embed', 'stream_coeff'))
+    b = self.make('readout_b', nn.initializers.zeros, (n,), ('stream',))
+    s = self.make('readout_scale', const(0.01), (), ())
     w_BxLxN = jax.nn.sigmoid(s * jnp.einsum('nbld,ndk->blk', _flat_rms(h_NxBxLxD), phi) + b) + V4_HC_EPS
     return jnp.einsum('bln,nbld->bld', w_BxLxN.astype(h_NxBxLxD.dtype), h_NxBxLxD)
 
 
 class FracSite(Site):
-  """Frac-Connections over m fractions of the width, H = split(x) (m × D/m); dynamic as HC eqs. 10–13 per fraction
-  (H̄ = LayerNorm over each fraction): Γ(H) = Γ + s_α∘tanh(H̄W_Γ), A(H) likewise, β(H) = β + s_β∘tanh(H̄w_β)."""
+  """Frac-Connections over H = split(x) (m × D/m): x_in = merge(ΓᵀH), H' = diag(β)·split(F(norm(x_in))) + AᵀH;
+  dynamic as HC eqs. 10–13 per fraction."""
 
   @nn.compact
   def __call__(self, x_BxLxD, fn, norm_in, norm_out, chain_l):
@@ -263,9 +250,8 @@ class FracSite(Site):
 
 
 def _check_mhc(spec, prefix, num_layers, width, sites):
-  require(spec.expansion >= 2, f'{prefix}.expansion', spec.expansion,
-          f"must be >= 2 for design '{spec.design}' (σ(b_pre) < 1 cannot start as the plain residual with one "
-          'stream)')
+  require(spec.expansion >= 2, f'{prefix}.expansion', spec.expansion, f"must be >= 2 for design '{spec.design}' "
+          '(σ(b_pre) < 1 cannot start as the plain residual with one stream)')
   require(spec.design != 'mhc_lite' or spec.expansion <= MHC_LITE_MAX_N, f'{prefix}.expansion', spec.expansion,
           f"must be <= {MHC_LITE_MAX_N} for design 'mhc_lite': it mixes all n! permutations "
           f'({math.factorial(spec.expansion) if is_int(spec.expansion) else "?"} logits per token and site)')
@@ -284,26 +270,27 @@ def readout(spec) -> str:
   return spec.mhc_readout
 
 
-def _finish(spec, h_NxBxLxD):
-  """HC §2.1's read-out, the sum of the streams (mHC's; with 'norm_sum' each stream already final-normed, mHC-lite's),
-  or DeepSeek-V4's weighted one (`mhc_readout='v4'`)."""
-  if readout(spec) == 'v4':
-    return V4Readout(spec, h_NxBxLxD.shape[-1], name='stream_readout')(h_NxBxLxD)
+def _sum_streams(spec, h_NxBxLxD):
+  """HC §2.1's read-out, the sum of the streams."""
   return h_NxBxLxD.sum(axis=0, dtype=F32).astype(h_NxBxLxD.dtype)
 
 
-_norm_first = lambda spec: readout(spec) == 'norm_sum'
+def _finish(spec, h_NxBxLxD):
+  if readout(spec) == 'v4':
+    return V4Readout(spec, h_NxBxLxD.shape[-1], name='stream_readout')(h_NxBxLxD)
+  return _sum_streams(spec, h_NxBxLxD)  # with 'norm_sum' each stream is final-normed already
+
+
 _AXES = (('stream', None), ('stream_sites', None), ('stream_coeff', None))
 _HYPER = dict(chain=HyperChain, logical_axes=_AXES,
               start=lambda spec, x, num_layers: nn.with_logical_constraint(
                   jnp.broadcast_to(x, (spec.expansion,) + x.shape), STREAM_ACT))
-_MHC_NO_DECAY = ('b_pre', 'b_post', 'b_res', 'alpha', 'readout_b', 'readout_scale')
-register(Design('hc', HCSite, config=HCSpec, no_decay=('a_m', 'a_r', 'b', 's_alpha', 's_beta'),
-                finish=lambda spec, h: h.sum(axis=0, dtype=F32).astype(h.dtype), **_HYPER),  # HC §2.1
-         Design('mhc', MHCSite, config=MHCSpec, check=_check_mhc,
-                finish=_finish, norm_first=_norm_first, no_decay=_MHC_NO_DECAY, **_HYPER),
-         Design('mhc_lite', MHCLiteSite, config=MHCLiteSpec, check=_check_mhc,
-                finish=_finish, norm_first=_norm_first, no_decay=_MHC_NO_DECAY, **_HYPER),
+_MHC = dict(check=_check_mhc, finish=_finish, norm_first=lambda spec: readout(spec) == 'norm_sum',
+            no_decay=('b_pre', 'b_post', 'b_res', 'alpha', 'readout_b', 'readout_scale'), **_HYPER)
+register(Design('hc', HCSite, config=HCSpec, no_decay=('a_m', 'a_r', 'b', 's_alpha', 's_beta'), finish=_sum_streams,
+                **_HYPER),
+         Design('mhc', MHCSite, config=MHCSpec, **_MHC),
+         Design('mhc_lite', MHCLiteSite, config=MHCLiteSpec, **_MHC),
          Design('frac', FracSite, config=FracSpec, check=_check_frac,
                 no_decay=('frac_gamma', 'frac_a', 'frac_beta', 's_alpha', 's_beta'),
                 logical_axes=_AXES + (('frac_width', None),)))

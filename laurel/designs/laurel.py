@@ -1,21 +1,11 @@
-"""LAuReL, the learned augmented residual layer (Menghani et al., arXiv 2411.07501, §2; the paper's equations).
+"""LAuReL, the learned augmented residual layer (Menghani et al., arXiv 2411.07501, §2, eqs. 2–6).
 
-  eq. 2   x_{i+1} = α·f(x_i) + g(x_i, …, x_0)
-  RW      g = β·x_i, α and β normalised (softmax or one sigmoid parameter)          §2.1
-  eq. 3   LR:  x_{i+1} = f(x_i) + B·A·x_i + x_i                                    §2.2
-  eq. 4   PA:  x_{i+1} = f(x_i) + x_i + Σ_{j<k} γ_{i,j}·h_i(x_{i−j})               §2.3
-  eq. 5   RW+LR:  α·f(x_i) + β·(B·A·x_i + x_i)                                      §2.4
-  eq. 6   RW+LR+PA:  α·f(x_i) + β·(x_i + Σ_{j<k} γ_{i,j}·A_{i,j}B_{i,j}·x_{i−j})    §2.4
-
-A is the D×r down-projection and B the r×D up-projection (the paper's "B A x" is `x @ A @ B`); init (§3.3) B = 0,
-A column-orthogonal (LLMs) or Xavier (ResNet). `variant='none'` is the plain residual x + f(x). RW's α, β =
-rw_scale·normalise(w) start at 1 (rw_scale = 2; rw_scale = 1 is the paper's literal α + β = 1). form='gemma3n'
-(LR on the normed input, RMSNorm on its output, the sum scaled by 1/√2) draws A and B from N(0, 0.02²) as Gemma 3n.
+x_{i+1} = α·f(x_i) + g(x_i, …, x_0): RW (§2.1), LR (eq. 3), PA (eq. 4) and their combinations (eqs. 5, 6); A is
+D×r and B r×D (the paper's "B A x" is `x @ A @ B`). docs/designs.md has the variants, their init and the push form.
 """
 
 import dataclasses
 import math
-from typing import Sequence
 
 import flax.linen as nn
 import jax
@@ -35,8 +25,7 @@ def _is_variant(v) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LaurelSpec:
-  """`model.laurel`, the config of design 'residual': which LAuReL variant ('none': the plain residual), and its
-  sizes and initialisation."""
+  """`model.laurel`, the config of design 'residual' (variant 'none': the plain residual)."""
   variant: str = field('none', (_is_variant, f"must be 'none' or a '+'-joined subset of {', '.join(COMPONENTS)}"))
   rank: int = 32  # r, for LR and low-rank PA; checked against d_model in check_sizes
   k: int = 3  # number of previous activations for PA (x_i counts as one)
@@ -45,6 +34,7 @@ class LaurelSpec:
   rw_per_dim: bool = field(False, BOOL)  # §2.4: α, β are D-vectors
   a_init: str = field('column_orthogonal', one_of('column_orthogonal', 'xavier'))  # §3.3
   pa_h: str = field('identity', one_of('identity', 'low_rank'))  # h_i of eq. 4; with LR, eq. 6's pairs
+  # 'gemma3n': LR on the normed input, RMSNorm on its output, the sum scaled by 1/√2, A and B from N(0, 0.02²)
   form: str = field('paper', one_of('paper', 'gemma3n'))
   # LM: one site per block, per sublayer, or on attention only with a plain residual around the MLP (Gemma 3n)
   site: str = field('block', one_of('block', 'sublayer', 'attention'))
@@ -53,6 +43,7 @@ class LaurelSpec:
   rw = property(lambda self: 'rw' in self.components)
   lr = property(lambda self: 'lr' in self.components)
   pa = property(lambda self: 'pa' in self.components)
+  low_rank = property(lambda self: self.lr or (self.pa and self.pa_h == 'low_rank'))  # reads rank and a_init
   history_len = property(lambda self: self.k - 1 if self.pa else 0)  # running sums a chain carries: PA's k − 1
 
   def check(self, prefix: str) -> None:
@@ -60,8 +51,7 @@ class LaurelSpec:
             "'gemma3n' needs a variant with lr and without pa")
 
   def check_sizes(self, d_model: int, num_sites: int, prefix: str) -> None:
-    uses_rank = self.lr or (self.pa and self.pa_h == 'low_rank')
-    require(not uses_rank or (is_int(self.rank) and 1 <= self.rank <= d_model), f'{prefix}.rank', self.rank,
+    require(not self.low_rank or (is_int(self.rank) and 1 <= self.rank <= d_model), f'{prefix}.rank', self.rank,
             f'must be an integer in [1, d_model={d_model}]')
     require(not self.pa or (is_int(self.k) and 1 <= self.k <= num_sites), f'{prefix}.k', self.k,
             f'must be an integer in [1, number of LAuReL sites={num_sites}]')
@@ -72,13 +62,12 @@ class LaurelSpec:
     if not self.components:
       return {f'{prefix}.{f.name}': f'{variant} has no LAuReL site' for f in dataclasses.fields(self)
               if f.name != 'variant'}
-    low_rank = self.lr or (self.pa and self.pa_h == 'low_rank')
     checks = {'k': (not self.pa, f'{variant} has no pa'),
               'pa_h': (not self.pa or self.lr, f"{variant}: h is used by pa without lr (with lr, eq. 6's pairs)"),
-              'rank': (not low_rank, f"{variant} has no low-rank part (lr, or pa with pa_h='low_rank')"),
-              'a_init': (not low_rank, f'{variant} has no low-rank part'),
+              'rank': (not self.low_rank, f"{variant} has no low-rank part (lr, or pa with pa_h='low_rank')"),
+              'a_init': (not self.low_rank, f'{variant} has no low-rank part'),
               **{name: (not self.rw, f'{variant} has no rw') for name in ('rw_norm', 'rw_scale', 'rw_per_dim')}}
-    if low_rank and self.form == 'gemma3n':
+    if self.low_rank and self.form == 'gemma3n':
       checks['a_init'] = (True, f"{prefix}.form='gemma3n' draws A from N(0, 0.02²)")
     return {f'{prefix}.{name}': why for name, (no_effect, why) in checks.items() if no_effect}
 
@@ -108,21 +97,10 @@ def column_orthogonal_init(key, shape, dtype=jnp.float32):
   return jnp.broadcast_to(jnp.asarray(a, dtype), shape)
 
 
-def _a_init(name: str):
-  if name == 'column_orthogonal':
-    return column_orthogonal_init
-  # Leading axes (eq. 6's k) are batch axes; a plain (D, r) A has none.
-  return lambda key, shape, dtype=jnp.float32: nn.initializers.xavier_uniform(
-      in_axis=-2, out_axis=-1, batch_axis=tuple(range(len(shape) - 2)))(key, shape, dtype)
-
-
-def rw_weights(w, spec: LaurelSpec, axis: int = 0):
-  """§2.1: α, β = rw_scale·softmax(w) over `axis`, or rw_scale·(σ(w), σ(−w)) with one parameter, in float32."""
-  w = w.astype(jnp.float32)
-  if spec.rw_norm == 'softmax':
-    ab = spec.rw_scale * jax.nn.softmax(w, axis=axis)
-    return jnp.take(ab, 0, axis=axis), jnp.take(ab, 1, axis=axis)
-  return spec.rw_scale * jax.nn.sigmoid(w), spec.rw_scale * jax.nn.sigmoid(-w)
+def _xavier_init(key, shape, dtype=jnp.float32):
+  """Xavier over A's last two axes; leading ones (eq. 6's k) are batch axes."""
+  return nn.initializers.xavier_uniform(in_axis=-2, out_axis=-1, batch_axis=tuple(range(len(shape) - 2)))(
+      key, shape, dtype)
 
 
 class ChainRW(Chain):
@@ -132,46 +110,46 @@ class ChainRW(Chain):
 
   @nn.compact
   def __call__(self):
-    if not self.spec.rw:
+    s = self.spec
+    if not s.rw:
       return None
     num_sites = self.num_layers * self.sites_per_layer
     shape, names = (num_sites,), ('laurel_sites',)
-    if self.spec.rw_norm == 'softmax':  # one weight for α, one for β
+    if s.rw_norm == 'softmax':  # one weight for α, one for β
       shape, names = shape + (2,), names + ('laurel_rw',)
-    if self.spec.rw_per_dim:
+    if s.rw_per_dim:
       shape, names = shape + (self.features,), names + (self.embed_axis,)
-    w = self.param('rw_w', nn.with_logical_partitioning(nn.initializers.zeros, names), shape, self.param_dtype)
-    alpha_S, beta_S = rw_weights(w, self.spec, axis=1)
-    k = self.spec.k if self.spec.pa else 1
+    w = self.make('rw_w', nn.initializers.zeros, shape, names).astype(jnp.float32)
+    if s.rw_norm == 'softmax':  # §2.1: α, β = rw_scale·softmax(w), or rw_scale·(σ(w), σ(−w))
+      alpha_S, beta_S = jnp.moveaxis(s.rw_scale * jax.nn.softmax(w, axis=1), 1, 0)
+    else:
+      alpha_S, beta_S = s.rw_scale * jax.nn.sigmoid(w), s.rw_scale * jax.nn.sigmoid(-w)
+    k = s.k if s.pa else 1
     padded = jnp.concatenate([beta_S, jnp.zeros((k - 1,) + beta_S.shape[1:], beta_S.dtype)])
     beta_SxK = jnp.stack([padded[j:j + num_sites] for j in range(k)], axis=1)
     return tuple(a.reshape((self.num_layers, self.sites_per_layer) + a.shape[1:]) for a in (alpha_S, beta_SxK))
 
 
 class LaurelSite(Site):
-  """One site: x_{i+1} = α·f(x_i) + g(x_i, …, x_0) (eq. 2); carry (x_i, pending).
+  """x_{i+1} = α·f(x_i) + g(x_i, …, x_0) (eq. 2); carry (x_i, pending), α folded into f.
 
-  `residual(afx, x, pending, beta_K, x_normed)` -> (x_{i+1}, pending'), afx = α·f(x_i) (α folded into f). PA runs
-  in push form: site i sends γ_j·h_j(x_i) to sites i, …, i+k−1 through `pending`, the k − 1 running sums the chain
-  carries, so its γ_j, A_j, B_j are the paper's γ_{i+j,j}, A_{i+j,j}, B_{i+j,j} and a layer scan keeps only x_i. β
-  is folded into B and γ, never multiplied onto an activation (which autodiff would keep for its gradient).
+  PA runs in push form: site i sends γ_j·h_j(x_i) to sites i, …, i+k−1 through `pending`, the k − 1 running sums
+  the chain carries, so its γ_j, A_j, B_j are the paper's γ_{i+j,j}, A_{i+j,j}, B_{i+j,j}. β is folded into B and γ
+  (autodiff would keep an activation it multiplies), but for decode, where it scales the few tokens instead of B.
   """
-  # decode=True: β and γ scale the few tokens' products instead of B (a copy of B per step)
 
   def setup(self):
     s, d, param = self.spec, self.features, self.make
-    # Gemma 3n initialises A and B as every linear map, N(0, 0.02²): with B = 0 the RMSNorm on x·A·B would start
-    # at its 1/√eps slope, and B's first gradient would be ~1000× the paper form's.
+    # Gemma 3n draws A and B as every linear map: with B = 0 the RMSNorm on x·A·B would start at its 1/√eps slope.
     a_init, b_init = ((nn.initializers.normal(0.02),) * 2 if s.form == 'gemma3n'
-                      else (_a_init(s.a_init), nn.initializers.zeros))
+                      else (column_orthogonal_init if s.a_init == 'column_orthogonal' else _xavier_init,
+                            nn.initializers.zeros))
     low_rank = lambda name, lead, lead_names: (
         param(f'{name}_a', a_init, lead + (d, s.rank), lead_names + (self.embed_axis, 'laurel_rank')),
         param(f'{name}_b', b_init, lead + (s.rank, d), lead_names + ('laurel_rank', self.embed_axis)))
     if s.pa:
-      # Identity h starts with γ = 0; low-rank h with γ = 1 and B = 0 (γ = 0 and B = 0 would leave both
-      # without gradient). Either way the PA sum starts at zero.
-      low_rank_h = s.lr or s.pa_h == 'low_rank'
-      self.pa_gamma = param('pa_gamma', nn.initializers.ones if low_rank_h else nn.initializers.zeros,
+      # Identity h starts with γ = 0, low-rank h with γ = 1 and B = 0 (both 0 would leave both without gradient).
+      self.pa_gamma = param('pa_gamma', nn.initializers.ones if s.low_rank else nn.initializers.zeros,
                             (s.k,), ('laurel_k',))
       if s.lr:  # eq. 6: one (A_j, B_j) pair per previous activation
         self.pa_a, self.pa_b = low_rank('pa', (s.k,), ('laurel_k',))
@@ -184,64 +162,63 @@ class LaurelSite(Site):
             nn.initializers.ones, (self.embed_axis,)))
 
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
-    x_BxLxD, pending = carry
+    x, pending = carry
     alpha, beta_K = (None, None) if chain_l is None else (chain_l[0][self.t], chain_l[1][self.t])
-    xn_BxLxD = norm_in(x_BxLxD)
-    out_BxLxD, pending = self.residual(fn(x_BxLxD, xn_BxLxD, alpha), x_BxLxD, pending, beta_K, xn_BxLxD)
-    return nn.with_logical_constraint(norm_out(out_BxLxD), self.axes), pending
+    x_normed = norm_in(x)
+    out, pending = self.residual(fn(x, x_normed, alpha), x, pending, beta_K, x_normed)
+    return nn.with_logical_constraint(norm_out(out), self.axes), pending
 
-  def residual(self, afx, x, pending: Sequence[jax.Array] = (), beta_K=None, x_normed=None):
-    s = self.spec
+  def residual(self, afx, x, pending, beta_K, x_normed):
+    """(x_{i+1}, pending') from afx = α·f(x_i)."""
     beta = None if beta_K is None else beta_K[0]
-    if not s.pa:  # pending passes on (a plain spec inside a PA chain)
-      return self._combine(afx, x, beta, self._lr_term(x, x_normed, beta)), pending
+    g_rest = None  # g besides β·x_i; without PA, pending passes on (a plain spec inside a PA chain)
+    if self.spec.pa:
+      g_rest, pending = self._pa_term(x, pending, beta_K)
+    elif self.spec.lr and self.spec.form == 'gemma3n':  # β·(norm(x) + RMSNorm(norm(x) A B))
+      lr_out = self.lr_norm(x_normed @ self.lr_a.astype(x.dtype) @ self.lr_b.astype(x.dtype)).astype(x.dtype)
+      g_rest = scaled(x_normed + lr_out, beta)
+    elif self.spec.lr:  # eq. 3/5: x A (βB)
+      g_rest = self._low_rank(x, self.lr_a, self.lr_b, beta)
+    return self._combine(afx, x, beta, g_rest), pending
+
+  def _pa_term(self, x, pending, beta_K):
+    """(the PA sum site i receives, pending')."""
+    s = self.spec
     if len(pending) != s.k - 1:
       raise ValueError(f'PA needs k-1={s.k - 1} pending sums, got {len(pending)}')
     receiver_beta = lambda j: None if beta_K is None else beta_K[j]
-    if s.lr:  # eq. 6: one D → k·r product for all k terms, then each term's B_j scaled by its receiver's β
-      if self.decode:  # k products batched over k: one D → k·r product would copy A to D × k·r on every step
-        x_KxD = jnp.broadcast_to(x, (s.k,) + x.shape)
-        xa_KxR = jnp.einsum('k...d,kdr->k...r', x_KxD, self.pa_a.astype(x.dtype))
-        xab_KxD = jnp.einsum('k...r,krd->k...d', xa_KxR, self.pa_b.astype(x.dtype))
-        sent = [scaled(xab_KxD[j], self._gamma(j, receiver_beta(j))) for j in range(s.k)]
-      else:
-        xa_KxR = jnp.einsum('...d,kdr->...kr', x, self.pa_a.astype(x.dtype))
-        sent = [xa_KxR[..., j, :] @ (self.pa_b[j] * self._gamma(j, receiver_beta(j))).astype(x.dtype)
-                for j in range(s.k)]
-    elif s.pa_h == 'low_rank':  # the receiver applies its h (and β) to the sum
-      sent = [self._gamma(j, None).astype(x.dtype) * x for j in range(s.k)]
-    else:  # eq. 4, identity h: β folded into γ
-      sent = [self._gamma(j, receiver_beta(j)).astype(x.dtype) * x for j in range(s.k)]
+    if s.lr and self.decode:  # k products batched over k: one D → k·r product would copy A to D × k·r per step
+      x_KxD = jnp.broadcast_to(x, (s.k,) + x.shape)
+      xa_KxR = jnp.einsum('k...d,kdr->k...r', x_KxD, self.pa_a.astype(x.dtype))
+      xab_KxD = jnp.einsum('k...r,krd->k...d', xa_KxR, self.pa_b.astype(x.dtype))
+      sent = [scaled(xab_KxD[j], self._gamma(j, receiver_beta(j))) for j in range(s.k)]
+    elif s.lr:  # eq. 6: one D → k·r product for all k terms, then each B_j scaled by its receiver's β
+      xa_KxR = jnp.einsum('...d,kdr->...kr', x, self.pa_a.astype(x.dtype))
+      sent = [xa_KxR[..., j, :] @ (self.pa_b[j] * self._gamma(j, receiver_beta(j))).astype(x.dtype)
+              for j in range(s.k)]
+    else:  # eq. 4; identity h: β folded into γ; low-rank h: the receiver applies h (and β) to the sum
+      identity = s.pa_h != 'low_rank'
+      sent = [self._gamma(j, receiver_beta(j) if identity else None).astype(x.dtype) * x for j in range(s.k)]
     received = sent[0] + pending[0] if pending else sent[0]
     pending = tuple(p + c for p, c in zip(pending[1:], sent[1:-1])) + tuple(sent[-1:]) if s.k > 1 else ()
     if s.pa_h == 'low_rank' and not s.lr:  # h reads the whole received sum: one activation kept per site
-      received = self._low_rank(received, self.pa_a, self.pa_b, beta)
-    return self._combine(afx, x, beta, received), pending
+      received = self._low_rank(received, self.pa_a, self.pa_b, receiver_beta(0))
+    return received, pending
 
   def _gamma(self, j, beta):
     """γ_j (times β where given) in float32: a scalar, or a D-vector when β is per dimension."""
     gamma = self.pa_gamma[j].astype(jnp.float32)
     return gamma if beta is None else gamma * beta
 
-  def _lr_term(self, x, x_normed, beta):
-    """g besides x_i without PA: eq. 3/5's x A (βB), or Gemma 3n's β·(norm(x) + RMSNorm(norm(x) A B))."""
-    s = self.spec
-    if s.lr and s.form == 'gemma3n':
-      lr_out = self.lr_norm(x_normed @ self.lr_a.astype(x.dtype) @ self.lr_b.astype(x.dtype)).astype(x.dtype)
-      return scaled(x_normed + lr_out, beta)
-    if s.lr:
-      return self._low_rank(x, self.lr_a, self.lr_b, beta)
-    return None
-
   def _low_rank(self, x, a, b, beta):
-    """β·(x A B), β folded into B (autodiff keeps no activation for it) unless decoding."""
+    """β·(x A B), β folded into B but for decode."""
     if self.decode:
       return scaled(x @ a.astype(x.dtype) @ b.astype(x.dtype), beta)
     return x @ a.astype(x.dtype) @ (b if beta is None else b * beta).astype(x.dtype)
 
   def _combine(self, afx, x, beta, g_rest):
-    """β·x_i + α·f(x_i) + the rest of g (which carries its own β), with Gemma 3n's 1/√2; in f's dtype where it is
-    wider (post-norm's f = block(x) − x in float32, which x + f(x) then undoes exactly), rounded to x's once."""
+    """β·x_i + α·f(x_i) + the rest of g, times Gemma 3n's 1/√2. In f's dtype where wider (post-norm's f = block(x) −
+    x in float32, which x + f(x) then undoes exactly), rounded to x's once."""
     dtype = jnp.result_type(x, afx)
     out = scaled(x.astype(dtype), beta) + afx
     if g_rest is not None:

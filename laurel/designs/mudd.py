@@ -1,13 +1,8 @@
-"""MUDDFormer: multiway dynamic dense connections (Xiao et al., arXiv 2502.12170; the authors'
-`pytorch/muddformer/modeling_muddformer.py`, `MultiwayDynamicDenseBlock` and `MUDDFormer.forward`).
+"""MUDDFormer, multiway dynamic dense connections (Xiao et al., arXiv 2502.12170; code `modeling_muddformer.py`).
 
-  A_i = GELU(RMSNorm(X_{i+1}) W1_i) W2_i + a_i (C × (i+2) weights), X^c_{i+1} = Σ_{j ≤ i+1} A_i[c, j]·X_j per token,
-  c ∈ {Q, K, V, R}; layer i+1: h = X^R + Attn(norm_q X^Q, norm_k X^K, norm_v X^V), out = h + MLP(norm(h))
-The last layer mixes R only, and the read-out is its X^R; `mudd_streams='r'` keeps R alone. W1_i is D × K_i,
-K_i = (C·(i+2)·e // 64 + 1)·64, e = 4 at the last layer, as the code. Init 'current_only' (a_i one-hot on j = i+1,
-W2 = 0): exactly the plain chain. Pull form over a write-once buffer of N + 1 slots (laurel.designs.buffer); under
-a scan the per-layer shapes are padded to N + 1 sources and K_max hidden units, no padded weight gets a gradient,
-and `padded_params` counts them.
+A_i = GELU(RMSNorm(X_{i+1}) W1_i) W2_i + a_i, X^c = Σ_{j ≤ i+1} A_i[c, j]·X_j per token for c ∈ {Q, K, V, R}; layer i+1:
+h = X^R + Attn(X^Q, X^K, X^V), out = h + MLP(norm(h)). Pull form over laurel.designs.buffer, per-layer shapes padded
+to N + 1 sources and K_max hidden units (`padded_params` counts them).
 """
 
 import dataclasses
@@ -25,7 +20,7 @@ from laurel.designs.buffer import filled_slots, start_buffer, write_slot
 EPS = 1e-6
 WEIGHTS_ACT = ('act_batch', 'act_len', None, None)  # A: (B, L, C streams, N + 1 sources)
 # A layer's output, from which its weights A are computed: every remat policy keeps it (Design.saved_names), so the
-# backward does not recompute the MLP for it; the buffer stack's backward takes it from the next layer's input.
+# backward does not recompute the MLP for it.
 SAVED = 'mudd_out'
 
 
@@ -35,21 +30,19 @@ class MUDDSpec:
   mudd_streams: str = field('qkvr', one_of('qkvr', 'r'))  # the dense streams: Q, K, V, R, or R alone
 
 
-def hidden_width(streams: int, sources: int, last: bool) -> int:
-  """K_i of the code: C·(i+2) (×4 at the last layer), rounded as `(n // 64 + 1)·64`."""
-  return (streams * sources * (4 if last else 1) // 64 + 1) * 64
-
-
 def layer_shapes(spec, num_layers: int) -> list[tuple[int, int, int]]:
-  """(streams C_i, sources i + 2, hidden K_i) of each layer i; the last layer mixes R only."""
-  c = len(spec.mudd_streams)
-  return [(1 if i == num_layers - 1 else c, i + 2, hidden_width(1 if i == num_layers - 1 else c, i + 2,
-                                                                 i == num_layers - 1)) for i in range(num_layers)]
+  """(streams C_i, sources i + 2, hidden K_i) of each layer i; the last mixes R only. K_i as the code's: C_i·(i+2),
+  ×4 at the last layer, rounded as (n // 64 + 1)·64."""
+  shapes = []
+  for i in range(num_layers):
+    last = i == num_layers - 1
+    c = 1 if last else len(spec.mudd_streams)
+    shapes.append((c, i + 2, (c * (i + 2) * (4 if last else 1) // 64 + 1) * 64))
+  return shapes
 
 
 def padded_params(spec, num_layers: int, d_model: int) -> int:
-  """Parameters the padding adds to the effective count (stored minus used): W1's columns past K_i, W2's and the
-  bias's entries past C_i × (i+2) or K_i."""
+  """Stored minus used parameters: W1's columns past K_i, W2's and the bias's entries past C_i × (i+2) or K_i."""
   c, j, k_max = len(spec.mudd_streams), num_layers + 1, max_hidden(spec, num_layers)
   used = sum(d_model * k + k * ci * si + ci * si for ci, si, k in layer_shapes(spec, num_layers))
   return num_layers * (d_model * k_max + k_max * c * j + c * j) - used
@@ -60,20 +53,17 @@ def max_hidden(spec, num_layers: int) -> int:
 
 
 class MUDDChain(Chain):
-  """(a_NxCxJ, hidden_NxK, slot_NxJ), J = N + 1 sources: the bias a_i (the parameter, one-hot on j = i + 1), the
-  mask of layer i's hidden units (k < K_i) and the slot its output takes (i + 1). Weights on sources j > i + 1 meet
-  the buffer's still empty slots, and the last layer's Q, K, V weights are never read: no mask needed there."""
+  """(a_NxCxJ, hidden_NxK, slot_NxJ): layer i's bias a_i (one-hot on j = i + 1), hidden-unit mask and slot. Sources
+  j > i + 1 need no mask (`filled_slots` weighs them 0), nor the last layer's Q, K, V weights (never read)."""
 
   @nn.compact
   def __call__(self):
     big_n, c = self.num_layers, len(self.spec.mudd_streams)
-    hidden = np.zeros((big_n, max_hidden(self.spec, big_n)))
-    for i, (*_, k) in enumerate(layer_shapes(self.spec, big_n)):
-      hidden[i, :k] = 1.0
+    hidden_N = np.array([k for *_, k in layer_shapes(self.spec, big_n)])
+    hidden = np.arange(max_hidden(self.spec, big_n)) < hidden_N[:, None]
     slot = np.eye(big_n + 1)[1:]
-    bias = self.param('mudd_bias', nn.with_logical_partitioning(const(slot[:, None, :]),
-                                                                 ('layers', 'mudd_streams', 'mudd_sources')),
-                      (big_n, c, big_n + 1), self.param_dtype).astype(F32)
+    bias = self.make('mudd_bias', const(slot[:, None, :]), (big_n, c, big_n + 1),
+                     ('layers', 'mudd_streams', 'mudd_sources')).astype(F32)
     return bias, jnp.asarray(hidden, F32), jnp.asarray(slot, F32)
 
 
@@ -85,8 +75,7 @@ def mix(buffer_JxBxLxD, a_BxLxCxJ):
 
 
 class MUDDSite(Site):
-  """Site 0 (attention) mixes the streams from the buffer and the last layer's weights: h = X^R + Attn(q, k, v
-  inputs). Site 1 (MLP): out = h + MLP(norm(h)), written to its slot, then this layer's weights A from out."""
+  """Site 0: h = X^R + Attn(X^Q, X^K, X^V) by the last layer's A; site 1: h + MLP(norm(h)) to its slot, and its A."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):

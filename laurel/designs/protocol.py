@@ -23,9 +23,13 @@ def const(value):
   return lambda key, shape, dtype=F32: jnp.broadcast_to(jnp.asarray(value, dtype), shape)
 
 
+def make_param(module, name, init, shape, names):
+  """A parameter of logical axes `names`, in the module's param_dtype."""
+  return module.param(name, nn.with_logical_partitioning(init, names), shape, module.param_dtype)
+
+
 def scaled(y, scale):
-  """scale·y, or y where scale is None. Autodiff keeps y for the scale's gradient: where f ends in a linear map,
-  fold the scale into its kernel instead (as the LM does)."""
+  """scale·y (y where scale is None). Autodiff keeps y for the scale's gradient: fold it into a kernel instead."""
   return y if scale is None else scale.astype(y.dtype) * y
 
 
@@ -39,16 +43,13 @@ class Site(nn.Module):
   axes: tuple = ACT  # logical axes of x
   embed_axis: str = 'embed'  # logical axis of x's features, for per-feature parameters
   decode: bool = False
-
-  def make(self, name, init, shape, names):
-    return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
+  make = make_param
 
   def attention_inputs(self, norm_in, q, k, v):
-    """The (query, key, value) triple of an attention fn, each input normed: q by the block's attention norm, k and
-    v by this site's own RMSNorms (MUDDFormer's and DCA's separate input norms)."""
+    """(norm_in(q), k, v with their own RMSNorms): MUDDFormer's and DCA's separate attention input norms."""
+    scale_init = nn.with_logical_partitioning(nn.initializers.ones, (self.embed_axis,))
     norm = lambda name, x: nn.RMSNorm(epsilon=1e-6, dtype=x.dtype, param_dtype=self.param_dtype, name=name,
-                                      scale_init=nn.with_logical_partitioning(nn.initializers.ones,
-                                                                              (self.embed_axis,)))(x)
+                                      scale_init=scale_init)(x)
     return norm_in(q), norm('norm_key', k), norm('norm_value', v)
 
 
@@ -69,6 +70,7 @@ class Chain(nn.Module):
   param_dtype: Any = F32
   embed_axis: str = 'embed'
   module_name = 'stream_chain'  # its name in the model's parameters
+  make = make_param
 
   def __call__(self):
     return None
@@ -98,8 +100,7 @@ class Design:
   padded_params: Callable = lambda spec, num_layers, d_model: 0
 
   def read_out(self, spec, carry, final_norm):
-    """The final-normed read-out: `finish`, then the final norm; or with `norm_first`, the final norm on each stream,
-    then `finish`."""
+    """`finish`, then the final norm; with `norm_first`, the other way round."""
     return self.finish(spec, final_norm(carry)) if self.norm_first(spec) else final_norm(self.finish(spec, carry))
 
 
@@ -115,7 +116,7 @@ def register(*designs: Design) -> None:
 
 
 def lookup(name: str, field_name: str = 'model.stream.design') -> Design:
-  """The design `name` names: a registered one, or 'module:name' whose module (imported here) registers it."""
+  """A registered design, or 'module:name' whose module (imported here) registers it."""
   module, _, short = name.rpartition(':') if isinstance(name, str) else ('', '', name)
   if module:
     try:
@@ -128,13 +129,11 @@ def lookup(name: str, field_name: str = 'model.stream.design') -> Design:
 
 
 def StreamSpec(design: str = 'residual', **fields):  # pylint: disable=invalid-name  # tests/reference.py's name
-  """Design `design`'s config with `fields`."""
   return REGISTRY[design].config(**fields)
 
 
 def _sections(default, overrides: dict) -> dict:
-  """The ConfigDict entries of a model's `stream` field (config_lib.config_dict): `stream.design`, and each
-  registered design's section (the default design's at `default`); pops them from `overrides`."""
+  """config_lib.config_dict of a model's `stream`: `stream.design` and every section, popped from `overrides`."""
   stream = dict(overrides.pop('stream', {}))
   name = stream.pop('design', default.design)
   lookup(name)
@@ -149,8 +148,7 @@ def _sections(default, overrides: dict) -> dict:
 
 
 def _build(default, values: dict, prefix: str):
-  """The chosen design's config from a model's values (config_lib.build): pops `stream` and every design's section,
-  each checked, and returns the chosen one built."""
+  """config_lib.build of a model's `stream`: the chosen design's config; pops `stream` and every section."""
   stream = values.pop('stream', None)
   if dataclasses.is_dataclass(stream):  # a config already built
     return stream
@@ -173,12 +171,11 @@ def _build(default, values: dict, prefix: str):
 
 
 def stream_field(default):
-  """A model config's `stream`: the chosen design's config (its class's `design` names it), `default` unless set."""
+  """A model config's `stream`: the chosen design's config, `default` unless set."""
   return dataclasses.field(default=default, metadata={'sections': _sections, 'build': _build})
 
 
 def select(model_cfg) -> tuple[Design, Any]:
-  """(the design `model_cfg.stream` configures, its config)."""
   return REGISTRY[model_cfg.stream.design], model_cfg.stream
 
 
@@ -188,8 +185,7 @@ def check(model_cfg, prefix: str, num_layers: int, width: int, sites: int) -> No
 
 
 def unused_fields(spec, prefix: str) -> dict[str, str]:
-  """{field: why} of every field of the other designs' sections (only their design reads them), and the chosen
-  config's own (its `unused_fields`, where it has one)."""
+  """{field: why} of the other designs' fields, and the chosen config's own `unused_fields`."""
   chosen = REGISTRY[spec.design]
   out = {f'{prefix}.{d.section}.{f.name}': f'only design {d.name!r} reads it, not {prefix}.stream.design='
          f'{spec.design!r}' for d in REGISTRY.values() if d is not chosen for f in dataclasses.fields(d.config)}
@@ -199,7 +195,7 @@ def unused_fields(spec, prefix: str) -> dict[str, str]:
 
 
 def layer_sites(design: Design, spec) -> tuple:
-  """((site name or None for a plain residual, sublayer), ...) of one layer."""
+  """((site name, or None for a plain residual, sublayer), ...) of one layer."""
   return tuple((None if s is None else design.section + s, part) for s, part in PLACEMENTS[design.placement(spec)])
 
 
@@ -208,7 +204,6 @@ def _union(*groups):
 
 
 def no_decay() -> tuple:
-  """Every registered design's parameter names kept out of weight decay (its scales and mixing weights)."""
   return _union(*(d.no_decay for d in REGISTRY.values()))
 
 

@@ -1,11 +1,4 @@
-"""Per-site scales of f; equation numbers are each paper's.
-
-  ReZero       x_{i+1} = x_i + α_i·F(x_i), α_i = 0 (no pre-norm)       Bachlechner et al., arXiv 2003.04887, eq. 1
-  LayerScale   x' = x + diag(λ)·F(η(x)), λ = ε                          CaiT, Touvron et al., arXiv 2103.17239, §2
-
-At init ReZero is the identity and LayerScale x + ε·F(norm(x)) (CaiT's ε: 0.1 up to depth 18, 1e-5 at depth 24,
-the default, 1e-6 deeper). Both scales fold into F's output projection.
-"""
+"""Per-site scales of f, folded into F's output projection: ReZero and LayerScale."""
 
 import dataclasses
 
@@ -18,11 +11,11 @@ from laurel.designs.protocol import F32, Design, Site, const, register
 @dataclasses.dataclass(frozen=True)
 class LayerScaleSpec:
   """`model.layerscale`."""
-  layerscale_init: float = field(1e-5, POSITIVE)  # CaiT's ε for depth 24
+  layerscale_init: float = field(1e-5, POSITIVE)  # CaiT's ε: 0.1 up to depth 18, 1e-5 at 24, 1e-6 deeper
 
 
 class ReZeroSite(Site):
-  """eq. 1: x + α·F(x). ReZero drops the pre-norm, so norm_in is not called."""
+  """ReZero (Bachlechner et al., arXiv 2003.04887, eq. 1): x + α·F(x), α = 0, without the pre-norm."""
 
   @nn.compact
   def __call__(self, x, fn, norm_in, norm_out, chain_l):
@@ -31,7 +24,7 @@ class ReZeroSite(Site):
 
 
 class LayerScaleSite(Site):
-  """CaiT §2: x + diag(λ)·F(norm(x))."""
+  """LayerScale (CaiT, Touvron et al., arXiv 2103.17239, §2): x + diag(λ)·F(norm(x)), λ = ε."""
 
   @nn.compact
   def __call__(self, x, fn, norm_in, norm_out, chain_l):
