@@ -333,8 +333,9 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   np.testing.assert_allclose([accum[s] for s in sorted(accum)], [full[s] for s in sorted(full)], rtol=1e-5)
 
 
+# Two stages of the tiny preset's two blocks: batch norm, PA's history and a stage boundary at half the compile.
 TINY_RESNET = {'steps': 30, 'log_every': 5, 'eval_every': 1000, 'eval_steps': 2, 'checkpoint_every': 10,
-               'keep_checkpoints': 5, 'tensorboard': False}
+               'keep_checkpoints': 5, 'tensorboard': False, 'model.stage_sizes': (2, 2)}
 
 
 @pytest.mark.slow
