@@ -326,10 +326,9 @@ def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_matches_the_full_batch(tmp_path):
-  full = _in_process_losses(tmp_path / 'full', jax.devices()[:1], (1, 1, 1), steps=3)
-  accum = _in_process_losses(tmp_path / 'accum', jax.devices()[:1], (1, 1, 1), steps=3,
-                             **{'optimizer.grad_accum_steps': 2})
+def test_gradient_accumulation_matches_the_full_batch(tmp_path, one_device_losses):
+  full = one_device_losses
+  accum = _in_process_losses(tmp_path / 'accum', jax.devices()[:1], (1, 1, 1), **{'optimizer.grad_accum_steps': 2})
   np.testing.assert_allclose([accum[s] for s in sorted(accum)], [full[s] for s in sorted(full)], rtol=1e-5)
 
 
