@@ -95,6 +95,7 @@ def test_a_torn_config_json_is_rewritten_and_refused_in_one_line_where_it_is_rea
   assert json.loads((tmp_path / 'config.json').read_text()) == json.loads(whole)
 
 
+@pytest.mark.slow
 def test_a_config_file_that_is_not_python_is_one_line(tmp_path):
   (tmp_path / 'notes.py').write_text('Table 5 \u2212 the C4 ablation\n')
   result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={tmp_path / "notes.py"}',

@@ -635,6 +635,7 @@ ENTRY %main (a: f32[4,8], b: bf16[8,8]) -> bf16[8,8] {
 """
 
 
+@pytest.mark.slow
 def test_peak_buffers_bytes_count_slices_in_place_updates_and_trips(tmp_path):
   """Per trip: the read fusion takes its 32-byte slice and writes it, and reads the 4-byte index (68 B); the in-place
   write reads the 32-byte row and the index and writes its 16-byte bf16 update (52 B); the loop's test, 9 B. Times 3

@@ -289,6 +289,7 @@ def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path):
   assert 'at step' in line and 'last good checkpoint' in line
 
 
+@pytest.mark.slow
 def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
   config = load_config(SPEC, {**TINY_LM, 'checkpoint_every': 3})  # one_device_losses' step: compiled once
   monkeypatch.chdir(tmp_path)  # `make train`'s --workdir=runs/demo
