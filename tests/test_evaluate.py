@@ -21,15 +21,23 @@ CFG = lm.LMConfig(vocab_size=258, d_model=16, num_heads=2, d_ff=32, num_layers=2
 
 @pytest.fixture(scope='module')
 def scorer():
-  params = lm.LM(CFG).init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params']
-  params = jax.tree.map(lambda p: p.unbox() + 0.2 * jax.random.normal(jax.random.key(1), p.value.shape), params,
+  @jax.jit  # one program, not one per operation
+  def init():
+    params = lm.LM(CFG).init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params']
+    return jax.tree.map(lambda p: p.unbox() + 0.2 * jax.random.normal(jax.random.key(1), p.value.shape), params,
                         is_leaf=lambda p: hasattr(p, 'unbox'))
+
+  params = init()
   return evaluate.Scorer(lm.LM(CFG), params, seq_len=12, batch_size=3, pad_id=0), params
+
+
+# Compiled once per sequence length: op by op, each forward pass compiled some 80 programs.
+_forward = jax.jit(lambda params, ids: lm.LM(CFG).apply({'params': params}, ids))
 
 
 def _direct_loglik(params, ids, first):
   """Σ_{t ≥ first} log p(ids[t] | ids[:t]) from one forward pass over the whole sequence, in float64."""
-  logits = np.asarray(lm.LM(CFG).apply({'params': params}, jnp.asarray([ids], jnp.int32))[0], np.float64)
+  logits = np.asarray(_forward(params, jnp.asarray([ids], jnp.int32))[0], np.float64)
   logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
       -1, keepdims=True)
   return sum(logp[t - 1, ids[t]] for t in range(first, len(ids)))
@@ -47,7 +55,7 @@ def test_scorer_sums_the_log_likelihood_of_the_scored_tokens(scorer):
 
 def test_scorer_tells_whether_every_scored_token_is_the_argmax(scorer):
   scorer, params = scorer
-  logits = np.asarray(lm.LM(CFG).apply({'params': params}, jnp.asarray([[5, 9]], jnp.int32))[0])
+  logits = np.asarray(_forward(params, jnp.asarray([[5, 9]], jnp.int32))[0])
   after_5, after_9 = int(np.argmax(logits[0])), int(np.argmax(logits[1]))
   other = 1 + after_9 % 256  # any token but the argmax
   sequences = [([5, 9, after_9], 2), ([5, 9, other], 2), ([5, 9, after_9], 1), ([5, after_5], 1)]

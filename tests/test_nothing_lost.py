@@ -95,6 +95,7 @@ def test_a_torn_config_json_is_rewritten_and_refused_in_one_line_where_it_is_rea
   assert json.loads((tmp_path / 'config.json').read_text()) == json.loads(whole)
 
 
+@pytest.mark.slow
 def test_a_config_file_that_is_not_python_is_one_line(tmp_path):
   (tmp_path / 'notes.py').write_text('Table 5 \u2212 the C4 ablation\n')
   result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={tmp_path / "notes.py"}',
@@ -115,14 +116,14 @@ def test_a_kill_inside_the_metrics_rewrite_keeps_every_line(tmp_path, torn_write
 
 @pytest.mark.slow
 def test_a_kill_inside_the_final_write_leaves_a_run_that_finishes(tmp_path, torn_writes):
-  config = load_config(SPEC, {**TINY_LM, 'steps': 2})
+  config = load_config(SPEC, TINY_LM)  # two_checkpoints' step: compiled once for both
   torn_writes('final.json')
   with pytest.raises(KeyboardInterrupt):
     train.train(config, str(tmp_path))
   assert not (tmp_path / 'final.json').exists() and not list(tmp_path.glob('.final.json*'))
   torn_writes()
   final = train.train(config, str(tmp_path))
-  assert json.loads((tmp_path / 'final.json').read_text())['step'] == final['step'] == 2
+  assert json.loads((tmp_path / 'final.json').read_text())['step'] == final['step'] == 6
 
 
 def test_a_kill_inside_a_table_write_keeps_the_old_table(tmp_path, torn_writes):
@@ -192,7 +193,7 @@ def _poisoning_compile_step(monkeypatch, at_call: int):
 @pytest.mark.slow
 def test_a_non_finite_state_is_never_saved_nor_named_good(tmp_path, monkeypatch):
   _poisoning_compile_step(monkeypatch, at_call=3)
-  config = load_config(SPEC, {**TINY_LM, 'steps': 5, 'checkpoint_every': 1})
+  config = load_config(SPEC, {**TINY_LM, 'checkpoint_every': 1})  # two_checkpoints' step
   with pytest.raises(train.TrainingDiverged, match=re.escape(
       'the state (parameters or optimizer state) is not finite (loss ') + r'[\d.]+\) at step 3; not saved; last good '
       'checkpoint: 2 in '):
@@ -200,7 +201,7 @@ def test_a_non_finite_state_is_never_saved_nor_named_good(tmp_path, monkeypatch)
   assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [1, 2]
   monkeypatch.undo()
   final = train.train(config, str(tmp_path))  # the rerun resumes from checkpoint 2
-  assert final['step'] == 5 and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+  assert final['step'] == 6 and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.slow
