@@ -75,8 +75,15 @@ def inputs(seed=0):
 
 
 def init(design, spec, boxed=False):
-  params = Net(design, spec).init(jax.random.key(0), *inputs()).get('params', {})
+  params = jax.tree.map(lambda a: a, _boxed_init(design, spec))  # new containers: a test may change its tree
   return params if boxed else nn.unbox(params)
+
+
+@functools.lru_cache(maxsize=None)
+def _boxed_init(design, spec):
+  """Computed once per design and spec, for the several tests that start from it: run op by op, an init costs
+  about eight compiles."""
+  return Net(design, spec).init(jax.random.key(0), *inputs()).get('params', {})
 
 
 def randomize(params, seed=1, scale=0.5):

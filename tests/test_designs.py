@@ -120,6 +120,7 @@ def test_attnres_large_queries_stay_finite_and_match_the_reference_BxLxD(spec):
 
 
 @pytest.mark.parametrize('spec', ATTNRES_SPECS, ids=_attnres_id)
+@pytest.mark.slow
 def test_attnres_gradient_matches_finite_differences_of_the_reference(spec):
   params = randomize(init(spec.design, spec))
   probe = np.random.default_rng(2).normal(size=inputs()[0].shape)
@@ -269,6 +270,7 @@ def test_residual_transformer_shares_scan_and_unrolled_layers_BxLxV():
                              _logits(cfg, unrolled, tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_residual_transformer_groups_start_as_independent_draws_of_the_baselines_init():
   cfg = _cfg(share=lm.ShareSpec(group_size=2, rank=3), mlp='swiglu')
   params = nn.unbox(lm.LM(cfg).init(jax.random.key(0), _tokens())['params'])
@@ -282,6 +284,7 @@ def test_residual_transformer_groups_start_as_independent_draws_of_the_baselines
     np.testing.assert_allclose(np.std(w_G), np.mean(stds), rtol=0.2)
 
 
+@pytest.mark.slow
 def test_residual_transformer_keeps_no_more_activations_than_the_baseline():
   # Fully rematerialised, 6 scanned layers in groups of K = 3: the backward pass must recompute one layer at a time.
   # (A scan iteration of K unrolled blocks let XLA recompute all K at once: 2.4x the baseline's temp bytes here.)
@@ -525,6 +528,7 @@ def _mudd_shapes(streams, layers):
   return out
 
 
+@pytest.mark.slow
 def test_mudd_padding_changes_nothing_and_learns_nothing_BxLxV():
   # 16 layers: K_i is 64 up to layer 13 and 128 after (C·(i+2) >= 64), so W1, W2 have padded hidden units too.
   cfg = _cfg(num_layers=16, scan_layers=True, stream=StreamSpec(design='mudd'))
@@ -650,6 +654,7 @@ def test_mudd_effective_params_at_the_paper_shape_are_the_authors_layer_shapes(r
   assert flops == 6 * tokens * want
 
 
+@pytest.mark.slow
 def test_dca_gates_train_from_their_zero_init():
   # ReLU(b + wᵀy) with b = 1, w = 0: w gets a gradient at init. App. A's literal b + ReLU(wᵀy) gives it none
   # (ReLU'(0) = 0), so the input-dependent part would never leave 0. Every GRN's w, the read-out's included.

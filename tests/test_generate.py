@@ -1,6 +1,7 @@
 """laurel.generate: KV-cache decoding equals recomputing the whole forward pass, for every residual design."""
 
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -45,14 +46,24 @@ DESIGNS = {
     'dca_k': dataclasses.replace(BASE, stream=StreamSpec(design='dca_k', dca_k=1)),
 }
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13]]
+NEW_TOKENS = 5
 
 
-def _params(cfg, seed=1):
-  """Random values around the init, so no design sits at its (often plain-residual) initial point."""
-  params = nn.unbox(lm.LM(cfg).init(jax.random.key(seed), jnp.ones((1, 4), jnp.int32))['params'])
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  return jax.tree.unflatten(tree, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)])
+@functools.lru_cache(maxsize=None)
+def _params(name, seed=1):
+  """Random values around the init, so no design sits at its (often plain-residual) initial point. The init is one
+  compiled program and the noise NumPy's: run op by op, they cost a compile per operation and shape."""
+  cfg = DESIGNS[name]
+  init = jax.jit(lambda: nn.unbox(lm.LM(cfg).init(jax.random.key(seed), jnp.ones((1, 4), jnp.int32))['params']))
+  rng = np.random.default_rng(seed + 1)
+  return jax.tree.map(lambda p: np.asarray(p) + 0.3 * rng.standard_normal(p.shape).astype(p.dtype), init())
+
+
+@functools.lru_cache(maxsize=None)
+def _decoded(name):
+  """(tokens, logits) of PROMPTS decoded with the cache: what each test below compares another way of decoding with,
+  computed once per design."""
+  return generate.generate(DESIGNS[name], _params(name), PROMPTS, NEW_TOKENS)
 
 
 def test_every_registered_design_is_decoded_with_the_cache():
@@ -63,22 +74,20 @@ def test_every_registered_design_is_decoded_with_the_cache():
 @pytest.mark.parametrize('name', list(DESIGNS))
 @pytest.mark.slow
 def test_cache_and_recompute_give_the_same_tokens_and_logits(name):
-  cfg = DESIGNS[name]
-  params = _params(cfg)
-  cached, cached_logits = generate.generate(cfg, params, PROMPTS, 5)
-  recomputed, recomputed_logits = generate.generate(cfg, params, PROMPTS, 5, use_cache=False)
+  cached, cached_logits = _decoded(name)
+  recomputed, recomputed_logits = generate.generate(DESIGNS[name], _params(name), PROMPTS, NEW_TOKENS,
+                                                    use_cache=False)
   np.testing.assert_array_equal(cached, recomputed)
   np.testing.assert_allclose(cached_logits, recomputed_logits, rtol=1e-4, atol=1e-4)
-  assert cached.shape == (len(PROMPTS), 5) and np.std(cached_logits) > 0.1
+  assert cached.shape == (len(PROMPTS), NEW_TOKENS) and np.std(cached_logits) > 0.1
 
 
 @pytest.mark.slow
 def test_batched_prompts_of_different_lengths_decode_as_alone():
-  cfg = DESIGNS['rw_lr_pa_sublayer_learned']
-  params = _params(cfg)
-  batch, batch_logits = generate.generate(cfg, params, PROMPTS, 4)
+  name = 'rw_lr_pa_sublayer_learned'
+  batch, batch_logits = _decoded(name)
   for b, prompt in enumerate(PROMPTS):
-    alone, alone_logits = generate.generate(cfg, params, [prompt], 4)
+    alone, alone_logits = generate.generate(DESIGNS[name], _params(name), [prompt], NEW_TOKENS)
     np.testing.assert_array_equal(alone[0], batch[b])
     np.testing.assert_allclose(alone_logits[0], batch_logits[b], rtol=1e-4, atol=1e-4)
 
@@ -89,15 +98,14 @@ def test_batched_prompts_of_different_lengths_decode_as_alone():
 def test_a_longer_prefill_and_padding_rows_change_no_row_and_reuse_the_compiled_step(name):
   """What laurel.harness does to keep one compile per shape: prompts padded to a bucket (prefill_len), the batch
   padded with one-token rows."""
-  cfg = DESIGNS[name]
-  params = _params(cfg)
-  plain, plain_logits = generate.generate(cfg, params, PROMPTS, 4)
-  padded, padded_logits = generate.generate(cfg, params, PROMPTS + [[1]], 4, prefill_len=12)
+  cfg, params = DESIGNS[name], _params(name)
+  plain, plain_logits = _decoded(name)
+  padded, padded_logits = generate.generate(cfg, params, PROMPTS + [[1]], NEW_TOKENS, prefill_len=12)
   np.testing.assert_array_equal(padded[:len(PROMPTS)], plain)
   np.testing.assert_allclose(padded_logits[:len(PROMPTS)], plain_logits, rtol=1e-4, atol=1e-4)
   step, _ = generate._decoder(cfg)  # pylint: disable=protected-access
   compiled = step._cache_size()  # pylint: disable=protected-access
-  generate.generate(cfg, params, [[2, 3]] * 4, 4, prefill_len=12)  # other prompts, the same shapes
+  generate.generate(cfg, params, [[2, 3]] * 4, NEW_TOKENS, prefill_len=12)  # other prompts, the same shapes
   assert step._cache_size() == compiled  # pylint: disable=protected-access
 
 

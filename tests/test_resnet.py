@@ -408,6 +408,7 @@ def test_config_rows(row, preset):
 
 # --- SPMD: BatchNorm needs no axis_name ---
 
+@pytest.mark.slow
 def test_sharded_train_step_matches_single_device():
   """Batch over data x fsdp, parameters by their logical names: same logits and global-batch statistics."""
   from jax.sharding import NamedSharding, PartitionSpec as P
