@@ -3,6 +3,7 @@
 8 host CPU devices so mesh tests run in-process; low XLA optimisation and a persistent compilation cache,
 because compiling dominates these tests' time on a 2-core machine (results are compared within one setting).
 """
+import importlib.metadata
 import os
 import tempfile
 
@@ -15,8 +16,11 @@ from absl import flags
 # fill an 8-thread pool with half-met rendezvous and deadlock: mesh (2, 1, 4) hung within two runs, 3 times
 # out of 3. A larger pool leaves every participant a thread; a real hang then fails in 3 minutes.
 os.environ['NPROC'] = str(max(64, int(os.environ.get('NPROC') or 0)))
-# Without its fusion emitters XLA:CPU compiles the tiny models several times faster (docs/testing.md).
-TEST_XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false '
+# Without its fusion emitters XLA:CPU compiles the tiny models several times faster (docs/testing.md). jaxlib 0.11
+# dropped that flag, and XLA ends a process whose XLA_FLAGS names a flag it does not know.
+_JAXLIB = tuple(int(part) for part in importlib.metadata.version('jaxlib').split('.')[:2])
+_NO_FUSION_EMITTERS = '--xla_cpu_use_fusion_emitters=false ' if _JAXLIB < (0, 11) else ''
+TEST_XLA_FLAGS = (f'--xla_backend_optimization_level=0 {_NO_FUSION_EMITTERS}'
                   '--xla_cpu_collective_call_terminate_timeout_seconds=180 '
                   '--xla_cpu_collective_call_warn_stuck_timeout_seconds=60')
 os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}')
