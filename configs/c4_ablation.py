@@ -15,23 +15,17 @@ preset=tiny: the same rows shrunk to train on 2 CPU cores: 6/7 layers, D=128, F=
 4 heads, r=8 (r/D = 6%, the paper's is 4%), byte-level tokens from the embedded local text corpus
 (the Python standard library), 500 steps of 16 × 128 tokens (1.0M tokens).
 
-preset=gpu: the rows sized so that three seeds of Baseline-24, Baseline-28 and RW+LR+PA (nine runs) train within
-6 minutes on one H100, on a corpus every machine has: byte tokens of every Python source installed on it (the
-standard library and each site-packages on sys.path, data.path='<installed>'; 5% of the files held out by a hash of
-their path). 6/7 layers (as tiny, 28/24 layers apart), D=512, F=1536, 8 heads, r=16, bf16 compute, cuDNN attention
-where the GPU serves it (model.attention=auto), 500 steps of 128 x 512 bytes = 32.8M tokens: 2.1 tokens per
-parameter for Baseline-24 (15.87M params), 1.8 for Baseline-28 (18.49M). The size comes from the budget, not from
-compute-optimality: laurel's model FLOPs (6N per token plus 12·layers·D·L attention, no causal saving) are 7.48, 8.71
-and 7.59 TFLOP a step for Baseline-24, Baseline-28 and RW+LR+PA; at an assumed 25% MFU of the H100's 989 TFLOP/s
-dense bf16 peak (a small model's matmuls do not fill the chip, so the assumption is conservative) that is 15.1, 17.6
-and 15.4 s of training a run, 144 s for the nine. The rest is overhead, estimated, not measured: about 12 s a run to
-start Python, jax and the input, a compile of about 30 s for each row's first run and 5 s for the next two with
-JAX's persistent compilation cache, the final eval (32 batches = 2.1M held-out tokens, a third of a train step's
-FLOPs per token: about 1 s) and the checkpoint: about 400 s for the command, under the 8 minutes it may take. A
-model that reached 20 tokens per parameter in this time would be D=256 or less, whose matmuls fill an H100 far below
-25%. The eval set is 64 times tiny's 32,768 tokens, whose standard error over its 16 batches (final.json's
-held_out.loss_se) was 0.075 nats in a 100-step run, as large as tiny's seed-to-seed spread; with 32 times the tokens
-per batch and twice the batches it should be about 8 times smaller, which the first GPU run measures.
+preset=gpu: the rows sized for one GPU, on a corpus every machine has: byte tokens of every Python source
+installed on it (the standard library and each site-packages on sys.path, data.path='<installed>'; 5% of the files
+held out by a hash of their path). 6/7 layers (as tiny, 28/24 layers apart), D=512, F=1536, 8 heads, r=16, bf16
+compute, cuDNN attention where the GPU serves it (model.attention=auto), 500 steps of 128 x 512 bytes = 32.8M
+tokens: 2.1 tokens per parameter for Baseline-24 (15.87M params), 1.8 for Baseline-28 (18.49M). laurel's model
+FLOPs (6N per token plus 12·layers·D·L attention, no causal saving) are 7.48, 8.71 and 7.59 TFLOP a step for
+Baseline-24, Baseline-28 and RW+LR+PA. The size was chosen for three seeds of those rows in 6 minutes at an assumed 25% MFU. Measured on one H200
+(results/README.md): a run alone took 85-95 s at 5% MFU, so the nine take about 14 minutes; and three seeds did not
+resolve Baseline-28 (paired differences' sd 0.018 nats, against the paper's gap of 0.012 at this loss). The eval set
+(32 batches, 2.1M held-out tokens) is 64 times tiny's; its standard error over batches was 0.032 nats, and being the
+same for every run it cancels in the paired differences.
 
 preset=small: the same rows at a size for your own corpus on one GPU (or, slowly, a CPU): 12/14 layers, D=384,
 F=1024, 6 heads, r=16 (r/D = 4%, the paper's), SentencePiece tokens from scripts/prepare_text.py's shards

@@ -1,4 +1,4 @@
-"""configs/c4_ablation.py's gpu preset: its FLOPs budget and eval set, as its docstring states them."""
+"""configs/c4_ablation.py's gpu preset: its size, FLOPs and eval set, as its docstring states them."""
 import json
 import sys
 
@@ -6,15 +6,14 @@ import jax
 import pytest
 
 from helpers import ROOT
-from laurel import config_lib, data, hardware, step
+from laurel import config_lib, data, step
 
 sys.path.insert(0, str(ROOT / 'configs'))
 import c4_ablation  # noqa: E402  pylint: disable=wrong-import-position
 
-H100_PEAK = hardware.PEAK_FLOPS['NVIDIA H100 80GB HBM3']
-MFU = 0.25  # the docstring's assumption
-ROWS = {'baseline_24': (15.87e6, 7.48e12, 15.1), 'baseline_28': (18.49e6, 8.71e12, 17.6),
-        'rw_lr_pa': (None, 7.59e12, 15.4)}  # params, model FLOPs per step, seconds of training at 25% MFU
+ROWS = {'baseline_24': (15.87e6, 7.48e12), 'baseline_28': (18.49e6, 8.71e12),
+        'rw_lr_pa': (None, 7.59e12)}  # params, model FLOPs per step
+DOC = ' '.join(c4_ablation.__doc__.split())
 
 
 def gpu_config(row):
@@ -22,26 +21,24 @@ def gpu_config(row):
 
 
 @pytest.mark.parametrize('row', list(ROWS))
-def test_gpu_preset_flops_and_train_time_are_the_docstrings(row):
+def test_gpu_preset_params_and_flops_are_the_docstrings(row):
   config = gpu_config(row)
   task = step.validate_config(config, 1, 1)
   params = task.num_params(jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params'])
   flops = task.model_flops(config.batch_size)
-  want_params, want_flops, want_seconds = ROWS[row]
+  want_params, want_flops = ROWS[row]
   if want_params:
     assert params == pytest.approx(want_params, abs=0.005e6)
+    assert f'({want_params / 1e6:.2f}M' in DOC
   assert flops == pytest.approx(want_flops, abs=0.005e12)
-  assert flops * config.steps / (MFU * H100_PEAK) == pytest.approx(want_seconds, abs=0.05)
-  assert f'{want_seconds}' in c4_ablation.__doc__ and f'{want_flops / 1e12:.2f}'[:4] in c4_ablation.__doc__
+  assert f'{want_flops / 1e12:.2f}' in DOC
 
 
-def test_nine_runs_train_within_the_budget_and_reach_the_stated_tokens():
-  seconds = 3 * sum(s for _, _, s in ROWS.values())
-  assert seconds == pytest.approx(144, abs=1) and seconds < 6 * 60
+def test_gpu_preset_reaches_the_stated_tokens():
   config = gpu_config('baseline_24')
   tokens = config.batch_size * config.data.seq_len * config.steps
   assert tokens == 32_768_000 and round(tokens / ROWS['baseline_24'][0], 1) == 2.1
-  assert '32.8M tokens' in c4_ablation.__doc__ and '2.1 tokens per\nparameter' in c4_ablation.__doc__
+  assert '32.8M tokens: 2.1 tokens per parameter' in DOC
 
 
 def test_gpu_preset_reads_the_installed_sources_and_a_large_fixed_eval_set():
