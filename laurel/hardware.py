@@ -102,7 +102,8 @@ def device_slug(kind: str) -> str:
 
 
 def xla_costs(lowered_or_compiled) -> tuple[float, float]:
-  """XLA's (FLOPs, bytes accessed), per device; a loop's body counted once."""
+  """XLA's (FLOPs, bytes accessed), per device; a loop's body counted once; 0 where the backend gives none (a
+  lowered program under the CUDA and TPU plug-ins)."""
   cost = lowered_or_compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))

@@ -227,6 +227,14 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
     return _train_checked(config, task, workdir, devices, allow_config_change, allow_fresh_start, started)
 
 
+def utilisation_flops(task, batch_size: int) -> dict[str, float]:
+  """FLOPs per step behind MFU (the model's count) and HFU (the compiler's, remat included). A count the backend
+  does not give is 0 (XLA's analysis of a lowered program under the CUDA and TPU plug-ins, a ResNet's model FLOPs
+  there too): left out, not logged as 0%."""
+  flops = {'mfu': task.model_flops(batch_size), 'hfu': step_flops(task)}
+  return {name: count for name, count in flops.items() if count > 0}
+
+
 def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
                    started: float) -> dict:
   cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
@@ -273,9 +281,8 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
 
     num_params = task.num_params(abstract_state.params)
     peak_memory = hardware.peak_memory_bytes(compiled)
-    # Utilisation only where the chip's peak is known: model FLOPs (MFU) and the compiler's, remat included (HFU).
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)
-    flops = {'mfu': task.model_flops(cfg.batch_size), 'hfu': step_flops(task)} if peak_flops else {}
+    flops = utilisation_flops(task, cfg.batch_size) if peak_flops else {}
     keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
     with console.deferred():  # it rewrites metrics.jsonl
       log = MetricsLog(workdir, config, start, info, keep_later_steps=keep)

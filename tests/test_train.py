@@ -18,7 +18,7 @@ import pytest
 
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, cluster_env, free_port,
                      load_config, losses, metrics, run_cli, tree_snapshot)
-from laurel import config_lib, console, designs, hardware, step, train
+from laurel import config_lib, console, designs, hardware, step, tasks, train
 
 
 def _wait_for(predicate, proc, timeout=240):
@@ -296,6 +296,14 @@ def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
   train.train(config, 'runs/demo', devices=jax.devices()[:1])
   assert sorted(p.name for p in (tmp_path / 'runs' / 'demo' / 'checkpoints').iterdir()) == ['3', '6']
   assert json.loads((tmp_path / 'runs' / 'demo' / 'final.json').read_text())['step'] == 6
+
+
+def test_a_flop_count_the_backend_does_not_give_is_left_out_not_logged_as_zero(monkeypatch):
+  task = tasks.get_task(load_config(SPEC, TINY_LM))
+  monkeypatch.setattr(train, 'step_flops', lambda t: 0.0)  # as under the CUDA plug-in (measured on an H200)
+  assert list(train.utilisation_flops(task, 8)) == ['mfu']
+  monkeypatch.setattr(train, 'step_flops', lambda t: 5e9)
+  assert train.utilisation_flops(task, 8) == {'mfu': task.model_flops(8), 'hfu': 5e9}
 
 
 @pytest.mark.slow
