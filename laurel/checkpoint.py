@@ -4,7 +4,6 @@ which alone a resume may change without --allow_config_change) and checksums.pro
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from jax.experimental import multihost_utils
 
 from laurel import checksums, config_lib, sharding, step, tasks
 from laurel.config_lib import InputError
-from laurel.files import write_text_atomic
+from laurel.files import utc, write_text_atomic
 
 
 def _flat(config) -> dict:
@@ -260,7 +259,7 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
 
   def record():
     if jax.process_index() == 0 and (changes or saved is None):
-      entry = {'time': utc_now(), 'step': number, 'changes': {k: list(v) for k, v in changes.items()},
+      entry = {'time': utc(), 'step': number, 'changes': {k: list(v) for k, v in changes.items()},
                'allowed_by_flag': bool(unsafe and number), 'config': json.loads(config.to_json_best_effort())}
       history = workdir / 'config_history.jsonl'  # read + write, not append: not every filesystem appends
       write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
@@ -269,10 +268,6 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
     return record
   record()  # no checkpoint that a restore could refuse: written now, before anything compiles
   return lambda: None
-
-
-def utc_now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
 
 
 def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:

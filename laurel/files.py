@@ -1,8 +1,10 @@
 """Writes that a kill never leaves torn: a local file goes to a temporary file beside it, flushed, then renamed over
 the old one; a path behind '://' (gs://) is one upload, which the object store makes atomic."""
 import contextlib
+import datetime
 import os
 import tempfile
+import time
 
 from etils import epath
 
@@ -39,3 +41,9 @@ def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
       os.fsync(fd)
     finally:
       os.close(fd)
+
+
+def utc(seconds: float | None = None) -> str:
+  """An ISO 8601 UTC time to the second: now, or `seconds` since the epoch."""
+  moment = datetime.datetime.fromtimestamp(time.time() if seconds is None else seconds, datetime.timezone.utc)
+  return moment.isoformat(timespec='seconds')

@@ -3,7 +3,6 @@ A lease, not a lock (a run killed with SIGKILL must not block its rerun): a late
 is stale, its pid gone or its Slurm job requeued. Hosts' clocks must agree within a fraction of STALE_S (NTP)."""
 
 import contextlib
-import datetime
 import json
 import os
 import socket
@@ -24,10 +23,6 @@ HELD = 5  # exit status: another live run holds the workdir; a rerun is refused 
 
 class Held(Exception):
   """The workdir is held by another live run; the message names it."""
-
-
-def _utc(seconds: float) -> str:
-  return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec='seconds')
 
 
 def describe(holder: dict) -> str:
@@ -54,7 +49,8 @@ class Lease:
     self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
     now = time.time()
     self.record = {'host': socket.gethostname(), 'pid': os.getpid(), 'process_id': process_id,
-                   'processes': processes, 'started_at': _utc(now), 'heartbeat': now, 'heartbeat_at': _utc(now),
+                   'processes': processes, 'started_at': files.utc(now),
+                   'heartbeat': now, 'heartbeat_at': files.utc(now),
                    'slurm_job': os.environ.get('SLURM_JOB_ID'),
                    'slurm_restart': int(os.environ.get('SLURM_RESTART_COUNT') or 0), 'token': uuid.uuid4().hex}
     self._stop = threading.Event()
@@ -121,7 +117,7 @@ class Lease:
 
   def _write(self):
     now = time.time()
-    self.record.update(heartbeat=now, heartbeat_at=_utc(now))
+    self.record.update(heartbeat=now, heartbeat_at=files.utc(now))
     files.write_text_atomic(self.path, json.dumps(self.record, indent=1))
 
   def _beat(self):

@@ -26,9 +26,9 @@ from absl import logging
 from etils import epath
 
 from laurel import checkpoint, config_lib, console, hardware, lease, metric_writers, sharding
-from laurel.checkpoint import run_dir, utc_now
+from laurel.checkpoint import run_dir
 from laurel.config_lib import InputError
-from laurel.files import is_remote, write_text_atomic
+from laurel.files import is_remote, utc, write_text_atomic
 from laurel.stats import weighted_mean_se
 from laurel.step import (LOGICAL_AXIS_RULES, check_fits_host, compile_step, num_data_shards,  # noqa: F401
                          step_flops, validate_config)  # LOGICAL_AXIS_RULES: importable from here
@@ -244,7 +244,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
         f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)
   canonical = json.dumps(json.loads(config.to_json_best_effort()), sort_keys=True)
   info = {'commit': code_commit(), 'config_hash': hashlib.sha256(canonical.encode()).hexdigest()[:16],
-          'started_at': utc_now()}  # what identifies the run
+          'started_at': utc()}  # what identifies the run
   mesh, nproc = sharding.make_mesh(cfg.mesh, devices), jax.process_count()
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules), contextlib.ExitStack() as cleanup:
@@ -370,7 +370,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
              'peak_memory_bytes': peak_memory,
              'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
-             'finished_at': utc_now()}
+             'finished_at': utc()}
     log.writer.write_summary(final)
 
   if jax.process_index() == 0:
