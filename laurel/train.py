@@ -156,7 +156,9 @@ WATCHDOG_EXIT = 75  # a hung process: restart it from its last checkpoint (EX_TE
 class Watchdog:
   """Ends a process whose loop stopped making progress (e.g. a collective one host never entered) with WATCHDOG_EXIT,
   printing every thread's stack, for a supervisor to restart. Call `beat(step)` after each step, `beat()` after other
-  progress. The limit: `limit_s`, and after WARMUP steps (compiling) max(factor × the median step time, min_s)."""
+  progress. The limit: `limit_s`, and after WARMUP steps (compiling) max(factor × the median step time, min_s).
+  Time the whole process was stopped (SIGSTOP, a suspended job) is no stall: the watchdog's own poll comes back that
+  much late, and the stall is then counted from the resumption."""
   WARMUP = 3
 
   def __init__(self, factor: float, min_s: float, limit_s: float, flush=lambda: None):
@@ -191,8 +193,13 @@ class Watchdog:
     return min(limits, default=None)
 
   def _watch(self):
+    polled = resumed = time.monotonic()
     while not self._stop.wait(self._poll_s):
-      stalled, limit = time.monotonic() - self.last, self.limit()
+      now = time.monotonic()
+      if now - polled > 2 * self._poll_s + 1.0:  # this thread was stopped too: the whole process was
+        resumed = now
+      polled = now
+      stalled, limit = now - max(self.last, resumed), self.limit()
       if limit is not None and stalled > limit:
         return self._fire(stalled, limit)
 

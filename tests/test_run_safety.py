@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -402,6 +403,26 @@ def test_the_watchdog_limit_covers_the_first_step_and_the_median():
     watchdog.beat(step)
     threading.Event().wait(0.02)
   assert 0.02 * 4 <= watchdog.limit() < 1.0  # 4 x the median step time, the warm-up steps left out
+
+
+def test_the_watchdog_counts_no_stall_while_the_process_was_stopped(monkeypatch):
+  """SIGSTOP then SIGCONT (a suspended job) stops the watchdog's thread too: its poll comes back late by the pause,
+  which is then no stall; a stall after the resumption still fires."""
+  paused = [0.0]
+  monkeypatch.setattr(train.time, 'monotonic', lambda real=time.monotonic: real() + paused[0])
+  fired = []
+  watchdog = train.Watchdog(factor=0.0, min_s=0.0, limit_s=0.5)
+  watchdog._fire = lambda stalled, limit: fired.append(stalled)  # pylint: disable=protected-access
+  watchdog.start()
+  try:
+    threading.Event().wait(0.2)
+    paused[0] = 3600.0  # an hour stopped, seen at the next poll
+    threading.Event().wait(0.3)
+    assert not fired
+    threading.Event().wait(0.6)  # no progress since the resumption: a stall
+    assert len(fired) == 1 and 0.5 < fired[0] < 5
+  finally:
+    watchdog.stop()
 
 
 def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_another(tmp_path):
