@@ -303,9 +303,13 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
           f'{dict(mesh.shape)} | peak memory of the compiled step {peak_memory / 2**20:,.1f} MiB', flush=True)
 
     def evaluate():
+      """The eval metrics, or None where SIGTERM or Ctrl-C came during the eval of one process (several hosts finish
+      it: each batch is a collective step)."""
       it, totals, loss_batches = iter(local_dataset(task, train=False)), {}, []
       with console.phase(f'evaluating on {cfg.eval_steps} batches'):
         for _ in range(cfg.eval_steps):
+          if preempted and nproc == 1:
+            return None
           batch_metrics = jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh)))
           for name, sum_and_weight in batch_metrics.items():  # weighted means over the batches
             totals[name] = totals.get(name, 0.0) + np.asarray(sum_and_weight, np.float64)
@@ -359,8 +363,11 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
         print(console.step_line(done, cfg.steps, row, task.unit), flush=True)
       if done % cfg.eval_every == 0 or last:
         eval_metrics = evaluate()
-        log.write(done, eval_metrics)
-        print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
+        if eval_metrics is None:  # interrupted: this step's checkpoint, then exit; a rerun evaluates it
+          eval_metrics, stop = {}, True
+        else:
+          log.write(done, eval_metrics)
+          print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
       if done % cfg.checkpoint_every == 0 or last or stop:
         check_finite(*pending, saving=state)
         checkpoint.save(mngr, done, state, train_iter, config)
@@ -374,6 +381,9 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
       eval_metrics = evaluate()
     checkpoint.finish(mngr)
+    if eval_metrics is None:
+      print(f'preempted: checkpoint {cfg.steps} in {workdir} is not evaluated yet; rerun the same command', flush=True)
+      return {'step': cfg.steps, 'preempted': True}
     final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
              'peak_memory_bytes': peak_memory,
              'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,

@@ -82,6 +82,32 @@ def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
   assert 'exiting without a checkpoint' in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_ctrl_c_during_the_final_eval_stops_it_and_a_rerun_evaluates(tmp_path, monkeypatch, capsys):
+  """Ctrl-C during an eval ends the run as its message says (a checkpoint of the step, then exit), not after the
+  eval; the rerun resumes at the last step and writes final.json."""
+  config = load_config(SPEC, {**TINY_LM, 'eval_steps': 3})  # eval and checkpoint at the last step only
+  real = train.local_dataset
+
+  def interrupted_eval(task, *, train):  # pylint: disable=redefined-outer-name
+    batches = iter(real(task, train=train))
+    if train:
+      return batches
+    def after_one():
+      yield next(batches)
+      signal.raise_signal(signal.SIGINT)
+      yield from batches
+    return after_one()
+
+  monkeypatch.setattr(train, 'local_dataset', interrupted_eval)
+  assert train.train(config, str(tmp_path), devices=jax.devices()[:1]) == {'step': 6, 'preempted': True}
+  assert checkpoint_steps(tmp_path) == {6} and not (tmp_path / 'final.json').exists()
+  assert 'interrupted: saving a checkpoint, then exiting' in capsys.readouterr().err
+  monkeypatch.undo()
+  final = train.train(config, str(tmp_path), devices=jax.devices()[:1])
+  assert final['step'] == 6 and json.loads((tmp_path / 'final.json').read_text())['eval_loss'] == final['eval_loss']
+
+
 def _in_process_losses(workdir, devices, mesh, **extra):
   config = load_config(SPEC, {**TINY_LM, 'mesh.data': mesh[0], 'mesh.fsdp': mesh[1], 'mesh.tensor': mesh[2],
                               **extra})
