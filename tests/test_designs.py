@@ -572,7 +572,7 @@ def test_backward_rebuilding_a_buffer_is_the_scans_own(stream, model, monkeypatc
   # random weights.
   cfg = _cfg(scan_layers=True, stream=stream, **model)
   params, tokens = _random_params(cfg, 17), jnp.asarray(_tokens(18))
-  grad = lambda: jax.grad(lambda p: jnp.mean(lm.LM(cfg).apply({'params': p}, tokens) ** 2))(params)
+  grad = lambda: jax.jit(jax.grad(lambda p: jnp.mean(lm.LM(cfg).apply({'params': p}, tokens) ** 2)))(params)
   got = grad()
   plain_scan = lambda stack, block, cfg, index, mirror, policy, *args: stack(*args)[0]
   monkeypatch.setattr(lm, 'stack_rebuilding_buffer', plain_scan)

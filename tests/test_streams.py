@@ -39,7 +39,9 @@ def test_scan_gradients_match_loop(name):
   spec = STREAM_CASES[name]
   params = randomize(_init(spec), seed=2)
   x, ws = inputs()
-  grad = lambda p, scan: jax.grad(lambda p: jnp.sum(Net(spec.design, spec, scan).apply({'params': p}, x, ws) ** 2))(p)
+  def grad(p, scan):  # one compile each, not op by op
+    loss = lambda p: jnp.sum(Net(spec.design, spec, scan).apply({'params': p}, x, ws) ** 2)
+    return jax.jit(jax.grad(loss))(p)
   loop, scanned = stacked(grad(params, False)), grad(stacked(params), True)
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(scanned))
   # float32 sums of large terms: compare against each array's largest entry
