@@ -73,10 +73,15 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
     if found is None:
       return None
     if found.processes != 1:
-      arguments = {}
+      arguments = {'local_device_ids': local_device_ids()}
       if found.name == 'Open MPI' and 'OMPI_MCA_orte_hnp_uri' not in os.environ:  # Open MPI 5: jax does not see it
-        arguments = {'num_processes': found.processes, 'process_id': int(os.environ['OMPI_COMM_WORLD_RANK'])}
-      _initialize(found, timeout_s, local_device_ids=local_device_ids(), **arguments)
+        # All that jax would detect, given (jax 0.11 asks mpi4py for it): the address is JAX_COORDINATOR_ADDRESS.
+        local_rank = os.environ.get('OMPI_COMM_WORLD_LOCAL_RANK')
+        if arguments['local_device_ids'] is None and local_rank is not None:
+          arguments['local_device_ids'] = [int(local_rank)]  # the local rank's GPU, as jax gives under Open MPI 4
+        arguments.update(num_processes=found.processes, process_id=int(os.environ['OMPI_COMM_WORLD_RANK']),
+                         cluster_detection_method='deactivate')
+      _initialize(found, timeout_s, **arguments)
   if found.processes is not None and jax.process_count() != found.processes:
     config_lib.fail(f'{found.source}: names {found.processes} processes, but jax joined {jax.process_count()} '
                     f'(it found another environment); {found.fix}', code=JOIN_FAILED)

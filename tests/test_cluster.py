@@ -47,6 +47,23 @@ def test_local_device_ids_keep_every_gpu_of_a_process_that_drives_its_node(envir
   assert cluster.local_device_ids(environ) == ids
 
 
+@pytest.mark.parametrize('local_size, want_ids', [('2', [1]), ('1', [])])
+def test_open_mpi_5_gives_jax_all_it_would_detect(monkeypatch, local_size, want_ids):
+  """Open MPI 5 sets no OMPI_MCA_orte_hnp_uri: the run passes the process count, rank and local rank's device, and
+  turns jax's detection off (jax 0.11 asks mpi4py there and stops without it)."""
+  for name in [n for n in os.environ if n.startswith(('OMPI_', 'SLURM_', 'CUDA_VISIBLE'))]:
+    monkeypatch.delenv(name)
+  for name, value in {'OMPI_COMM_WORLD_SIZE': '4', 'OMPI_COMM_WORLD_RANK': '3', 'OMPI_COMM_WORLD_LOCAL_RANK': '1',
+                      'OMPI_COMM_WORLD_LOCAL_SIZE': local_size}.items():
+    monkeypatch.setenv(name, value)
+  passed = {}
+  monkeypatch.setattr(cluster, '_initialize', lambda found, timeout_s, **arguments: passed.update(arguments))
+  with pytest.raises(SystemExit):  # nothing joined here: jax counts 1 process of the 4 named
+    cluster.join(None, None, None)
+  assert passed == {'num_processes': 4, 'process_id': 3, 'local_device_ids': want_ids,
+                    'cluster_detection_method': 'deactivate'}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('launcher, first_words, reason', [
     ('srun', 'SLURM_NTASKS=2: Slurm names 2', 'did not all join within 5 s (coordinator localhost:'),
