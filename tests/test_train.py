@@ -396,13 +396,16 @@ def _step_flops(**overrides):
 
 
 @pytest.mark.slow
-def test_step_flops_count_every_scanned_layer():
-  """Odd layer counts run in one iteration, even ones are extrapolated from scan_unroll 1 and 2: the same count."""
-  flops = [_step_flops(**{'model.num_layers': n}) for n in (2, 3, 4)]
-  per_layer = [flops[1] - flops[0], flops[2] - flops[1]]
-  assert per_layer[0] > 0 and per_layer[1] == pytest.approx(per_layer[0], rel=1e-3)
-  assert _step_flops(**{'model.num_layers': 4, 'model.scan_unroll': 4}) == pytest.approx(flops[2], rel=1e-6)
-  assert _step_flops(**{'model.num_layers': 4, 'model.scan_layers': False}) == pytest.approx(flops[2], rel=0.01)
+@pytest.mark.parametrize('layers', [3, 4])
+def test_step_flops_count_every_scanned_layer(layers):
+  """XLA counts a loop's body once: an odd layer count is counted unrolled in one iteration, an even one extrapolated
+  from scan_unroll 1 and 2. Either is the Python loop's count within 0.5% (the scan's own slicing adds 0.1-0.3%,
+  by jax version); a layer missed or counted twice would be 1/layers off."""
+  scanned = _step_flops(**{'model.num_layers': layers})
+  looped = _step_flops(**{'model.num_layers': layers, 'model.scan_layers': False})
+  assert scanned == pytest.approx(looped, rel=5e-3)
+  # The config's own unroll changes nothing: the count sets its unroll itself.
+  assert _step_flops(**{'model.num_layers': layers, 'model.scan_unroll': layers}) == pytest.approx(scanned, rel=1e-6)
 
 
 @pytest.mark.slow
