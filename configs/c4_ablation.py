@@ -21,9 +21,10 @@ held out by a hash of their path). 6/7 layers (as tiny, 28/24 layers apart), D=5
 compute, cuDNN attention where the GPU serves it (model.attention=auto), 500 steps of 128 x 512 bytes = 32.8M
 tokens: 2.1 tokens per parameter for Baseline-24 (15.87M params), 1.8 for Baseline-28 (18.49M). laurel's model
 FLOPs (6N per token plus 12·layers·D·L attention, no causal saving) are 7.48, 8.71 and 7.59 TFLOP a step for
-Baseline-24, Baseline-28 and RW+LR+PA. The size was chosen for three seeds of those rows in 6 minutes at an assumed 25% MFU. Measured on one H200
-(results/README.md): a run alone took 85-95 s at 5% MFU, so the nine take about 14 minutes; and three seeds did not
-resolve Baseline-28 (paired differences' sd 0.018 nats, against the paper's gap of 0.012 at this loss). The eval set
+Baseline-24, Baseline-28 and RW+LR+PA. The size was chosen for three seeds of those rows in 6 minutes at an
+assumed 25% MFU. Measured on one H200 (results/README.md): a run alone took 85-95 s at 5% MFU, so the nine take
+about 14 minutes; and three seeds did not resolve Baseline-28 (paired differences' sd 0.018 nats, against the
+paper's gap of 0.012 at this loss). The eval set
 (32 batches, 2.1M held-out tokens) is 64 times tiny's; its standard error over batches was 0.032 nats, and being the
 same for every run it cancels in the paired differences.
 

@@ -270,6 +270,8 @@ def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, fl
   first compiled alone, their costs by `lowered_costs(lowered)` where given (laurel.aot keeps them)."""
   task = _with(task, scan_unroll=1)
   totals = costs_of(task)
+  if not any(totals):  # the backend gives no count (a lowered step under the CUDA and TPU plug-ins): nor do we
+    return 0.0, 0.0
   layers = getattr(task.model_cfg, 'num_layers', 1)
   if getattr(task.model_cfg, 'scan_layers', False) and layers > 1:
     if layers % 2:  # one iteration of every layer

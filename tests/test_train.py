@@ -330,6 +330,9 @@ def test_a_flop_count_the_backend_does_not_give_is_left_out_not_logged_as_zero(m
   assert list(train.utilisation_flops(task, 8)) == ['mfu']
   monkeypatch.setattr(train, 'step_flops', lambda t: 5e9)
   assert train.utilisation_flops(task, 8) == {'mfu': task.model_flops(8), 'hfu': 5e9}
+  # No count for the step is no count at all: not the loss chunks' alone (compiled apart, so counted there too).
+  chunked = step.validate_config(load_config(SPEC, {**TINY_LM, 'model.loss_chunk': 8}), 1, 1)
+  assert step.step_costs(chunked, lambda t: (0.0, 0.0)) == (0.0, 0.0)
 
 
 @pytest.mark.slow
