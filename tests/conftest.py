@@ -5,7 +5,9 @@ because compiling dominates these tests' time on a 2-core machine (results are c
 """
 import importlib.metadata
 import os
+import resource
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +22,9 @@ os.environ['NPROC'] = str(max(64, int(os.environ.get('NPROC') or 0)))
 # dropped that flag, and XLA ends a process whose XLA_FLAGS names a flag it does not know.
 _JAXLIB = tuple(int(part) for part in importlib.metadata.version('jaxlib').split('.')[:2])
 _NO_FUSION_EMITTERS = '--xla_cpu_use_fusion_emitters=false ' if _JAXLIB < (0, 11) else ''
-TEST_XLA_FLAGS = (f'--xla_backend_optimization_level=0 {_NO_FUSION_EMITTERS}'
+# One LLVM module per program: XLA:CPU's split for parallel codegen costs CPU time that busy cores lack
+# (docs/testing.md).
+TEST_XLA_FLAGS = (f'--xla_backend_optimization_level=0 {_NO_FUSION_EMITTERS}--xla_cpu_parallel_codegen_split_count=1 '
                   '--xla_cpu_collective_call_terminate_timeout_seconds=180 '
                   '--xla_cpu_collective_call_warn_stuck_timeout_seconds=60')
 os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}')
@@ -67,3 +71,47 @@ def trained_run(tmp_path_factory):
   result = run_cli(SPEC, workdir, TRAINED)
   assert result.returncode == 0, result.stderr[-2000:]
   return workdir
+
+
+def pytest_addoption(parser):
+  parser.addoption('--cpu-times', type=int, default=0, metavar='N',
+                   help='after the run: CPU seconds in all, and the N tests that took the most (test process and its '
+                        'subprocesses; setup and teardown included)')
+
+
+def _cpu_seconds() -> tuple[float, float]:
+  """(this process's CPU seconds, its finished subprocesses')."""
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time(), children.ru_utime + children.ru_stime
+
+
+_CPU_START = pytest.StashKey[tuple]()
+_cpu_times = {}  # test id -> (own, subprocesses') CPU seconds, gathered where the reports arrive (xdist: controller)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  item.stash[_CPU_START] = _cpu_seconds()
+  yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  report = (yield).get_result()
+  if call.when == 'teardown' and item.config.getoption('cpu_times'):
+    report.user_properties.append(('cpu_s', tuple(b - a for a, b in zip(item.stash[_CPU_START], _cpu_seconds()))))
+
+
+def pytest_runtest_logreport(report):
+  _cpu_times.update((report.nodeid, value) for name, value in report.user_properties if name == 'cpu_s')
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  if not (most := config.getoption('cpu_times')) or not _cpu_times:
+    return
+  own, children = (sum(t[i] for t in _cpu_times.values()) for i in (0, 1))
+  write = terminalreporter.write_line
+  terminalreporter.section('CPU seconds (test process + its subprocesses)')
+  write(f'{own + children:.1f} in all: {own:.1f} in the test processes, {children:.1f} in subprocesses')
+  for test, (o, c) in sorted(_cpu_times.items(), key=lambda kv: -sum(kv[1]))[:most]:
+    write(f'{o + c:7.1f} {o:7.1f} {c:7.1f}  {test}')
