@@ -269,9 +269,8 @@ def validate(data_cfg, vocab_size: int) -> LMDataConfig:
     fail('path', "corpus reads the directory that scripts/prepare_text.py wrote (its closing line names every flag)")
   if cfg.name in SENTENCEPIECE_SOURCES and not cfg.vocab_path:
     fail('vocab_path', f'{cfg.name} needs a SentencePiece model')
-  if cfg.vocab_path.startswith('gs://') and cfg.name in SENTENCEPIECE_SOURCES:
-    return cfg  # checked by check_available: GCS may only be reachable from the training hosts
-  _check_vocab(cfg, vocab_size)
+  if not (cfg.vocab_path.startswith('gs://') and cfg.name in SENTENCEPIECE_SOURCES):
+    _check_vocab(cfg, vocab_size)  # a gs:// one: check_available, as GCS may only be reachable from the training hosts
   return cfg
 
 

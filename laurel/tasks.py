@@ -20,8 +20,10 @@ class Task:
     dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset,
     loss(params, model_state, batch, train) -> (loss, (metrics, model_state)), each metric a (sum, weight) pair."""
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
+  classes: tuple  # (model config, data config, model)
 
-  def __init__(self, config, model_config, data_config, model):
+  def __init__(self, config):
+    model_config, data_config, model = self.classes
     self.config = config
     self.model_cfg = model_config.from_config(config.model)
     self.data_cfg = build(data_config, config.data, 'data')
@@ -43,9 +45,7 @@ class Task:
 class LMTask(Task):
   """Next-token prediction on packed sequences; the loss skips padding and document boundaries."""
   unit = 'tokens'
-
-  def __init__(self, config):
-    super().__init__(config, lm.LMConfig, data.LMDataConfig, lm.LM)
+  classes = (lm.LMConfig, data.LMDataConfig, lm.LM)
 
   def validate(self):
     cfg, seq_len = self.model_cfg, self.data_cfg.seq_len
@@ -80,9 +80,9 @@ class LMTask(Task):
 
   def num_params(self, params) -> int:
     """Less a design's scan padding (stored parameters that are structurally 0)."""
-    m = self.model_cfg
-    return sharding.num_params(params) - designs.REGISTRY[m.stream.design].padded_params(m.stream, m.num_layers,
-                                                                                           m.d_model)
+    design, spec = designs.select(self.model_cfg)
+    padding = design.padded_params(spec, self.model_cfg.num_layers, self.model_cfg.d_model)
+    return sharding.num_params(params) - padding
 
   def least_step_bytes(self, batch_size: int) -> int:
     """Memory known before compiling: one layer's L×L scores, on the paths that hold them."""
@@ -129,9 +129,7 @@ class LMTask(Task):
 class ClassificationTask(Task):
   """Image classification with top-1/top-5 accuracy; BatchNorm statistics are the model state."""
   unit = 'images'
-
-  def __init__(self, config):
-    super().__init__(config, resnet.ResNetConfig, image_data.ImageDataConfig, resnet.ResNet)
+  classes = (resnet.ResNetConfig, image_data.ImageDataConfig, resnet.ResNet)
 
   def check_data(self):
     image_data.check_available(self.data_cfg)
@@ -159,12 +157,9 @@ class ClassificationTask(Task):
     return self.model.init(rng, batch['images'], train=False)
 
   def loss(self, params, model_state, batch, train: bool):
-    variables = {'params': params, **model_state}
-    if train:
-      logits_BxC, updates = self.model.apply(variables, batch['images'], train=True, mutable=['batch_stats'])
-      model_state = {**model_state, **updates}
-    else:
-      logits_BxC = self.model.apply(variables, batch['images'], train=False)
+    logits_BxC, updates = self.model.apply({'params': params, **model_state}, batch['images'], train=train,
+                                           mutable=['batch_stats'] if train else [])  # eval: updates {}
+    model_state = {**model_state, **updates}
     labels_B = batch['labels']
     ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BxC, labels_B)
     top5_BxK = jax.lax.top_k(logits_BxC, min(5, logits_BxC.shape[-1]))[1]

@@ -16,9 +16,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, require
-from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, register, unit_rms
 
-EPS = 1e-6  # flax RMSNorm's
 SAVED = 'attnres_input'  # each site's input h_s, which every remat policy keeps (Design.saved_names)
 NEG = -1e30  # the logit of an absent source (exp underflows to 0; never -inf, so no inf − inf)
 
@@ -60,8 +59,7 @@ class AttnResChain(Chain):
 
 def _unit_rms(v_BxLxD, heads):
   """v / rms(v) over each head's channels, float32: (B, L, H, D/H)."""
-  v = v_BxLxD.astype(F32).reshape(v_BxLxD.shape[:-1] + (heads, -1))
-  return v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + EPS)
+  return unit_rms(v_BxLxD.reshape(v_BxLxD.shape[:-1] + (heads, -1)))
 
 
 def _per_head(a_XxH, v_XxD):

@@ -38,20 +38,10 @@ def last_k(spec, num_layers):
   return num_layers if spec.design == 'dca' else spec.dca_k
 
 
-def stack_selection(k, receiver, slots):
-  """(k + 2, slots): receiver i's columns y_0, Σ_{1≤j≤i−k} y_j, y_i, …, y_{i−k+1} as sums of slots (empty: j < 1)."""
-  select = np.zeros((k + 2, slots), np.float32)
-  select[0, 0] = 1.0
-  select[1, 1:max(receiver - k + 1, 1)] = 1.0
-  for r in range(min(k, receiver)):
-    select[2 + r, receiver - r] = 1.0
-  return select
-
-
-def grn_columns(b_CxKxD, w_CxD, k, receiver, buffer_JxBxLxD):
-  """GRN(G_i) of receiver i (traced) for each stream c over `stack_selection`'s columns: y_0, a slice of the last k
-  slots up to y_i (any other weighs nothing: the buffer may hold later ones) and the merged column."""
-  slots = buffer_JxBxLxD.shape[0]
+def grn_columns(b_CxKxD, w_CxD, receiver, buffer_JxBxLxD):
+  """GRN(G_i) of receiver i (traced) for each stream c over its k + 2 columns: y_0, a slice of the last k slots up
+  to y_i (any other weighs nothing: the buffer may hold later ones) and the merged column."""
+  k, slots = b_CxKxD.shape[1] - 2, buffer_JxBxLxD.shape[0]
   width = min(k, slots - 1)  # a k past N has columns that stay empty
   start = jnp.clip(receiver - width + 1, 0, slots - width)
   slot_K = start + jnp.arange(width)
@@ -94,7 +84,7 @@ class DCASite(Site):
     b_CxKxD, w_CxD, slot_J = chain_l
     if self.t == 0:  # the attention on the GRNs' q, k, v inputs; the FFN's skip is u^Q
       receiver = jnp.argmax(slot_J) - 1
-      q_BxLxD, k_BxLxD, v_BxLxD = grn_columns(b_CxKxD, w_CxD, b_CxKxD.shape[1] - 2, receiver, buffer_JxBxLxD)
+      q_BxLxD, k_BxLxD, v_BxLxD = grn_columns(b_CxKxD, w_CxD, receiver, buffer_JxBxLxD)
       y_BxLxD = fn(q_BxLxD, self.attention_inputs(norm_in, q_BxLxD, k_BxLxD, v_BxLxD), None)
       h_BxLxD = q_BxLxD + y_BxLxD
     else:
@@ -115,7 +105,7 @@ class DCAReadout(nn.Module):
   @nn.compact
   def __call__(self, buffer_JxBxLxD):
     bias, query = _grn_weights(self.make, (1,), (None,), self.k, self.features, 'embed')
-    return grn_columns(bias, query, self.k, buffer_JxBxLxD.shape[0] - 1, buffer_JxBxLxD)[0]
+    return grn_columns(bias, query, buffer_JxBxLxD.shape[0] - 1, buffer_JxBxLxD)[0]
 
 
 def _finish(spec, carry):
@@ -130,9 +120,9 @@ def _start(spec, x_BxLxD, num_layers):
 
 
 def padded_params(spec, num_layers, d_model):
-  """Columns that stay empty at a receiver: the merged one while i ≤ k, the last k's past y_1."""
-  k, slots = last_k(spec, num_layers), num_layers + 1
-  empty = lambda i: int((stack_selection(k, i, slots).sum(1) == 0).sum())
+  """Columns that stay empty at receiver i: the merged one while i ≤ k, and y_{i−r} of the last k for r ≥ i."""
+  k = last_k(spec, num_layers)
+  empty = lambda i: int(i <= k) + max(k - i, 0)
   return d_model * (STREAMS * sum(empty(i) for i in range(num_layers)) + empty(num_layers))
 
 

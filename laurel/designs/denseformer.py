@@ -28,15 +28,15 @@ class DWAChain(Chain):
   @nn.compact
   def __call__(self):
     s, big_n = self.spec, self.num_layers
-    pairs = [(i, j) for i in range(big_n) if (i + 1) % s.dwa_period == 0
+    dwa_N = (np.arange(big_n) + 1) % s.dwa_period == 0
+    pairs = [(i, j) for i in np.flatnonzero(dwa_N)
              for j in range((i + 1) % s.dwa_dilation, i + 2, s.dwa_dilation)]
     i_P, j_P = np.array(pairs).T
     alpha_P = self.make('dwa_alpha', const(j_P == i_P + 1), (len(pairs),), ('layers_dwa',)).astype(F32)
     sender_P, emb_P = np.maximum(j_P - 1, 0), j_P == 0
-    passthrough = np.zeros((big_n, big_n))
-    passthrough[[i for i in range(big_n) if (i + 1) % s.dwa_period], 0] = 1.0
     u = jnp.zeros((big_n, big_n), F32).at[0, i_P[emb_P]].set(alpha_P[emb_P])
-    w = jnp.asarray(passthrough, F32).at[sender_P[~emb_P], (i_P - sender_P)[~emb_P]].set(alpha_P[~emb_P])
+    passthrough = jnp.zeros((big_n, big_n), F32).at[:, 0].set(~dwa_N)
+    w = passthrough.at[sender_P[~emb_P], (i_P - sender_P)[~emb_P]].set(alpha_P[~emb_P])
     return u, w
 
 

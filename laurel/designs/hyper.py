@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, is_int, one_of, require
-from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, make_param, register
+from laurel.designs.protocol import (ACT, F32, STREAM_ACT, Chain, Design, Site, const, make_param, register,
+                                     unit_rms)
 
 V4_HC_EPS = 1e-6  # DeepSeek-V4's hc_eps
 MHC_LITE_MAX_N = 5  # 5! = 120 logits per token and site; 6! = 720 would dwarf the layer's own mixing
@@ -95,12 +96,6 @@ class HyperChain(Chain):
     return jnp.stack([param('b_pre', b_pre), jnp.asarray(shift, F32)], axis=-2)
 
 
-def _flat_rms(h_NxBxLxD):
-  """RMSNorm(vec x_l) over the flattened n·D, unweighted (mHC eq. 7 absorbs the weight into φ), float32."""
-  h32 = h_NxBxLxD.astype(F32)
-  return h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=(0, 3), keepdims=True) + 1e-6)
-
-
 def _hyper_update(h_NxBxLxD, a_m_BxLxN, a_r_BxLxNxN, b_BxLxN, fn, norm_in):
   """HC eqs. 3–5 per token: h_0 = Σ_i A_m[i]·H_i, Ĥ_j = B_j·F(norm(h_0)) + Σ_i A_r[i, j]·H_i. mHC eq. 3 is the
   same with A_m = H_preᵀ, A_r = H_resᵀ, B = H_post."""
@@ -146,9 +141,6 @@ class MHCSite(Site):
   """mHC, eqs. 3 and 7–9: H̃ = α·(RMSNorm(vec x_l)·φ) + b, H_pre = σ(H̃_pre), H_post = 2σ(H̃_post), H_res =
   Sinkhorn(H̃_res); b_pre from `HyperChain`."""
 
-  def res_logits(self) -> int:
-    return self.spec.expansion ** 2
-
   def b_res_init(self):
     n = self.spec.expansion
     return np.log((np.eye(n) + 1.0 / n) / 2)
@@ -160,17 +152,17 @@ class MHCSite(Site):
 
   def setup(self):
     n, d = self.spec.expansion, self.features
-    self.phi = self.make('phi', nn.initializers.zeros, (n, d, self.res_logits() + 2 * n),
-                         ('stream', 'embed', 'stream_coeff'))
+    b_res = self.b_res_init()
+    self.phi = self.make('phi', nn.initializers.zeros, (n, d, 2 * n + b_res.size), ('stream', 'embed', 'stream_coeff'))
     self.alpha_3 = self.make('alpha', const(0.01), (3,), (None,))  # α_pre, α_post, α_res
     self.b_post = self.make('b_post', nn.initializers.zeros, (n,), ('stream',))
-    b_res = self.b_res_init()
     self.b_res = self.make('b_res', const(b_res), b_res.shape, ('stream', None)[:b_res.ndim])
 
   def coefficients(self, h_NxBxLxD, b_pre_N, b_post_shift_N=0.0):
     """(H_pre, H_post, H_res) per token, float32: (B, L, n), (B, L, n), (B, L, n, n)."""
     n, alpha_3 = self.spec.expansion, self.alpha_3.astype(F32)
-    c_BxLxC = jnp.einsum('nbld,ndc->blc', _flat_rms(h_NxBxLxD), self.phi.astype(F32))
+    # RMSNorm(vec x_l) over a token's n·D; φ absorbs its weight (eq. 7)
+    c_BxLxC = jnp.einsum('nbld,ndc->blc', unit_rms(h_NxBxLxD, axis=(0, 3)), self.phi.astype(F32))
     pre, post, res = c_BxLxC[..., :n], c_BxLxC[..., n:2 * n], c_BxLxC[..., 2 * n:]
     return (jax.nn.sigmoid(alpha_3[0] * pre + b_pre_N.astype(F32)),
             2 * jax.nn.sigmoid(alpha_3[1] * post + self.b_post.astype(F32) + b_post_shift_N),
@@ -191,11 +183,8 @@ class MHCLiteSite(MHCSite):
   """mHC-lite: H_res = Σ_r a_r P_rᵀ, a = softmax(logits). b_res starts H_res at mHC's (I + 11ᵀ/n)/2 exactly;
   `mhc_lite_init='authors'`: their code's b_res = (0, −8, …)."""
 
-  def res_logits(self) -> int:
-    return math.factorial(self.spec.expansion)
-
   def b_res_init(self):
-    k = self.res_logits()
+    k = math.factorial(self.spec.expansion)
     if self.spec.mhc_lite_init == 'authors':
       return np.where(np.arange(k) == 0, 0.0, -8.0)
     return np.log(np.full(k, 0.5 / k) + np.eye(k)[0] / 2)  # over the permutations: logical axis 'stream'
@@ -218,7 +207,7 @@ class V4Readout(nn.Module):
     phi = self.make('readout_phi', nn.initializers.zeros, (n, d, n), ('stream', 'embed', 'stream_coeff'))
     b = self.make('readout_b', nn.initializers.zeros, (n,), ('stream',))
     s = self.make('readout_scale', const(0.01), (), ())
-    w_BxLxN = jax.nn.sigmoid(s * jnp.einsum('nbld,ndk->blk', _flat_rms(h_NxBxLxD), phi) + b) + V4_HC_EPS
+    w_BxLxN = jax.nn.sigmoid(s * jnp.einsum('nbld,ndk->blk', unit_rms(h_NxBxLxD, axis=(0, 3)), phi) + b) + V4_HC_EPS
     return jnp.einsum('bln,nbld->bld', w_BxLxN.astype(h_NxBxLxD.dtype), h_NxBxLxD)
 
 

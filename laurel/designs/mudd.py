@@ -14,10 +14,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from laurel.config_lib import field, one_of
-from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register
+from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register, unit_rms
 from laurel.designs.buffer import filled_slots, start_buffer, write_slot
 
-EPS = 1e-6
 WEIGHTS_ACT = ('act_batch', 'act_len', None, None)  # A: (B, L, C streams, N + 1 sources)
 # A layer's output, from which its weights A are computed: every remat policy keeps it (Design.saved_names), so the
 # backward does not recompute the MLP for it.
@@ -43,13 +42,10 @@ def layer_shapes(spec, num_layers: int) -> list[tuple[int, int, int]]:
 
 def padded_params(spec, num_layers: int, d_model: int) -> int:
   """Stored minus used parameters: W1's columns past K_i, W2's and the bias's entries past C_i × (i+2) or K_i."""
-  c, j, k_max = len(spec.mudd_streams), num_layers + 1, max_hidden(spec, num_layers)
-  used = sum(d_model * k + k * ci * si + ci * si for ci, si, k in layer_shapes(spec, num_layers))
+  shapes = layer_shapes(spec, num_layers)
+  c, j, k_max = len(spec.mudd_streams), num_layers + 1, max(k for *_, k in shapes)
+  used = sum(d_model * k + k * ci * si + ci * si for ci, si, k in shapes)
   return num_layers * (d_model * k_max + k_max * c * j + c * j) - used
-
-
-def max_hidden(spec, num_layers: int) -> int:
-  return max(k for *_, k in layer_shapes(spec, num_layers))
 
 
 class MUDDChain(Chain):
@@ -60,7 +56,7 @@ class MUDDChain(Chain):
   def __call__(self):
     big_n, c = self.num_layers, len(self.spec.mudd_streams)
     hidden_N = np.array([k for *_, k in layer_shapes(self.spec, big_n)])
-    hidden = np.arange(max_hidden(self.spec, big_n)) < hidden_N[:, None]
+    hidden = np.arange(hidden_N.max()) < hidden_N[:, None]
     slot = np.eye(big_n + 1)[1:]
     bias = self.make('mudd_bias', const(slot[:, None, :]), (big_n, c, big_n + 1),
                      ('layers', 'mudd_streams', 'mudd_sources')).astype(F32)
@@ -95,9 +91,7 @@ class MUDDSite(Site):
                    (self.embed_axis, 'mudd_hidden')).astype(F32)
     w2 = self.make('mudd_w2', nn.initializers.zeros, (k_max, c, j),
                    ('mudd_hidden', 'mudd_streams', 'mudd_sources')).astype(F32)
-    y = out_BxLxD.astype(F32)
-    hidden_BxLxK = jax.nn.gelu(y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + EPS) @ w1,
-                               approximate=False)
+    hidden_BxLxK = jax.nn.gelu(unit_rms(out_BxLxD) @ w1, approximate=False)
     a_BxLxCxJ = jnp.einsum('blk,kcj->blcj', hidden_BxLxK, w2 * hidden_K[:, None, None]) + bias_CxJ
     return out_BxLxD, nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT), nn.with_logical_constraint(
         a_BxLxCxJ, WEIGHTS_ACT)

@@ -5,6 +5,7 @@ import importlib
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import ml_collections
 
@@ -31,6 +32,12 @@ def make_param(module, name, init, shape, names):
 def scaled(y, scale):
   """scale·y (y where scale is None). Autodiff keeps y for the scale's gradient: fold it into a kernel instead."""
   return y if scale is None else scale.astype(y.dtype) * y
+
+
+def unit_rms(x, axis=-1):
+  """x / rms(x) over `axis` in float32: an RMSNorm without weight (eps 1e-6, flax's)."""
+  x32 = x.astype(F32)
+  return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + 1e-6)
 
 
 class Site(nn.Module):
