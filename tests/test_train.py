@@ -135,6 +135,17 @@ def eight_device_losses(tmp_path_factory):
   return _in_process_losses(tmp_path_factory.mktemp('eight'), jax.devices(), (4, 2, 1), data_shards=2)
 
 
+def _outputs(procs, timeout: float) -> list[tuple[str, str]]:
+  """Each process's (stdout, stderr). Where one hangs, all are killed and the failure shows where each had got to."""
+  try:
+    return [p.communicate(timeout=timeout) for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    tails = [f'process {i}:\n{out[-1500:]}{err[-1500:]}' for i, (out, err) in enumerate(p.communicate() for p in procs)]
+    pytest.fail(f'no exit within {timeout} s:\n' + '\n'.join(tails))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('launcher', ['flags', 'slurm', 'ompi'])
 def test_two_processes_match_one_process_with_eight_devices(tmp_path, launcher, eight_device_losses):
@@ -145,8 +156,7 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path, launcher, 
   procs = [subprocess.Popen(cli_args(SPEC, tmp_path / 'two', overrides) + (flags(i) if launcher == 'flags' else []),
                             env=cli_env(4) if launcher == 'flags' else cluster_env(launcher, i, 2, port, 4),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  for i, p in enumerate(procs):
-    out, err = p.communicate(timeout=300)
+  for i, (p, (out, err)) in enumerate(zip(procs, _outputs(procs, timeout=300))):
     assert p.returncode == 0, err[-3000:]
     found = {'flags': 'flags (--num_processes=2)', 'slurm': 'Slurm (SLURM_NTASKS=2)',
              'ompi': 'Open MPI (OMPI_COMM_WORLD_SIZE=2)'}[launcher]
