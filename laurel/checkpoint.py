@@ -262,12 +262,23 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
       entry = {'time': utc(), 'step': number, 'changes': {k: list(v) for k, v in changes.items()},
                'allowed_by_flag': bool(unsafe and number), 'config': json.loads(config.to_json_best_effort())}
       history = workdir / 'config_history.jsonl'  # read + write, not append: not every filesystem appends
-      write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
+      lines = history.read_text() if history.exists() else ''
+      if not _recorded(lines, entry):  # not where a kill came between the two writes of the run before
+        write_text_atomic(history, lines + json.dumps(entry) + '\n')
       write_text_atomic(path, config.to_json_best_effort(indent=2))
   if number:
     return record
   record()  # no checkpoint that a restore could refuse: written now, before anything compiles
   return lambda: None
+
+
+def _recorded(history: str, entry: dict) -> bool:
+  """Whether the last line of config_history.jsonl is `entry` but for its time."""
+  try:
+    last = json.loads(history.splitlines()[-1]) if history.strip() else None
+  except ValueError:
+    return False
+  return isinstance(last, dict) and {**last, 'time': None} == {**entry, 'time': None}
 
 
 def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:

@@ -2,6 +2,7 @@
 the old one; a path behind '://' (gs://) is one upload, which the object store makes atomic."""
 import contextlib
 import datetime
+import errno
 import os
 import tempfile
 import time
@@ -41,6 +42,40 @@ def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
       os.fsync(fd)
     finally:
       os.close(fd)
+
+
+WRITE_FAILED = 74  # exit status of a run whose write the storage refused (EX_IOERR)
+# A write that fails for one of these fails again until someone frees space or remounts: the environment, not a bug.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+
+
+def storage_error(error: BaseException) -> bool:
+  """Whether `error` says the storage refuses writes (full, read-only, no permission)."""
+  return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
+
+
+def why(error: BaseException) -> str:
+  """An OSError as one line naming its cause and path, e.g. 'ENOSPC (No space left on device): /runs/a/final.json'."""
+  if isinstance(error, OSError) and error.errno in errno.errorcode:
+    return (f'{errno.errorcode[error.errno]} ({error.strerror or os.strerror(error.errno)})'
+            + (f': {os.fspath(error.filename)}' if error.filename is not None else ''))
+  return f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:200]}'
+
+
+def remove_temporaries(folder, names) -> list[str]:
+  """Removes the temporary files write_bytes_atomic left beside each of `names` in `folder` when a kill cut it short;
+  only for a writer that knows no other process writes them (a run holding its workdir's lease). Returns their names."""
+  if is_remote(folder):
+    return []  # an upload leaves no temporary
+  prefixes = tuple(f'.{name}.' for name in names)
+  removed = []
+  with contextlib.suppress(FileNotFoundError):
+    for entry in os.scandir(folder):
+      if entry.name.startswith(prefixes) and entry.name.endswith('.tmp') and entry.is_file(follow_symlinks=False):
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(entry.path)
+          removed.append(entry.name)
+  return removed
 
 
 def utc(seconds: float | None = None) -> str:

@@ -8,8 +8,9 @@ residual_designs), or WORKDIR (or WORKDIR/config.json): the config a run saved. 
 Exit status: 2 and one line for bad input (resuming with another config included, unless --allow_config_change),
 before anything is compiled or touched; 0 (or --preempted_exit) after SIGTERM or Ctrl-C in the train loop, which
 saves a checkpoint; 130 (143 for SIGTERM) and one line for either before the loop; 3 for a loss that is not finite;
-4 for processes that did not all join (docs/clusters.md); 5 for a workdir another live run holds; 75 for a hung loop
-(config.watchdog_*); 1 with a traceback for anything else.
+4 for processes that did not all join (docs/clusters.md); 5 for a workdir another live run holds; 6 for a run whose
+workdir another run took over (it stopped before writing again); 74 and one line for a write the storage refused (full,
+read-only, no permission); 75 for a hung loop (config.watchdog_*); 1 with a traceback for anything else.
 """
 
 from laurel import console  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
@@ -25,7 +26,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import aot, cluster, compile_cache, config_lib, cost, lease, step, train
+from laurel import aot, cluster, compile_cache, config_lib, cost, files, lease, step, train
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -87,6 +88,13 @@ def main(argv):
                         allow_fresh_start=_ALLOW_FRESH_START.value, hold_lease=True)
   except lease.Held as e:  # another run trains in this workdir
     config_lib.fail(str(e), code=lease.HELD)
+  except lease.Lost as e:  # another run took the workdir over: this one stopped before writing again
+    config_lib.fail(str(e), code=lease.LOST)
+  except OSError as e:  # a full disk, a read-only mount, no permission: one line naming the cause and the path
+    if not files.storage_error(e):
+      raise
+    config_lib.fail(f'--workdir={_WORKDIR.value!r}: a write failed: {files.why(e)}; rerun the same command to resume '
+                    'once it is writable', code=files.WRITE_FAILED)
   except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
     config_lib.fail(str(e))
   except train.TrainingDiverged as e:

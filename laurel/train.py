@@ -28,7 +28,7 @@ from etils import epath
 from laurel import checkpoint, config_lib, console, hardware, lease, metric_writers, sharding
 from laurel.checkpoint import run_dir
 from laurel.config_lib import InputError
-from laurel.files import is_remote, utc, write_text_atomic
+from laurel.files import is_remote, remove_temporaries, utc, write_text_atomic
 from laurel.stats import weighted_mean_se
 from laurel.step import (LOGICAL_AXIS_RULES, check_fits_host, compile_step, num_data_shards,  # noqa: F401
                          step_flops, validate_config)  # LOGICAL_AXIS_RULES: importable from here
@@ -69,8 +69,10 @@ def local_dataset(task, *, train: bool):
 class MetricsLog:
   """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.metric_writers. Process 0 writes it: by appends
   where local, rewritten whole behind '://' (gcsfs overwrites on 'a'; GCS replaces an object atomically)."""
-  def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False):
+  def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False,
+               fence=lease.fence(None)):
     self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
+    self.fence = fence  # before each write: raises where another run took the workdir over
     self.path, self.lines = workdir / 'metrics.jsonl', []
     if self.active and self.path.exists():
       text = self.path.read_text()
@@ -86,12 +88,14 @@ class MetricsLog:
           print(f'warning: {self.path}: dropped line {number}, not a JSON object with a step (cut by a kill?): '
                 f'{line[:80]!r}', file=sys.stderr, flush=True)
       if ''.join(self.lines) != text:
+        fence()
         write_text_atomic(self.path, ''.join(self.lines))
     flat = flax.traverse_util.flatten_dict(config.to_dict(), sep='.')
     self.writer = metric_writers.create(workdir, config, flat, self.active, resumed=resume_step > 0)
 
   def write(self, step: int, values: dict):
     values = {k: float(v) if isinstance(v, (float, np.floating, jax.Array)) else v for k, v in values.items()}
+    self.fence()
     self.writer.write_scalars(step, {k: v for k, v in values.items() if v is not None})
     if self.active:
       self.lines.append(json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n')
@@ -230,8 +234,15 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
   task = validate_config(config, num_devices=len(devices))
   workdir = run_dir(workdir)
   check_inputs(task, workdir)
-  with lease.held(workdir, jax.process_index(), jax.process_count()) if hold_lease else contextlib.nullcontext():
-    return _train_checked(config, task, workdir, devices, allow_config_change, allow_fresh_start, started)
+  nproc = jax.process_count()
+  with lease.held(workdir, jax.process_index(), nproc) if hold_lease else contextlib.nullcontext() as held:
+    if held is not None:  # this run alone writes the workdir: temporaries of writes a kill cut short go
+      remove_temporaries(workdir, RUN_FILES)
+    return _train_checked(config, task, workdir, devices, allow_config_change, allow_fresh_start, started,
+                          lease.fence(held, nproc))
+
+
+RUN_FILES = (lease.NAME, 'config.json', 'config_history.jsonl', 'metrics.jsonl', 'final.json')
 
 
 def utilisation_flops(task, batch_size: int) -> dict[str, float]:
@@ -243,9 +254,10 @@ def utilisation_flops(task, batch_size: int) -> dict[str, float]:
 
 
 def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
-                   started: float) -> dict:
+                   started: float, fence=lease.fence(None)) -> dict:
   cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
   check_fits_host(task)  # before anything is written or compiled: compiling alone can exhaust the host
+  fence()  # each write of a run file or checkpoint is fenced: it stops where another run took the workdir over
   record_config = checkpoint.guard_config(config, workdir, allow_config_change)
   print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '
         f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)
@@ -271,6 +283,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
                        f'{"s" * (len(quarantined) > 1)} {", ".join(map(str, quarantined))} moved to '
                        f'{workdir / "unreadable_checkpoints"}; pass --allow_fresh_start to train from step 0')
     with console.deferred():  # only now: a refused checkpoint leaves config.json and its history as they were
+      fence()
       record_config()
     if state is None:
       if quarantined:  # a fresh start is fresh: a failed restore may have moved the input's position
@@ -292,7 +305,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     flops = utilisation_flops(task, cfg.batch_size) if peak_flops else {}
     keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
     with console.deferred():  # it rewrites metrics.jsonl
-      log = MetricsLog(workdir, config, start, info, keep_later_steps=keep)
+      log = MetricsLog(workdir, config, start, info, keep_later_steps=keep, fence=fence)
     cleanup.callback(log.writer.close)
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
     cleanup.callback(watchdog.stop)
@@ -340,6 +353,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     t0, interval_start = time.time(), start
     watchdog.start()
     for done in range(start + 1, cfg.steps + 1):
+      fence(reread=False)  # the heartbeat found another holder: stop at this step boundary
       state, metrics = compiled(state, sharding.global_batch(next(train_iter), mesh))
       if pending is not None:  # one step behind, so the host never waits on the step in flight
         check_finite(*pending)
@@ -370,6 +384,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
           print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
       if done % cfg.checkpoint_every == 0 or last or stop:
         check_finite(*pending, saving=state)
+        fence(every_process=True)
         checkpoint.save(mngr, done, state, train_iter, config)
       if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
         t0, interval_start = time.time(), done  # steps only: not the logging, eval and saving
@@ -392,6 +407,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
 
   if jax.process_index() == 0:
     with console.deferred():
+      fence()
       write_text_atomic(workdir / 'final.json', json.dumps(final, indent=2) + '\n')
     print(summary(cfg, workdir, final, time.perf_counter() - started), flush=True)
   return final

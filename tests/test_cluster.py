@@ -107,21 +107,22 @@ def _write_holder(workdir, **fields):
 
 
 def test_a_live_lease_refuses_a_second_run_naming_its_holder(tmp_path):
-  first = lease.Lease(tmp_path).acquire()
+  first = lease.Lease(tmp_path, heartbeat_s=0.02).acquire()
   try:
     with pytest.raises(lease.Held) as held:
       lease.Lease(tmp_path).acquire()
     assert f'(pid {os.getpid()}) on host {socket.gethostname()}, started {first.record["started_at"]}' in str(
         held.value)
-    _write_holder(tmp_path, host='elsewhere', pid=_dead_pid())  # a pid on another host says nothing here
-    with pytest.raises(lease.Held, match='process 0 of 2 .* on host elsewhere, started 2026-01-01'):
+    first.record.update(host='elsewhere', pid=_dead_pid(), processes=2)  # a pid on another host says nothing here
+    first._write()  # pylint: disable=protected-access  # now, not at its next beat
+    with pytest.raises(lease.Held, match='process 0 of 2 .* on host elsewhere, started .*heartbeat moved'):
       lease.Lease(tmp_path).acquire()
   finally:
     first.release()
 
 
 @pytest.mark.parametrize('holder, environ, reason', [
-    ({'heartbeat': 0.0}, {}, 'its last heartbeat is'),
+    ({'host': 'elsewhere'}, {}, 'its heartbeat did not move in 0 s'),
     ({'pid': 'dead'}, {}, 'is gone from this host'),
     ({'host': 'elsewhere', 'slurm_job': '9', 'slurm_restart': 0}, {'SLURM_JOB_ID': '9', 'SLURM_RESTART_COUNT': '1'},
      'an earlier run of Slurm job 9 (requeued)'),
@@ -130,7 +131,7 @@ def test_a_lease_is_taken_over_where_its_holder_is_gone(tmp_path, monkeypatch, c
   for k, v in environ.items():
     monkeypatch.setenv(k, v)
   _write_holder(tmp_path, **{**holder, **({'pid': _dead_pid()} if holder.get('pid') == 'dead' else {})})
-  taken = lease.Lease(tmp_path).acquire()
+  taken = lease.Lease(tmp_path, stale_s=0.2).acquire()
   try:
     assert reason in capsys.readouterr().err
     assert json.loads((tmp_path / lease.NAME).read_text())['token'] == taken.record['token']
@@ -170,9 +171,12 @@ def test_same_slurm_job_in_the_same_incarnation_is_refused(tmp_path, monkeypatch
   """Two sruns of one job on one workdir are uncoordinated too; only a requeued job's later incarnation takes over."""
   monkeypatch.setenv('SLURM_JOB_ID', '9')
   monkeypatch.setenv('SLURM_RESTART_COUNT', '1')
-  _write_holder(tmp_path, host='elsewhere', slurm_job='9', slurm_restart=1)
+  holder = lease.Lease(tmp_path, heartbeat_s=0.02)
+  holder.record['host'] = 'elsewhere'
+  holder.acquire()
   with pytest.raises(lease.Held, match='Slurm job 9'):
     lease.Lease(tmp_path).acquire()
+  holder.release()
 
 
 def test_the_heartbeat_renews_the_lease_and_release_leaves_another_holder_alone(tmp_path):
