@@ -150,9 +150,10 @@ class Lease:
       if holder is None and damaged is None:
         continue
       reason = f'it is damaged ({damaged})' if damaged else self._why_free(holder)
-      if reason is None and self.read() == (None, None):
-        continue  # released while this run watched it
       if reason is None:
+        holder = self.read()[0]  # now: another run may have taken it over while this one watched
+        if holder is None:
+          continue  # released (or damaged) while this run watched it
         raise Held(self._held_message(holder))
       who = 'a damaged lease' if damaged else describe(holder)
       print(f'lease: taking over {self.path} from {who}: {reason}', file=sys.stderr, flush=True)

@@ -199,6 +199,12 @@ def test_a_holder_is_never_described_with_none(tmp_path):
   assert lease.describe({'token': 'x'}) == 'a process on an unnamed host'
 
 
+def test_every_process_stops_in_one_line_where_process_zero_cannot_write_the_lease(tmp_path):
+  with pytest.raises(config_lib.InputError, match='process 0 could not take its lease'):
+    with lease.held(tmp_path, process_id=1, processes=2, agree=lambda code: 2):
+      pass
+
+
 # 5. Storage that refuses writes: one line naming the cause and the path, at start and at the end.
 
 @pytest.mark.parametrize('code', [errno.ENOSPC, errno.EROFS, errno.EACCES])
