@@ -251,9 +251,7 @@ class Lease:
       try:
         holder, damaged = self.read()
         if (holder or {}).get('token') != self.record['token']:
-          self._lose(holder, damaged)
-          print(f'warning: {self.lost}', file=sys.stderr, flush=True)
-          return
+          return self._lose(holder, damaged)  # the loop stops at its next step, saying why
         self._write()
         failed = None
       except Exception as e:  # pylint: disable=broad-except  # a storage hiccup: try again at the next beat

@@ -93,8 +93,8 @@ def main(argv):
   except OSError as e:  # a full disk, a read-only mount, no permission: one line naming the cause and the path
     if not files.storage_error(e):
       raise
-    config_lib.fail(f'--workdir={_WORKDIR.value!r}: a write failed: {files.why(e)}; rerun the same command to resume '
-                    'once it is writable', code=files.WRITE_FAILED)
+    config_lib.fail(f'a write failed: {files.why(e)}; rerun the same command to resume once it is writable',
+                    code=files.WRITE_FAILED)
   except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
     config_lib.fail(str(e))
   except train.TrainingDiverged as e:

@@ -139,7 +139,7 @@ def test_the_heartbeat_notices_a_takeover_and_stops_renewing(tmp_path, capsys):
     lease.fence(held)(reread=False)  # the loop's check at a step boundary
   held.release()
   assert not (tmp_path / lease.NAME).exists()  # not written again
-  assert capsys.readouterr().err.count('warning: ') == 1
+  assert not capsys.readouterr().err  # the loop says it, once, as it stops
 
 
 def test_every_process_stops_before_a_collective_save_where_process_zero_lost_the_lease():
@@ -242,8 +242,8 @@ FAILING_RUN = ('import errno, sys\nfrom laurel import lease, main, train\nworkdi
     ('lease.Lost("--workdir=\'w\': this run no longer holds its lease")', 6,  # docs/training.md's statuses
      "error: --workdir='w': this run no longer holds its lease"),
     ('OSError(errno.EROFS, "Read-only file system", workdir + "/metrics.jsonl")', 74,
-     "error: --workdir='{w}': a write failed: EROFS (Read-only file system): {w}/metrics.jsonl; rerun the same "
-     'command to resume once it is writable'),
+     'error: a write failed: EROFS (Read-only file system): {w}/metrics.jsonl; rerun the same command to resume once '
+     'it is writable'),
 ])
 def test_a_lost_lease_and_a_refused_write_exit_with_their_status_and_one_line(tmp_path, raised, status, line):
   result = subprocess.run([sys.executable, '-c', FAILING_RUN.format(raised), str(tmp_path)], env=cli_env(), cwd=ROOT,
