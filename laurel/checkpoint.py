@@ -250,6 +250,9 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
     saved, changes, unsafe = None, {}, []
   folder = workdir / 'checkpoints'
   number = max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=0) if folder.is_dir() else 0
+  if number and (model := [k for k in unsafe if k == 'task' or k.startswith('model.')]):  # no flag restores those
+    raise InputError(f'--workdir={where!r}: holds checkpoints of a different task/model (step {number}: '
+                     f'{_listed(changes, model)}); use a new workdir or the original config')
   if unsafe and number and not allow_change:
     raise InputError(f'--workdir={where!r}: its checkpoints (step {number}) were trained with '
                      f'{_listed(changes, unsafe)}; resume with the saved config (--config={where}), or pass '
