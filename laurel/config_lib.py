@@ -240,7 +240,10 @@ def parse_flags(argv, flag_values=flags.FLAGS):
   try:
     import_designs(args)
     args = ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a for a in args]
-    return flag_values([argv[0], *args])
+    remaining = flag_values([argv[0], *args])
+    if 'config' in flag_values and (spec := next((a[9:] for a in args if a.startswith('--config=')), None)):
+      fit_warmup(flag_values.config, [a.split('=')[0][9:] for a in args if a.startswith('--config.')], spec)
+    return remaining
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError, SyntaxError) as e:
     fail(flag_error_message(e, args, known_names(flag_values, args)))
 
@@ -282,9 +285,27 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file('config', None, 'config file', flag_values=flag_values, sys_argv=argv)
     flag_values(argv)
-    return flag_values.config
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise InputError(flag_error_message(e, argv)) from None
+  fit_warmup(flag_values.config, [o.split('=')[0][9:] for o in argv[2:]], spec)
+  return flag_values.config
+
+
+def fit_warmup(config, overridden: Sequence[str], spec: str) -> None:
+  """A run made shorter (`steps` among the `overridden` fields) than its config file's warmup warms up for the same
+  fraction of it as the file's run does, with a one-line notice; a warmup set on the command line is left as it is
+  (validate_config then names a value that fits)."""
+  if 'steps' not in overridden or 'optimizer.warmup_steps' in overridden or 'optimizer' not in config:
+    return
+  steps, warmup = config.steps, config.optimizer.warmup_steps
+  if not (is_int(steps) and is_int(warmup) and warmup > steps >= 1):
+    return
+  file = load(spec)
+  fitted = min(steps, round(steps * file.optimizer.warmup_steps / file.steps))
+  config.optimizer.warmup_steps = fitted
+  print(f'notice: optimizer.warmup_steps={warmup} is longer than the run (steps={steps}): it warms up for '
+        f'{fitted} steps instead, {fitted / steps:.0%} of the run as in the config file '
+        '(--config.optimizer.warmup_steps sets it)', file=sys.stderr, flush=True)
 
 
 def table_rows(config_file: str) -> list[str]:

@@ -106,7 +106,7 @@ class MetricsLog:
 def check_inputs(task, workdir: epath.Path) -> None:
   """As one-line InputErrors, what would otherwise fail after compiling: remote paths, data, extras, the workdir."""
   for name, path in [('--workdir', os.fspath(workdir))] + [(f'data.{k}', getattr(task.data_cfg, k, '') or '')
-                                                           for k in ('path', 'tfds_data_dir', 'vocab_path')]:
+                                                           for k in ('path', 'tfds_data_dir')]:  # vocab: check_data
     try:
       if is_remote(path):
         epath.Path(path).exists()

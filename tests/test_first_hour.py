@@ -1,5 +1,6 @@
 """Errors that point at the fix (issue 53): a misspelled flag or field names the one meant, a missing config file the
-shipped ones, and a workdir of another model is refused before anything compiles."""
+shipped ones, a workdir of another model is refused before anything compiles, a short trial run warms up for part
+of it, and the paper preset without C4 says how to prepare it."""
 import sys
 
 import pytest
@@ -7,17 +8,25 @@ from absl import flags
 from ml_collections import config_flags
 
 from helpers import SPEC, TINY_LM, load_config
-from laurel import checkpoint, config_lib, train
+from laurel import checkpoint, config_lib, console, step, train
+
+TINY = 'c4_ablation:rw_lr,preset=tiny'
 
 
-def parse(monkeypatch, capsys, *args) -> str:
-  """The one line a program with laurel.main's --config and --workdir flags exits with (status 2) for `args`."""
+def parsed(monkeypatch, *args) -> flags.FlagValues:
+  """Flags as laurel.main's (--config and --workdir), parsed from `args` by config_lib.parse_flags."""
   flag_values, argv = flags.FlagValues(), ['laurel-train', *args]
   monkeypatch.setattr(sys, 'argv', argv)  # where ml_collections finds the overrides
   config_flags.DEFINE_config_file('config', None, 'config file', flag_values=flag_values, lock_config=True)
   flags.DEFINE_string('workdir', None, 'workdir', flag_values=flag_values)
+  config_lib.parse_flags(argv, flag_values)
+  return flag_values
+
+
+def parse(monkeypatch, capsys, *args) -> str:
+  """The one line that parsing `args` as laurel.main does exits with (status 2)."""
   with pytest.raises(SystemExit) as exited:
-    config_lib.parse_flags(argv, flag_values)
+    parsed(monkeypatch, *args)
   assert exited.value.code == 2
   [line] = capsys.readouterr().err.splitlines()
   return line
@@ -33,7 +42,7 @@ def parse(monkeypatch, capsys, *args) -> str:
     ('--config.nothing_like_it=1', 'error: config.nothing_like_it: unknown config field'),
 ])
 def test_a_misspelled_flag_or_field_names_the_one_meant(monkeypatch, capsys, typed, message):
-  assert parse(monkeypatch, capsys, '--config=c4_ablation:rw_lr,preset=tiny', typed) == message
+  assert parse(monkeypatch, capsys, f'--config={TINY}', typed) == message
 
 
 def test_a_missing_config_file_lists_the_shipped_ones(monkeypatch, capsys):
@@ -56,3 +65,42 @@ def test_a_workdir_of_another_model_is_refused_before_compiling(tmp_path, monkey
                      r'\(step 3: model\.d_model=32 \(now 64\)\); use a new workdir or the original config$'):
     train.train(load_config(SPEC, {**TINY_LM, 'model.d_model': 64}), str(workdir),
                 allow_config_change=allow_config_change)
+
+
+def test_a_run_shorter_than_the_presets_warmup_warms_up_for_the_same_part_of_it(monkeypatch, capsys):
+  config = parsed(monkeypatch, f'--config={TINY}', '--config.steps=20').config  # the tiny preset: 50 of 500 steps
+  assert (config.steps, config.optimizer.warmup_steps) == (20, 2)
+  assert capsys.readouterr().err == ('notice: optimizer.warmup_steps=50 is longer than the run (steps=20): it warms up '
+                                     'for 2 steps instead, 10% of the run as in the config file '
+                                     '(--config.optimizer.warmup_steps sets it)\n')
+  step.validate_config(config, num_devices=1, process_count=1)
+  assert config_lib.load(TINY, ['steps=20']).optimizer.warmup_steps == 2  # the scripts' loader too
+
+
+@pytest.mark.parametrize('preset', ['paper', 'small', 'gpu', 'tiny'])
+def test_table5_runs_keep_their_warmup(capsys, preset):
+  spec = f'c4_ablation:rw_lr,preset={preset}'
+  file = config_lib.load(spec)
+  for steps in (file.steps, 2 * file.steps, file.optimizer.warmup_steps):
+    assert config_lib.load(spec, [f'steps={steps}']).optimizer.warmup_steps == file.optimizer.warmup_steps
+  assert capsys.readouterr().err == ''
+
+
+def test_a_warmup_set_longer_than_the_run_names_the_flag_and_a_value_that_fits():
+  config = config_lib.load(TINY, ['steps=20', 'optimizer.warmup_steps=50'])
+  with pytest.raises(config_lib.InputError, match=r'^optimizer\.warmup_steps=50: longer than the run \(steps=20\): .*; '
+                     r'set --config\.optimizer\.warmup_steps=2 \(a tenth of the run\) or any value up to 20$'):
+    step.validate_config(config, num_devices=1, process_count=1)
+
+
+def test_the_paper_preset_without_c4_says_to_prepare_it_and_set_data_path(tmp_path, monkeypatch):
+  """It said to install gcsfs (for the vocabulary), then the tfds extra; neither brings C4."""
+  for module in ('tensorflow_datasets', 'tensorflow_datasets.core.constants'):  # the default install: no tfds
+    monkeypatch.setitem(sys.modules, module, None)
+  task = step.validate_config(config_lib.load('c4_ablation:rw_lr'), num_devices=1, process_count=1)
+  with pytest.raises(config_lib.InputError) as raised:
+    train.check_inputs(task, tmp_path / 'run')
+  assert str(raised.value) == (
+      f"data.path='': no C4 to read: prepare it with {console.python_command()} scripts/prepare_c4.py "
+      "--input=<folder of C4's c4-*.json.gz> --output=DIR (docs/data.md) and set --config.data.path=DIR")
+  assert not (tmp_path / 'run').exists()
