@@ -23,7 +23,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import checksums, config_lib, sharding, step, tasks
+from laurel import checksums, config_lib, designs, sharding, step, tasks
 from laurel.config_lib import InputError
 from laurel.files import utc, write_text_atomic
 
@@ -196,7 +196,7 @@ def read_config(workdir) -> ml_collections.ConfigDict:
   if not path.exists():
     raise InputError(f'--workdir={str(workdir)!r}: no config.json; is it a laurel run?')
   try:
-    saved = json.loads(path.read_text())
+    saved = designs.read_config_json(path.read_text())
   except json.JSONDecodeError as e:
     raise InputError(f'--workdir={str(workdir)!r}: {path.name} is not JSON ({e})') from None
   saved['logical_axis_rules'] = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
@@ -243,7 +243,8 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   path, where = workdir / 'config.json', os.fspath(workdir)
   saved = path.read_text() if path.exists() else None
   try:
-    changes, unsafe = config_changes(saved, config) if saved is not None else ({}, [])
+    saved_config = designs.read_config_json(saved, import_design=False) if saved is not None else None
+    changes, unsafe = config_changes(saved_config, config) if saved is not None else ({}, [])
   except json.JSONDecodeError:  # a torn copy: each checkpoint's own config signature is checked on restore instead
     print(f'warning: {path} is not JSON; it is rewritten, and the checkpoints are checked against their own record '
           'of the config', file=sys.stderr, flush=True)
@@ -266,7 +267,7 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
                'allowed_by_flag': bool(unsafe and number), 'config': json.loads(config.to_json_best_effort())}
       history = workdir / 'config_history.jsonl'  # read + write, not append: not every filesystem appends
       write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
-      write_text_atomic(path, config.to_json_best_effort(indent=2))
+      write_text_atomic(path, designs.config_json(config))
   if number:
     return record
   record()  # no checkpoint that a restore could refuse: written now, before anything compiles

@@ -266,10 +266,8 @@ def import_designs(argv: Sequence[str]) -> None:
     name, _, value = arg.partition('=')
     module = value.rpartition(':')[0]
     if name.endswith('.stream.design') and module:
-      try:
-        importlib.import_module(module)
-      except ImportError as e:
-        raise InputError(f"{name.removeprefix('--config.')}={value!r}: cannot import {module} ({e})") from None
+      from laurel.designs import protocol  # pylint: disable=import-outside-toplevel  # it imports this module
+      protocol.import_module(module, name.removeprefix('--config.'), value)
 
 
 def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:

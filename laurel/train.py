@@ -234,6 +234,23 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
     return _train_checked(config, task, workdir, devices, allow_config_change, allow_fresh_start, started)
 
 
+def config_line(config, cfg, workdir: epath.Path) -> str:
+  """A run's first line: its config.json and what it trains (the ConfigDict `config`, typed `cfg`)."""
+  design = design_label(cfg.model.stream, config.model.stream.design)
+  return (f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, design {design}, '
+          f'preset {cfg.preset or "-"}, {cfg.steps} steps)')
+
+
+def design_label(spec, name: str) -> str:
+  """The residual design of a model's `stream` config `spec` (named `name` in the config): 'laurel rw+lr r=8'."""
+  if spec.design != 'residual':
+    return name
+  if spec.variant == 'none':
+    return 'residual'
+  details = [f'r={spec.rank}'] * spec.low_rank + [f'k={spec.k}'] * spec.pa
+  return ' '.join(['laurel', spec.variant, *details, *[f'form={spec.form}'] * (spec.form != 'paper')])
+
+
 def utilisation_flops(task, batch_size: int) -> dict[str, float]:
   """FLOPs per step behind MFU (the model's count) and HFU (the compiler's, remat included). A count the backend
   does not give is 0 (XLA's analysis of a lowered program under the CUDA and TPU plug-ins, a ResNet's model FLOPs
@@ -247,8 +264,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
   cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
   check_fits_host(task)  # before anything is written or compiled: compiling alone can exhaust the host
   record_config = checkpoint.guard_config(config, workdir, allow_config_change)
-  print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '
-        f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)
+  print(config_line(config, cfg, workdir), flush=True)
   canonical = json.dumps(json.loads(config.to_json_best_effort()), sort_keys=True)
   info = {'commit': code_commit(), 'config_hash': hashlib.sha256(canonical.encode()).hexdigest()[:16],
           'started_at': utc()}  # what identifies the run

@@ -1,14 +1,16 @@
 """Errors that point at the fix (issue 53): a misspelled flag or field names the one meant, a missing config file the
 shipped ones, a workdir of another model is refused before anything compiles, a short trial run warms up for part
-of it, and the paper preset without C4 says how to prepare it."""
+of it, the paper preset without C4 says how to prepare it, and a run of a design from outside the package is read
+back without PYTHONPATH and names its design."""
+import json
 import sys
 
 import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from helpers import SPEC, TINY_LM, load_config
-from laurel import checkpoint, config_lib, console, step, train
+from helpers import ROOT, SPEC, TINY_LM, load_config
+from laurel import checkpoint, config_lib, console, designs, lm, step, train
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'
 
@@ -104,3 +106,62 @@ def test_the_paper_preset_without_c4_says_to_prepare_it_and_set_data_path(tmp_pa
       f"data.path='': no C4 to read: prepare it with {console.python_command()} scripts/prepare_c4.py "
       "--input=<folder of C4's c4-*.json.gz> --output=DIR (docs/data.md) and set --config.data.path=DIR")
   assert not (tmp_path / 'run').exists()
+
+
+@pytest.fixture
+def tanh_gate(tmp_path, monkeypatch):
+  """tests/gated_design.py as a module of one's own, tanh_gate.py in a folder on the Python path; gone afterwards."""
+  folder = tmp_path / 'mine'
+  folder.mkdir()
+  source = (ROOT / 'tests' / 'gated_design.py').read_text()
+  (folder / 'tanh_gate.py').write_text(source.replace("Design('gated'", "Design('tanh_gate'"))
+  monkeypatch.syspath_prepend(str(folder))
+  yield folder / 'tanh_gate.py'
+  forget_tanh_gate()
+
+
+def forget_tanh_gate():
+  """As a later process: the module neither imported nor registered."""
+  designs.REGISTRY.pop('tanh_gate', None)
+  sys.modules.pop('tanh_gate', None)
+
+
+def test_a_run_of_an_outside_design_is_read_back_from_the_file_it_recorded(tanh_gate, tmp_path, capsys):
+  config = config_lib.load('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tanh_gate:tanh_gate'])
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  checkpoint.guard_config(config, workdir)  # writes config.json, as a run does before compiling
+  assert json.loads((workdir / 'config.json').read_text())['design_file'] == str(tanh_gate)
+  sys.path.remove(str(tanh_gate.parent))  # a later command, without PYTHONPATH
+  forget_tanh_gate()
+  saved = config_lib.load(str(workdir))  # --config=WORKDIR (sampling reads checkpoint.read_config too)
+  assert capsys.readouterr().err == (f"notice: model.stream.design='tanh_gate:tanh_gate': tanh_gate is not on the "
+                                     f'Python path; imported it from {tanh_gate}, where the run recorded it\n')
+  assert lm.LMConfig.from_config(saved.model).stream.design == 'tanh_gate'
+  (workdir / 'checkpoints' / '3').mkdir(parents=True)
+  checkpoint.guard_config(saved, workdir)  # the record is no change of config: a resume goes on
+
+
+def test_an_outside_design_that_cannot_be_imported_says_what_to_set(tanh_gate, tmp_path):
+  sys.path.remove(str(tanh_gate.parent))
+  with pytest.raises(config_lib.InputError, match=r"^model\.stream\.design='tanh_gate:tanh_gate': cannot import "
+                     r"tanh_gate \(No module named 'tanh_gate'\): put the folder holding tanh_gate\.py on PYTHONPATH$"):
+    config_lib.load('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tanh_gate:tanh_gate'])
+
+
+@pytest.mark.parametrize('spec, overrides, design', [
+    ('c4_ablation:rw_lr,preset=tiny', [], 'laurel rw+lr r=8'),
+    ('c4_ablation:rw_lr_pa', [], 'laurel rw+lr+pa r=32 k=3'),
+    ('c4_ablation:baseline_24,preset=tiny', [], 'residual'),
+    ('residual_designs:hc,preset=tiny', [], 'hc'),
+    ('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tests.gated_design:gated'],
+     'tests.gated_design:gated'),
+])
+def test_the_config_line_names_the_design(spec, overrides, design):
+  try:
+    config = config_lib.load(spec, overrides)
+    task = step.validate_config(config, num_devices=1, process_count=1)
+    assert f', design {design}, ' in train.config_line(config, task.config, ROOT / 'runs' / 'x')
+  finally:
+    designs.REGISTRY.pop('gated', None)  # other tests enumerate every design
+    sys.modules.pop('tests.gated_design', None)
