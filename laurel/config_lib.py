@@ -241,20 +241,28 @@ def parse_flags(argv, flag_values=flags.FLAGS):
     import_designs(args)
     args = ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a for a in args]
     remaining = flag_values([argv[0], *args])
-    if 'config' in flag_values and (spec := next((a[9:] for a in args if a.startswith('--config=')), None)):
-      fit_warmup(flag_values.config, [a.split('=')[0][9:] for a in args if a.startswith('--config.')], spec)
+    if 'config' in flag_values and (spec := _config_spec(args)) is not None:
+      fit_warmup(flag_values.config, _overridden(args), spec)
     return remaining
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError, SyntaxError) as e:
     fail(flag_error_message(e, args, known_names(flag_values, args)))
 
 
+def _config_spec(args: Sequence[str]) -> str | None:
+  return next((a.removeprefix('--config=') for a in args if a.startswith('--config=')), None)
+
+
+def _overridden(args: Sequence[str]) -> list[str]:
+  """The fields that `--config.<field>=<value>` arguments set."""
+  return [a.split('=')[0].removeprefix('--config.') for a in args if a.startswith('--config.')]
+
+
 def known_names(flag_values, args: Sequence[str]) -> dict[str, str]:
   """{shown: name} of a program's flags (--workdir: workdir) and its config's fields (--config.steps: steps)."""
   known = {f'--{name}': name for name in flag_values if '.' not in name}
-  spec = next((a.split('=', 1)[1] for a in args if a.startswith('--config=')), None)
   try:
-    fields = dotted_fields(load(spec)) if spec is not None else []
-  except InputError:  # a config that does not load names no fields
+    fields = dotted_fields(load(spec)) if (spec := _config_spec(args)) is not None else []
+  except Exception:  # pylint: disable=broad-except  # a config that does not load names no fields
     fields = []
   return {**known, **{f'--config.{name}': name for name in fields}}
 
@@ -285,7 +293,7 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
     flag_values(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise InputError(flag_error_message(e, argv)) from None
-  fit_warmup(flag_values.config, [o.split('=')[0][9:] for o in argv[2:]], spec)
+  fit_warmup(flag_values.config, _overridden(argv), spec)
   return flag_values.config
 
 

@@ -498,5 +498,5 @@ def test_cli_help_print_config_and_configs_from_any_directory(tmp_path):
   assert result.returncode == 0 and json.loads(result.stdout)['row'] == 'pa', result.stderr[-2000:]
   result = cli('--config=missing.py:pa', '--workdir=run')
   assert result.returncode == 2
-  assert result.stderr.splitlines()[-1] == ("error: --config='missing.py:pa': no such config file (shipped: c4_ablation, "
-                                            "imagenet_resnet50, llm, residual_designs; or a run's WORKDIR)")
+  assert result.stderr.splitlines()[-1] == ("error: --config='missing.py:pa': no such config file (shipped: "
+                                            "c4_ablation, imagenet_resnet50, llm, residual_designs; or a run's WORKDIR)")
