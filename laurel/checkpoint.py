@@ -267,7 +267,8 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
                'allowed_by_flag': bool(unsafe and number), 'config': json.loads(config.to_json_best_effort())}
       history = workdir / 'config_history.jsonl'  # read + write, not append: not every filesystem appends
       write_text_atomic(history, (history.read_text() if history.exists() else '') + json.dumps(entry) + '\n')
-      write_text_atomic(path, designs.config_json(config))
+      write_text_atomic(path, config.to_json_best_effort(indent=2))
+      designs.record_design_file(path, config)
   if number:
     return record
   record()  # no checkpoint that a restore could refuse: written now, before anything compiles

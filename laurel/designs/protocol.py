@@ -15,6 +15,7 @@ import ml_collections
 
 from laurel import sharding
 from laurel.config_lib import InputError, build, config_dict, require
+from laurel.files import write_text_atomic
 
 ACT = ('act_batch', 'act_len', 'act_embed')
 STREAM_ACT = (None,) + ACT  # a stack of activations: n streams, or DenseFormer's running sums
@@ -171,13 +172,13 @@ def _outside_module(config) -> str:
   return name.rpartition(':')[0] if isinstance(name, str) else ''
 
 
-def config_json(config: ml_collections.ConfigDict) -> str:
-  """`config` as config.json's text: with DESIGN_FILE, the file of its design's module, where outside the package."""
-  text = config.to_json_best_effort(indent=2)
+def record_design_file(path, config: ml_collections.ConfigDict) -> None:
+  """Adds DESIGN_FILE, the file of the module of `config`'s design where outside the package, to config.json at
+  `path` (written from `config`)."""
   module = sys.modules.get(_outside_module(config))
-  if getattr(module, '__file__', None) is None:
-    return text
-  return json.dumps({**json.loads(text), DESIGN_FILE: os.path.abspath(module.__file__)}, indent=2)
+  if getattr(module, '__file__', None) is not None:
+    saved = {**json.loads(path.read_text()), DESIGN_FILE: os.path.abspath(module.__file__)}
+    write_text_atomic(path, json.dumps(saved, indent=2))
 
 
 def read_config_json(text: str, import_design: bool = True) -> dict:
