@@ -23,7 +23,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import checksums, config_lib, sharding, step, tasks
+from laurel import checksums, config_lib, designs, sharding, step, tasks
 from laurel.config_lib import InputError
 from laurel.files import utc, write_text_atomic
 
@@ -196,7 +196,7 @@ def read_config(workdir) -> ml_collections.ConfigDict:
   if not path.exists():
     raise InputError(f'--workdir={str(workdir)!r}: no config.json; is it a laurel run?')
   try:
-    saved = json.loads(path.read_text())
+    saved = designs.read_config_json(path.read_text())
   except json.JSONDecodeError as e:
     raise InputError(f'--workdir={str(workdir)!r}: {path.name} is not JSON ({e})') from None
   saved['logical_axis_rules'] = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
@@ -243,13 +243,17 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   path, where = workdir / 'config.json', os.fspath(workdir)
   saved = path.read_text() if path.exists() else None
   try:
-    changes, unsafe = config_changes(saved, config) if saved is not None else ({}, [])
+    saved_config = designs.read_config_json(saved, import_design=False) if saved is not None else None
+    changes, unsafe = config_changes(saved_config, config) if saved is not None else ({}, [])
   except json.JSONDecodeError:  # a torn copy: each checkpoint's own config signature is checked on restore instead
     print(f'warning: {path} is not JSON; it is rewritten, and the checkpoints are checked against their own record '
           'of the config', file=sys.stderr, flush=True)
     saved, changes, unsafe = None, {}, []
   folder = workdir / 'checkpoints'
   number = max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=0) if folder.is_dir() else 0
+  if number and (model := [k for k in unsafe if k == 'task' or k.startswith('model.')]):  # no flag restores those
+    raise InputError(f'--workdir={where!r}: holds checkpoints of a different task/model (step {number}: '
+                     f'{_listed(changes, model)}); use a new workdir or the original config')
   if unsafe and number and not allow_change:
     raise InputError(f'--workdir={where!r}: its checkpoints (step {number}) were trained with '
                      f'{_listed(changes, unsafe)}; resume with the saved config (--config={where}), or pass '
@@ -266,6 +270,7 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
       if not _recorded(lines, entry):  # not where a kill came between the two writes of the run before
         write_text_atomic(history, lines + json.dumps(entry) + '\n')
       write_text_atomic(path, config.to_json_best_effort(indent=2))
+      designs.record_design_file(path, config)
   if number:
     return record
   record()  # no checkpoint that a restore could refuse: written now, before anything compiles

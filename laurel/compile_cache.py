@@ -1,15 +1,18 @@
 """JAX's persistent compilation cache, set up by every command. Where: --compilation_cache=DIR (`none`: off), else
 JAX_COMPILATION_CACHE_DIR (JAX_ENABLE_COMPILATION_CACHE=false: off), else $XDG_CACHE_HOME/laurel/jax. The environment
-is left as it is: lm-eval's command line (no absl flags) reads the same variables."""
+is left as it is: lm-eval's command line (no absl flags) reads the same variables. An entry that cannot be read back
+(cut short by a kill or a full disk) is deleted, so that the program is compiled and written again."""
 
 import contextlib
 import hashlib
 import json
 import os
 import pathlib
+import sys
 
 import jax
 from absl import flags
+from jax._src import compilation_cache as jax_cache  # pylint: disable=g-importing-member  # its reader, wrapped below
 
 from laurel import files
 
@@ -39,7 +42,29 @@ def setup(directory: str | None = None) -> str | None:
     directory = None
   jax.config.update('jax_enable_compilation_cache', directory is not None)
   _state['directory'] = directory
+  if directory is not None and not hasattr(jax_cache.get_executable_and_time, 'laurel_reader'):
+    jax_cache.get_executable_and_time = _dropping_unreadable(jax_cache.get_executable_and_time)
   return directory
+
+
+def _dropping_unreadable(read):
+  """JAX's cache reader, which deletes an entry it cannot read. JAX itself only warns, on every later run, and never
+  replaces the entry (its writer skips a key whose file exists)."""
+  def read_or_drop(cache_key, *args, **kwargs):
+    try:
+      return read(cache_key, *args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except  # whatever the damage: the entry is of no use
+      folder = jax.config.jax_compilation_cache_dir
+      if not folder or '://' in folder:
+        raise
+      for suffix in ('-cache', '-atime'):  # JAX's LRU cache: the entry and its access time
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(os.path.join(folder, cache_key + suffix))
+      print(f'compilation cache: deleted the unreadable entry of {cache_key.rpartition("-")[0]} '
+            f'({type(e).__name__}: {str(e)[:80]}); compiling it again', file=sys.stderr, flush=True)
+      return None, None
+  read_or_drop.laurel_reader = True
+  return read_or_drop
 
 
 def directory() -> str | None:

@@ -2,6 +2,7 @@
 value is a one-line InputError naming field and value."""
 
 import dataclasses
+import difflib
 import importlib.util
 import math
 import pathlib
@@ -144,12 +145,42 @@ def resolve_spec(spec: str) -> str:
   candidates = [pathlib.Path(path), REPO / path, REPO / 'configs' / path, REPO / 'configs' / f'{path}.py']
   found = next((p for p in candidates if p.is_file()), None)
   if found is None:
-    raise InputError(f'--config={spec!r}: no such config file')
+    shipped = sorted(p.stem for p in (REPO / 'configs').glob('*.py'))
+    hint = did_you_mean(pathlib.Path(path).stem, {name: name for name in shipped})
+    raise InputError(f'--config={spec!r}: no such config file{hint} (shipped: {", ".join(shipped)}; or a run\'s '
+                     'WORKDIR)')
   return spec if found == candidates[0] else f'{found}{sep}{arg}'
 
 
-def flag_error_message(error: Exception, argv: Sequence[str]) -> str:
-  """absl's or ml_collections' error for a bad --config or --config.<field> flag, as one line."""
+def _alike(typed: str, known: str) -> float:
+  """How alike two names are: difflib's ratio, or 0.9 where `typed` is the initials of `known`'s words (lr:
+  learning_rate)."""
+  initials = ''.join(word[:1] for word in known.split('_'))
+  return max(difflib.SequenceMatcher(None, typed, known).ratio(), 0.9 if len(typed) > 1 and typed == initials else 0)
+
+
+def did_you_mean(typed: str, known: dict[str, str]) -> str:
+  """'; did you mean X?' for the X of `known` ({shown: dotted name}) whose name is most like `typed`, else ''.
+  Dotted names are compared part by part (optimzer.lr: optimizer.learning_rate) as well as whole."""
+  def score(name):
+    parts, known_parts = typed.split('.'), name.split('.')
+    by_part = min(map(_alike, parts, known_parts)) if len(parts) == len(known_parts) else 0
+    return max(by_part, difflib.SequenceMatcher(None, typed, name).ratio())
+  best = max(known, key=lambda shown: score(known[shown]), default=None)
+  return f'; did you mean {best}?' if best is not None and score(known[best]) >= 0.7 else ''
+
+
+def dotted_fields(config, prefix: str = '') -> list[str]:
+  """The fields of a ConfigDict as dotted names, nested sections included."""
+  names = []
+  for key, value in config.items():
+    names += dotted_fields(value, f'{prefix}{key}.') if isinstance(value, ml_collections.ConfigDict) else [prefix + key]
+  return names
+
+
+def flag_error_message(error: Exception, argv: Sequence[str], known: dict[str, str] | None = None) -> str:
+  """absl's or ml_collections' error for a bad --config or --config.<field> flag, as one line; where `known` (the
+  program's flags and the config's fields, {shown: name as typed}) holds a name like a misspelled one, it is named."""
   root = error
   while (cause := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None:
     root = cause  # the config file's own ValueError, if there is one
@@ -158,11 +189,15 @@ def flag_error_message(error: Exception, argv: Sequence[str]) -> str:
     return f'--config={root.filename}: not a Python config file ({root.msg}, line {root.lineno})'
   if missing := re.fullmatch(r'Missing value for flag (-[-\w.]+)', message):
     return f'{missing.group(1)}: no value; write {missing.group(1)}=<value>'
+  if isinstance(root, flags.UnrecognizedFlagError) and known is not None:
+    return f'--{root.flagname}: unknown flag{did_you_mean(root.flagname, known)}'
   if isinstance(root, (AttributeError, KeyError)):  # a locked config rejects unknown fields this way
     name = re.search(r"'(\w+)'", message)
     bad = [a.split('=')[0][2:] for a in argv if a.startswith('--config.') and name
            and name.group(1) in a.split('=')[0].split('.')]
-    return f'{bad[0] if bad else message}: unknown config field'
+    fields = {shown: name for shown, name in (known or {}).items() if shown.startswith('--config.')}
+    hint = did_you_mean(bad[0].removeprefix('config.'), fields) if bad else ''
+    return f'{bad[0] if bad else message}: unknown config field{hint}'
   if root is not error and 'config' not in message and str(error).startswith('flag '):
     return f'{str(error).split(": ")[0]}: {message}'  # name the flag, e.g. --config.steps=abc
   return message
@@ -190,9 +225,9 @@ def fail(message: str, code: int = 2):
   sys.exit(code)
 
 
-def parse_flags(argv):
+def parse_flags(argv, flag_values=flags.FLAGS):
   """absl's flag parser for a program with a `--config` file flag: configs found by name, a bad config or override
-  one line with exit 2, --help exit 0 (absl's exits 1)."""
+  one line with exit 2 (naming the flag or field a misspelled one means), --help exit 0 (absl's exits 1)."""
   if {'--help', '-h', '-?'} & set(argv[1:]):
     app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
   args = list(argv[1:])
@@ -205,9 +240,31 @@ def parse_flags(argv):
   try:
     import_designs(args)
     args = ['--config=' + resolve_spec(a.split('=', 1)[1]) if a.startswith('--config=') else a for a in args]
-    return flags.FLAGS([argv[0], *args])
+    remaining = flag_values([argv[0], *args])
+    if 'config' in flag_values and (spec := _config_spec(args)) is not None:
+      fit_warmup(flag_values.config, _overridden(args), spec)
+    return remaining
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError, SyntaxError) as e:
-    fail(flag_error_message(e, args))
+    fail(flag_error_message(e, args, known_names(flag_values, args)))
+
+
+def _config_spec(args: Sequence[str]) -> str | None:
+  return next((a.removeprefix('--config=') for a in args if a.startswith('--config=')), None)
+
+
+def _overridden(args: Sequence[str]) -> list[str]:
+  """The fields that `--config.<field>=<value>` arguments set."""
+  return [a.split('=')[0].removeprefix('--config.') for a in args if a.startswith('--config.')]
+
+
+def known_names(flag_values, args: Sequence[str]) -> dict[str, str]:
+  """{shown: name} of a program's flags (--workdir: workdir) and its config's fields (--config.steps: steps)."""
+  known = {f'--{name}': name for name in flag_values if '.' not in name}
+  try:
+    fields = dotted_fields(load(spec)) if (spec := _config_spec(args)) is not None else []
+  except Exception:  # pylint: disable=broad-except  # a config that does not load names no fields
+    fields = []
+  return {**known, **{f'--config.{name}': name for name in fields}}
 
 
 def import_designs(argv: Sequence[str]) -> None:
@@ -217,10 +274,8 @@ def import_designs(argv: Sequence[str]) -> None:
     name, _, value = arg.partition('=')
     module = value.rpartition(':')[0]
     if name.endswith('.stream.design') and module:
-      try:
-        importlib.import_module(module)
-      except ImportError as e:
-        raise InputError(f"{name.removeprefix('--config.')}={value!r}: cannot import {module} ({e})") from None
+      from laurel.designs import protocol  # pylint: disable=import-outside-toplevel  # it imports this module
+      protocol.import_module(module, name.removeprefix('--config.'), value)
 
 
 def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -236,9 +291,27 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file('config', None, 'config file', flag_values=flag_values, sys_argv=argv)
     flag_values(argv)
-    return flag_values.config
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise InputError(flag_error_message(e, argv)) from None
+  fit_warmup(flag_values.config, _overridden(argv), spec)
+  return flag_values.config
+
+
+def fit_warmup(config, overridden: Sequence[str], spec: str) -> None:
+  """A run made shorter (`steps` among the `overridden` fields) than its config file's warmup warms up for the same
+  fraction of it as the file's run does, with a one-line notice; a warmup set on the command line is left as it is
+  (validate_config then names a value that fits)."""
+  if 'steps' not in overridden or 'optimizer.warmup_steps' in overridden or 'optimizer' not in config:
+    return
+  steps, warmup = config.steps, config.optimizer.warmup_steps
+  if not (is_int(steps) and is_int(warmup) and warmup > steps >= 1):
+    return
+  file = load(spec)
+  fitted = min(steps, round(steps * file.optimizer.warmup_steps / file.steps))
+  config.optimizer.warmup_steps = fitted
+  print(f'notice: optimizer.warmup_steps={warmup} is longer than the run (steps={steps}): it warms up for '
+        f'{fitted} steps instead, {fitted / steps:.0%} of the run as in the config file '
+        '(--config.optimizer.warmup_steps sets it)', file=sys.stderr, flush=True)
 
 
 def table_rows(config_file: str) -> list[str]:

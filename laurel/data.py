@@ -308,6 +308,14 @@ def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
   return next((root / v for v in versions if (root / v / 'dataset_info.json').exists()), None)
 
 
+def _default_tfds_c4(cfg) -> epath.Path | None:
+  """A C4 that TFDS prepared in its default directory, or None (also without the tfds extra)."""
+  try:
+    return tfds_version_dir('', cfg.tfds_name)
+  except InputError:  # no tfds: no C4 of its own either
+    return None
+
+
 def check_tfds(cfg, prepare: str) -> None:
   """An InputError unless `cfg`'s TFDS dataset and splits are prepared in ArrayRecord files."""
   found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
@@ -339,6 +347,9 @@ def check_available(data_cfg, vocab_size: int | None = None) -> None:
               f'no {cfg.name}-{split}.*{C4_SHARD_SUFFIX} shards; write them with {prepare.format(cfg.path)}')
       require(num_records(shards) > 0, 'data.path', cfg.path,
               f'its {cfg.name}-{split} shards hold no documents: nothing to train or evaluate on')
+  elif cfg.name == 'c4' and not cfg.tfds_data_dir and _default_tfds_c4(cfg) is None:  # no C4 chosen, none found
+    require(False, 'data.path', cfg.path, f'no C4 to read: prepare it with {prepare.format("DIR")} (docs/data.md) '
+            'and set --config.data.path=DIR')
   else:
     check_tfds(cfg, f'convert C4 with {prepare.format("DIR")} and set --config.data.path=DIR')
   # validate() leaves a gs:// vocabulary to this check, where GCS is reachable

@@ -110,7 +110,7 @@ class MetricsLog:
 def check_inputs(task, workdir: epath.Path) -> None:
   """As one-line InputErrors, what would otherwise fail after compiling: remote paths, data, extras, the workdir."""
   for name, path in [('--workdir', os.fspath(workdir))] + [(f'data.{k}', getattr(task.data_cfg, k, '') or '')
-                                                           for k in ('path', 'tfds_data_dir', 'vocab_path')]:
+                                                           for k in ('path', 'tfds_data_dir')]:  # vocab: check_data
     try:
       if is_remote(path):
         epath.Path(path).exists()
@@ -245,6 +245,23 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
 RUN_FILES = (lease.NAME, 'config.json', 'config_history.jsonl', 'metrics.jsonl', 'final.json')
 
 
+def config_line(config, cfg, workdir: epath.Path) -> str:
+  """A run's first line: its config.json and what it trains (the ConfigDict `config`, typed `cfg`)."""
+  design = design_label(cfg.model.stream, config.model.stream.design)
+  return (f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, design {design}, '
+          f'preset {cfg.preset or "-"}, {cfg.steps} steps)')
+
+
+def design_label(spec, name: str) -> str:
+  """The residual design of a model's `stream` config `spec` (named `name` in the config): 'laurel rw+lr r=8'."""
+  if spec.design != 'residual':
+    return name
+  if spec.variant == 'none':
+    return 'residual'
+  details = [f'r={spec.rank}'] * spec.low_rank + [f'k={spec.k}'] * spec.pa
+  return ' '.join(['laurel', spec.variant, *details, *[f'form={spec.form}'] * (spec.form != 'paper')])
+
+
 def utilisation_flops(task, batch_size: int) -> dict[str, float]:
   """FLOPs per step behind MFU (the model's count) and HFU (the compiler's, remat included). A count the backend
   does not give is 0 (XLA's analysis of a lowered program under the CUDA and TPU plug-ins, a ResNet's model FLOPs
@@ -259,8 +276,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
   check_fits_host(task)  # before anything is written or compiled: compiling alone can exhaust the host
   fence()  # each write of a run file or checkpoint is fenced: it stops where another run took the workdir over
   record_config = checkpoint.guard_config(config, workdir, allow_config_change)
-  print(f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, preset '
-        f'{cfg.preset or "-"}, {cfg.steps} steps)', flush=True)
+  print(config_line(config, cfg, workdir), flush=True)
   canonical = json.dumps(json.loads(config.to_json_best_effort()), sort_keys=True)
   info = {'commit': code_commit(), 'config_hash': hashlib.sha256(canonical.encode()).hexdigest()[:16],
           'started_at': utc()}  # what identifies the run

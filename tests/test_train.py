@@ -458,12 +458,18 @@ def test_missing_data_and_an_unwritable_workdir_fail_before_compiling(tmp_path, 
 @pytest.mark.skipif(importlib.util.find_spec('gcsfs') is not None, reason='gcsfs would reach the network')
 def test_gs_paths_without_their_filesystem_fail_before_compiling(tmp_path, sp_model):
   env = {**cli_env(), 'EPATH_USE_TF': '0'}  # epath's gs:// then needs gcsfs, which is not installed here
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  for split in ('train', 'validation'):  # the data is checked before the vocabulary that tokenizes it
+    writer = array_record_module.ArrayRecordWriter(str(tmp_path / f'c4-{split}.00000-of-00001.array_record'),
+                                                   'group_size:1')
+    writer.write(b'a document')
+    writer.close()
   cases = [
       (TINY_LM, 'gs://bucket/run', "error: --workdir='gs://bucket/run': its filesystem is not installed: "
        "pip install -e '.[gcs]'"),
       ({**TINY_LM, 'data.name': 'c4', 'data.path': tmp_path, 'data.vocab_path': 'gs://bucket/sp.model'},
-       tmp_path / 'run', "error: data.vocab_path='gs://bucket/sp.model': its filesystem is not installed: "
-       "pip install -e '.[gcs]'"),
+       tmp_path / 'run', "error: data.vocab_path='gs://bucket/sp.model': cannot read a SentencePiece model: its "
+       "filesystem is not installed: pip install -e '.[gcs]'"),
   ]
   for overrides, workdir, message in cases:
     result = subprocess.run(cli_args(SPEC, workdir, overrides), env=env, cwd=tmp_path, capture_output=True, text=True,
@@ -492,4 +498,5 @@ def test_cli_help_print_config_and_configs_from_any_directory(tmp_path):
   assert result.returncode == 0 and json.loads(result.stdout)['row'] == 'pa', result.stderr[-2000:]
   result = cli('--config=missing.py:pa', '--workdir=run')
   assert result.returncode == 2
-  assert result.stderr.splitlines()[-1] == "error: --config='missing.py:pa': no such config file"
+  assert result.stderr.splitlines()[-1] == ("error: --config='missing.py:pa': no such config file (shipped: "
+                                            "c4_ablation, imagenet_resnet50, llm, residual_designs; or a run's WORKDIR)")
