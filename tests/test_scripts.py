@@ -375,7 +375,8 @@ def test_reproduce_c4_ablation_end_to_end_and_resumable(tmp_path):
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert r.stdout.count('+ ') == 2 and r.stdout.count('= evaluate') == 2  # one run and one evaluation per (row, seed)
   for suffix in ('md', 'csv', 'json', 'png'):
-    assert (out / f'c4_ablation_tiny.{suffix}').exists(), suffix
+    assert (out / f'c4_ablation_tiny.{suffix}').exists() and f'  {out}/c4_ablation_tiny.{suffix}\n' in r.stdout, suffix
+  assert json.loads((runs / 'rw' / 'seed0' / 'provenance.json').read_text())['device'] == 'cpu'
   rows = {row['name']: row for row in json.loads((out / 'c4_ablation_tiny.json').read_text())['rows']}
   assert list(rows) == ['baseline_24', 'rw'] and rows['rw']['params_m'] > rows['baseline_24']['params_m']
   assert rows['baseline_24']['test_loss_ratio'] == 1.0 and rows['rw']['peak_memory_gb'] > 0
