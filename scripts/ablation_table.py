@@ -220,7 +220,8 @@ def plot(rows, with_paper: bool, title: str):
   for i, seed in enumerate(sorted({s for r in rows for s in r['test_losses']})):
     xs = [j for j, r in enumerate(rows) if seed in r['test_losses']]
     ours.plot(xs, [rows[j]['test_losses'][seed] for j in xs], 'o-', color=f'C{i}', label=seed, alpha=0.8)
-  ours.legend()
+  if ours.lines:  # no run finished yet: no line, and no legend
+    ours.legend()
   ours.set_ylabel('test loss')
   shown = [(j, r) for j, r in enumerate(rows) if r['test_loss_diff'] is not None and r['name'] != BASELINE]
   for j, r in shown:

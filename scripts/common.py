@@ -345,8 +345,8 @@ def run_points(points: list[dict], log_name: str, command, after=lambda: None, b
           file=sys.stderr, flush=True)
     sys.exit(130)
   if timed_out:
-    print(f'time limit of {time_limit:g} s reached: the running points saved a checkpoint, no further point started; '
-          'rerun the same command to continue', flush=True)
+    print(f'time limit of {time_limit:g} s reached: the running points were stopped (a point in its train loop saves a '
+          'checkpoint; see its log) and no further point started; rerun the same command to continue', flush=True)
   elif stop:
     print('stopped by SIGTERM; rerun the same command to resume', flush=True)
   return failed

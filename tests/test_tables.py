@@ -254,7 +254,7 @@ def test_the_time_limit_stops_the_running_point_with_a_checkpoint_and_starts_no_
                              time_limit=600)
   assert failed == [] and (tmp_path / 'p0' / 'checkpoint').read_text() == 'saved'
   assert not (tmp_path / 'p1').exists()  # no further point started
-  assert 'time limit of 600 s reached: the running points saved a checkpoint' in capsys.readouterr().out
+  assert 'time limit of 600 s reached: the running points were stopped' in capsys.readouterr().out
 
 
 def test_a_point_another_process_finished_is_reported_finished_not_failed(tmp_path, capsys):
