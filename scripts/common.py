@@ -238,19 +238,23 @@ def parse_duration(text: str) -> float:
   return total
 
 
-LOCK_NAME = 'scripts.lock'  # in a table's or sweep's folders: who writes there now
 _HELD_LOCKS = []  # open for the process's life: the kernel releases each lock when the process ends, however
 
 
+def folder_lock(folder) -> pathlib.Path:
+  """The lock file of a local folder: in the temporary directory (never a stray file in results/), named by the
+  folder's real path, so that every spelling of one folder shares it."""
+  real = os.path.realpath(os.fspath(folder))
+  return pathlib.Path(tempfile.gettempdir()) / f'laurel-folder-{hashlib.sha256(real.encode()).hexdigest()[:16]}.lock'
+
+
 def hold_folder(folder, flag: str):
-  """Holds <folder>/scripts.lock (fcntl.flock) for the rest of this process, so that a second table or sweep
+  """Holds `folder`'s lock (folder_lock, fcntl.flock) for the rest of this process, so that a second table or sweep
   script on the same folder is refused in one line naming this one, before it trains or writes anything. A gs://
   folder has no lock."""
   if '://' in os.fspath(folder):
     return
-  path = pathlib.Path(folder) / LOCK_NAME
-  path.parent.mkdir(parents=True, exist_ok=True)
-  handle = open(path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with  # held until exit
+  handle = open(folder_lock(folder), 'a+', encoding='utf-8')  # pylint: disable=consider-using-with  # until exit
   try:
     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:

@@ -18,8 +18,8 @@ gs://; log: train.log), here or, with --launch=tpu, on a TPU slice through scrip
 prints those commands). A run that fails is marked failed (failed.json) and the others go on; rerunning skips
 finished runs and resumes the others, and the tables are rewritten after every run (the closing lines name each
 file). Peak memory is each run's compiled step; step time its median step, as noisy as the machine: quote
-scripts/benchmark.py for overhead. One script at a time writes in a local --workdir and --out (scripts.lock there):
-a second is refused in one line naming the first.
+scripts/benchmark.py for overhead. One script at a time writes in a local --workdir and --out: a second is
+refused in one line naming the first.
 
 Seeds add up across machines and days: --first_seed=S trains seeds S.. S+--seeds-1; --time_limit stops the script
 cleanly (the runs in flight save a checkpoint; the same command continues); each run's provenance.json records the

@@ -275,10 +275,11 @@ def test_a_point_another_process_finished_is_reported_finished_not_failed(tmp_pa
 def test_a_second_script_on_one_folder_is_refused_naming_the_first(tmp_path):
   common.hold_folder(tmp_path, 'workdir')
   with pytest.raises(config_lib.InputError) as refused:
-    common.hold_folder(tmp_path, 'out')
+    common.hold_folder(tmp_path / '.', 'out')  # another spelling of the folder
   message = str(refused.value)
   assert message.startswith(f'--out={tmp_path}: pid {os.getpid()} on ') and message.count('\n') == 0
   assert 'writes there; wait until it ends, or give another --out' in message
+  assert list(tmp_path.iterdir()) == []  # no lock file in the folder (results/ is committed)
 
 
 def table_rows(tmp_path, seeds, preset='tiny'):
