@@ -396,9 +396,12 @@ def point_status(point_dir) -> str:
 
 
 def typed(cmd: list[str]) -> list[str]:
-  """A command as one types it in the repo root: `python`, and paths inside the repo relative to it."""
-  return ['python' if a == sys.executable else os.path.relpath(a, ROOT) if a.startswith(f'{ROOT}{os.sep}') else a
-          for a in cmd]
+  """A command as one types it in the repo root: `python`, and paths inside the repo relative to it, as arguments
+  or as a --flag's value (a fresh clone elsewhere has them there too)."""
+  def relative(arg):
+    flag, sep, value = arg.partition('=') if arg.startswith('--') else ('', '', arg)
+    return flag + sep + os.path.relpath(value, ROOT) if value.startswith(f'{ROOT}{os.sep}') else arg
+  return ['python' if a == sys.executable else relative(a) for a in cmd]
 
 
 LAUNCH_TPU = str(ROOT / 'scripts' / 'launch_tpu.py')

@@ -428,4 +428,5 @@ def test_the_paper_preset_needs_its_data_path_and_prints_it_in_every_command():
   assert r.returncode == 0, r.stderr[-2000:]
   lines = r.stdout.splitlines()
   assert len(lines) == 4 and all(line.endswith(' --config.data.path=gs://bucket/c4') for line in lines)
+  assert lines[0].startswith('python -m laurel.main --config=configs/c4_ablation.py:baseline_24,preset=paper ')
   assert [re.search(r'--config\.seed=(\d+)', line).group(1) for line in lines] == ['3', '3', '4', '4']
