@@ -1,8 +1,12 @@
 """Helpers shared by the scripts in this folder: error handling, result files, and where a table's runs train
 (here, or on a TPU slice through launch_tpu.py)."""
 
+import concurrent.futures
 import contextlib
 import csv
+import fcntl
+import functools
+import hashlib
 import io
 import json
 import multiprocessing
@@ -11,11 +15,13 @@ import pathlib
 import re
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 
 import matplotlib
 from absl import flags, logging
@@ -28,6 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
 from laurel import config_lib, files, stats  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel import lease  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 from laurel.hardware import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
@@ -127,9 +134,9 @@ def luminance(rgba) -> float:
   return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
 
 
-def write_results(directory, stem: str, result: dict, rows: list[dict], markdown: str, figure):
+def write_results(directory, stem: str, result: dict, rows: list[dict], markdown: str, figure) -> list[epath.Path]:
   """<stem>.json (`result`), .csv (`rows`, the keys whose values are not dicts), .md and .png in `directory`, each
-  replaced whole (laurel.files)."""
+  replaced whole (laurel.files); returns their paths."""
   directory = epath.Path(directory)  # local or gs://
   directory.mkdir(parents=True, exist_ok=True)
   columns = [k for k in dict.fromkeys(k for r in rows for k in r) if not any(isinstance(r.get(k), dict) for r in rows)]
@@ -142,6 +149,7 @@ def write_results(directory, stem: str, result: dict, rows: list[dict], markdown
   for suffix, text in (('json', json.dumps(result, indent=2) + '\n'), ('csv', table.getvalue()), ('md', markdown)):
     files.write_text_atomic(directory / f'{stem}.{suffix}', text)
   files.write_bytes_atomic(directory / f'{stem}.png', png.getvalue())
+  return [directory / f'{stem}.{suffix}' for suffix in ('md', 'csv', 'json', 'png')]
 
 
 # Statistics and their printed forms, shared by the tables (reproduce_c4_ablation.py, sweep.py).
@@ -202,59 +210,183 @@ def fit_title(ax, title: str, fontsize: float = 10):
   ax.set_title(textwrap.fill(title, max(12, int(width_points / (0.6 * fontsize)))), fontsize=fontsize)
 
 
-def run_points(points: list[dict], log_name: str, command, after=lambda: None) -> list[str]:
-  """`command(point)` for each point ({'name', 'dir': an epath.Path, ...}) without a final.json, in turn, its output
-  echoed and added to <dir>/<log_name>, then `after()`. A point that fails gets <dir>/failed.json and the rest go on.
-  Returns the names of the points that failed. SIGTERM and Ctrl-C are passed on to the running point (in a process
-  group of its own, so that a terminal's Ctrl-C reaches it once, from here), which saves a checkpoint and exits; no
-  further point starts; after Ctrl-C this exits 130 with one line. A second Ctrl-C passes on too: the point exits
-  at once."""
-  failed, running, stop = [], [], []
+# Of one accelerator's memory, the share that the runs training on it at once split between them (--jobs).
+MEMORY_SHARE = 0.9
+# Memory settings of JAX's GPU client; where one is given, the runs keep it.
+MEMORY_VARIABLES = ('XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_PYTHON_CLIENT_PREALLOCATE', 'XLA_PYTHON_CLIENT_ALLOCATOR')
+
+
+def child_env(jobs: int = 1, environ=None) -> dict:
+  """The environment of the runs this script starts: the repo root on PYTHONPATH, and where `jobs` runs share one
+  accelerator, each its share of its memory (JAX preallocates 75% of a GPU for each process: a second one fails to
+  allocate), unless the environment sets JAX's memory variables itself."""
+  environ = os.environ if environ is None else environ
+  env = dict(environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), environ.get('PYTHONPATH')))))
+  if jobs > 1 and not set(MEMORY_VARIABLES) & set(environ):
+    env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{MEMORY_SHARE / jobs:.3f}'
+  return env
+
+
+def parse_duration(text: str) -> float:
+  """Seconds of '600', '90s', '10m', '1h30m' or '2h'; one-line InputError otherwise."""
+  match = re.fullmatch(r'(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?', text.strip())
+  if not text.strip() or not match or not any(match.groups()):
+    raise config_lib.InputError(f'--time_limit={text!r}: not a duration (e.g. 600, 90s, 10m, 1h30m)')
+  hours, minutes, seconds = (float(part or 0) for part in match.groups())
+  if (total := 3600 * hours + 60 * minutes + seconds) <= 0:
+    raise config_lib.InputError(f'--time_limit={text!r}: must be more than 0 s')
+  return total
+
+
+_HELD_LOCKS = []  # open for the process's life: the kernel releases each lock when the process ends, however
+
+
+def folder_lock(folder) -> pathlib.Path:
+  """The lock file of a local folder: in the temporary directory (never a stray file in results/), named by the
+  folder's real path, so that every spelling of one folder shares it."""
+  real = os.path.realpath(os.fspath(folder))
+  return pathlib.Path(tempfile.gettempdir()) / f'laurel-folder-{hashlib.sha256(real.encode()).hexdigest()[:16]}.lock'
+
+
+def hold_folder(folder, flag: str):
+  """Holds `folder`'s lock (folder_lock, fcntl.flock) for the rest of this process, so that a second table or sweep
+  script on the same folder is refused in one line naming this one, before it trains or writes anything. A gs://
+  folder has no lock."""
+  if '://' in os.fspath(folder):
+    return
+  handle = open(folder_lock(folder), 'a+', encoding='utf-8')  # pylint: disable=consider-using-with  # until exit
+  try:
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    handle.seek(0)
+    holder = handle.read().strip() or 'another process'
+    handle.close()
+    raise config_lib.InputError(f'--{flag}={os.fspath(folder)}: {holder} writes there; wait until it ends, or give '
+                                f'another --{flag}') from None
+  handle.truncate(0)
+  handle.write(f'pid {os.getpid()} on {socket.gethostname()} (since {files.utc()}: {command()})\n')
+  handle.flush()
+  _HELD_LOCKS.append(handle)
+
+
+def run_points(points: list[dict], log_name: str, command, after=lambda: None, before=lambda point: None,
+               jobs: int = 1, time_limit: float | None = None) -> list[str]:
+  """`command(point)` for each point ({'name', 'dir': an epath.Path, ...}) without a final.json, `jobs` at a time
+  (each its share of the accelerator's memory: child_env), `before(point)` as each starts, its output echoed and
+  added to <dir>/<log_name>, then `after()`. A point that fails gets <dir>/failed.json and the rest go on; one that
+  another process finished meanwhile is reported as such, not failed. Returns the names of the points that failed.
+  SIGTERM and Ctrl-C are passed on to the running points (each in a process group of its own, so that a terminal's
+  Ctrl-C reaches it once, from here), which save a checkpoint and exit; no further point starts; after Ctrl-C this
+  exits 130 with one line. A second Ctrl-C passes on too: the points exit at once. After `time_limit` seconds the
+  running points get SIGTERM, and no further point starts."""
+  failed, running, stop, timed_out, lock = [], [], [], [], threading.Lock()
 
   def stop_running(signum, _):
     stop.append(signum)
-    for proc in running:
+    for proc in list(running):
       proc.send_signal(signum)
+
+  def out_of_time(*_):
+    timed_out.append(True)
+    stop_running(signal.SIGTERM, None)
   previous = {s: signal.signal(s, stop_running) for s in (signal.SIGTERM, signal.SIGINT)}
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get('PYTHONPATH')))))
-  try:
-    for i, point in enumerate(points):
-      tag, point_dir = f'[{i + 1}/{len(points)} {point["name"]}]', point['dir']
+  if time_limit:
+    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, time_limit)
+  env = child_env(jobs)
+
+  def run_point(i, point):
+    tag, point_dir = f'[{i + 1}/{len(points)} {point["name"]}]', point['dir']
+    if (point_dir / 'final.json').exists():
+      (point_dir / 'failed.json').unlink(missing_ok=True)  # an earlier attempt's, before another process finished it
+      print(f'{tag} finished, skipped', flush=True)
+      return
+    if stop:
+      return
+    point_dir.mkdir(parents=True, exist_ok=True)
+    (point_dir / 'failed.json').unlink(missing_ok=True)
+    before(point)
+    cmd = command(point)
+    print(f'{tag} + {shell_line(typed(cmd))}', flush=True)
+    output = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          process_group=0) as proc:
+      running.append(proc)
+      if stop:  # the signal came as it started
+        proc.send_signal(stop[-1])
+      for line in proc.stdout:
+        output.append(line)
+        print(f'{tag} {line}', end='', flush=True)
+    running.remove(proc)
+    log = point_dir / log_name  # written whole: not every filesystem appends
+    files.write_text_atomic(log, (log.read_text() if log.exists() else '') + ''.join(output))
+    if proc.returncode and not stop:
       if (point_dir / 'final.json').exists():
-        print(f'{tag} finished, skipped', flush=True)
-        continue
-      if stop:
-        break
-      point_dir.mkdir(parents=True, exist_ok=True)
-      (point_dir / 'failed.json').unlink(missing_ok=True)
-      cmd = command(point)
-      print(f'{tag} + {shell_line(typed(cmd))}', flush=True)
-      output = []
-      with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            process_group=0) as proc:
-        running[:] = [proc]
-        for line in proc.stdout:
-          output.append(line)
-          print(f'{tag} {line}', end='', flush=True)
-      running.clear()
-      log = point_dir / log_name  # written whole: not every filesystem appends
-      files.write_text_atomic(log, (log.read_text() if log.exists() else '') + ''.join(output))
-      if proc.returncode and not stop:
+        print(f'{tag} finished by another process (exit {proc.returncode} here); see {log}', flush=True)
+      elif proc.returncode == lease.HELD:
+        print(f'{tag} left to the run that holds it (exit {proc.returncode}); see {log}', flush=True)
+      else:
         print(f'{tag} failed (exit {proc.returncode}); see {log}', flush=True)
         files.write_text_atomic(point_dir / 'failed.json',
-                          json.dumps({'exit': proc.returncode, 'command': typed(cmd)}) + '\n')
+                                json.dumps({'exit': proc.returncode, 'command': typed(cmd)}) + '\n')
         failed.append(point['name'])
+    with lock:  # the tables are written by one thread at a time
       after()
+
+  try:
+    if jobs == 1:
+      for i, point in enumerate(points):
+        run_point(i, point)
+    else:
+      with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(run_point, range(len(points)), points))
   finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
     for signum, handler in previous.items():
       signal.signal(signum, handler)
   if signal.SIGINT in stop:
     print('interrupted: the running point saved what it had (see its log); rerun the same command to resume',
           file=sys.stderr, flush=True)
     sys.exit(130)
-  if stop:
+  if timed_out:
+    print(f'time limit of {time_limit:g} s reached: the running points were stopped (a point in its train loop saves a '
+          'checkpoint; see its log) and no further point started; rerun the same command to continue', flush=True)
+  elif stop:
     print('stopped by SIGTERM; rerun the same command to resume', flush=True)
   return failed
+
+
+DEVICE_KIND = 'import jax; print(jax.devices()[0].device_kind)'
+
+
+@functools.lru_cache(maxsize=1)
+def local_device_kind() -> str | None:
+  """The kind of device the local runs train on (jax's name: 'NVIDIA H200', 'cpu'), asked of a child that
+  preallocates nothing: this process starts no backend, which would hold accelerator memory while the runs train."""
+  env = dict(child_env(), XLA_PYTHON_CLIENT_PREALLOCATE='false')
+  found = subprocess.run([sys.executable, '-c', DEVICE_KIND], env=env, capture_output=True, text=True, check=False)
+  lines = found.stdout.strip().splitlines()
+  return lines[-1] if found.returncode == 0 and lines else None
+
+
+def corpus_fingerprint(data_cfg) -> str | None:
+  """16 hex digits of a SHA-256 over the training corpus's files, each one's name and size: data.name=text's file
+  list (laurel.data: the default corpora, the Python sources installed here, differ between machines), or the files
+  under a local data.path; 'synthetic' for the generated data; None for remote or TFDS data."""
+  from laurel import data  # pylint: disable=import-outside-toplevel  # grain: only where needed
+  if data_cfg.name == 'synthetic':
+    return 'synthetic'
+  if data_cfg.name == 'text':
+    listed = data._list_files(data_cfg.path)  # pylint: disable=protected-access  # what the text loader reads
+  elif data_cfg.path and os.path.isdir(data_cfg.path):
+    root = pathlib.Path(data_cfg.path)
+    listed = [(f.relative_to(root).as_posix(), str(f)) for f in sorted(root.rglob('*')) if f.is_file()]
+  else:
+    return None
+  digest = hashlib.sha256()
+  for key, path in listed:
+    digest.update(f'{key}\t{os.path.getsize(path)}\n'.encode())
+  return digest.hexdigest()[:16]
 
 
 def point_status(point_dir) -> str:
@@ -264,9 +396,12 @@ def point_status(point_dir) -> str:
 
 
 def typed(cmd: list[str]) -> list[str]:
-  """A command as one types it in the repo root: `python`, and paths inside the repo relative to it."""
-  return ['python' if a == sys.executable else os.path.relpath(a, ROOT) if a.startswith(f'{ROOT}{os.sep}') else a
-          for a in cmd]
+  """A command as one types it in the repo root: `python`, and paths inside the repo relative to it, as arguments
+  or as a --flag's value (a fresh clone elsewhere has them there too)."""
+  def relative(arg):
+    flag, sep, value = arg.partition('=') if arg.startswith('--') else ('', '', arg)
+    return flag + sep + os.path.relpath(value, ROOT) if value.startswith(f'{ROOT}{os.sep}') else arg
+  return ['python' if a == sys.executable else relative(a) for a in cmd]
 
 
 LAUNCH_TPU = str(ROOT / 'scripts' / 'launch_tpu.py')
@@ -288,6 +423,10 @@ def define_launch_flags() -> dict:
                                  '(scripts/launch_tpu.py --notrain).'),
       'preflight': flags.DEFINE_bool('preflight', True, '--launch=tpu: each run first compiles its step for the '
                                      'slice here (scripts/launch_tpu.py --preflight); --nopreflight skips it.'),
+      'jobs': flags.DEFINE_integer('jobs', 1, '--launch=local: runs training at once on this machine, each with its '
+                                   'share of one accelerator\'s memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/jobs).'),
+      'time_limit': flags.DEFINE_string('time_limit', None, 'Stop after this long (600, 90s, 10m, 1h30m): the running '
+                                        'runs save a checkpoint, no further run starts; rerun to continue.'),
   }
 
 
@@ -296,12 +435,16 @@ class Launcher:
 
   def __init__(self, holders: dict):
     self.launch, self.setup, self.slice_args, self.slice = holders['launch'].value, holders['setup'].value, [], ()
-    self.preflight = holders['preflight'].value
+    self.preflight, self.jobs, self.accelerator = holders['preflight'].value, holders['jobs'].value, None
+    self.time_limit = holders['time_limit'].value and parse_duration(holders['time_limit'].value)
+    if self.jobs < 1 or (self.jobs > 1 and self.launch != 'local'):
+      raise config_lib.InputError(f'--jobs={self.jobs}: give 1 or more, and more than 1 only with --launch=local')
     # --launch=print without --tpu is a dry run of the local commands.
     self.on_slice = self.launch == 'tpu' or (self.launch == 'print' and bool(holders['tpu'].value))
     if self.on_slice:
       require(**{k: holders[k] for k in ('tpu', 'zone', 'accelerator')})
-      accel = parse_accelerator(holders['accelerator'].value)
+      self.accelerator = holders['accelerator'].value
+      accel = parse_accelerator(self.accelerator)
       self.slice = (accel['chips'], accel['hosts'])
       self.slice_args = [f'--{k}={holders[k].value}' for k in ('tpu', 'zone', 'accelerator', 'project')
                          if holders[k].value]
@@ -324,7 +467,7 @@ class Launcher:
             *([] if self.preflight else ['--nopreflight']), f'--config={repo_spec(point["config"])}',
             f'--workdir={point["dir"]}', *point['overrides']]
 
-  def run(self, points: list[dict], log_name: str, after=lambda: None) -> list[str]:
+  def run(self, points: list[dict], log_name: str, after=lambda: None, before=lambda point: None) -> list[str]:
     """Prints every point's command (--launch=print) or runs them (run_points); returns the names that failed."""
     setup = [[sys.executable, LAUNCH_TPU, *self.slice_args, '--notrain']] if self.slice and self.setup else []
     if self.launch == 'print':
@@ -334,7 +477,7 @@ class Launcher:
     for cmd in setup:
       if code := subprocess.run(cmd, check=False).returncode:
         fail(f'setting up the slice failed (exit {code}): {shell_line(typed(cmd))}', code=code)
-    return run_points(points, log_name, self.command, after)
+    return run_points(points, log_name, self.command, after, before, self.jobs, self.time_limit)
 
 
 def repo_spec(spec: str) -> str:

@@ -4,7 +4,7 @@ and a plot.
   python scripts/sweep.py --config=configs/c4_ablation.py:rw_lr,preset=tiny --field=model.laurel.rank \
       --values=4,8,16,32,64 [--field=model.laurel.k --values=1,2,3,4] --workdir=runs/sweep [--seeds=0,1,2] \
       [--metric=eval_top1] [--reduce=best] [--reference=<value>[,...]] [--set=<field>=<value> ...] \
-      [--collect_only] \
+      [--collect_only] [--time_limit=10m] [--jobs=2] \
       [--launch=local|print|tpu --tpu=NAME --zone=ZONE --accelerator=v6e-16 [--nosetup]]
 
 Each --field takes the --values given in the same position; several fields sweep their grid (every combination).
@@ -12,12 +12,14 @@ Point WORKDIR/<field's last part>=<value>[,...][,seed=<s>] (WORKDIR local or gs:
 config.seed and the --set overrides; every point's config is loaded and checked (for the slice with --launch=tpu)
 before the first one runs. --launch=local trains the points here in turn (log: <point>/sweep.log); --launch=tpu
 trains each on a TPU slice through scripts/launch_tpu.py (after setting the slice up, unless --nosetup), and
---launch=print prints those commands (without --tpu the local ones: a dry run of the points). A failed point is marked failed and the rest go on; rerunning skips finished
-points and resumes the others. Collecting writes WORKDIR/sweep.{csv,json,md,png}: each point's final.json and best
-evaluation, and per combination the mean ± std over seeds (no ± for one run) and the paired difference to the
+--launch=print prints those commands (without --tpu the local ones: a dry run of the points). A failed point is
+marked failed and the rest go on (one that another process finished meanwhile is reported as finished by it);
+rerunning skips finished points and resumes the others. One sweep at a time writes in a local workdir: a second is
+refused in one line naming the first. Collecting writes WORKDIR/sweep.{csv,json,md,png}: each point's final.json and
+best evaluation, and per combination the mean ± std over seeds (no ± for one run) and the paired difference to the
 --reference point (default: the first) on the same seeds, with its 95% Student-t interval and whether it excludes zero;
 plotted against the value as in Figure 3 (one field) or as a heatmap of the first two fields (averaged over any
-others).
+others) whose colours span at least the noise (the widest interval of a difference), as its title says.
 """
 
 import functools
@@ -206,7 +208,10 @@ def plot(result: dict):
       for j, x in enumerate(xs):
         if found := [s[key] for s in summary if s[y_field] == y and s[x_field] == x]:
           cells[i, j] = statistics.fmean(found)
-    image = ax.imshow(cells, cmap='viridis_r' if 'loss' in key else 'viridis', aspect='auto')
+    noise = colour_noise(result)
+    low = np.nanmin(cells) if np.isfinite(cells).any() else 0.0
+    high = max(np.nanmax(cells) if np.isfinite(cells).any() else 0.0, low + (noise or 0.0))
+    image = ax.imshow(cells, cmap='viridis_r' if 'loss' in key else 'viridis', aspect='auto', vmin=low, vmax=high)
     for (i, j), value in np.ndenumerate(cells):  # black or white text, whichever contrasts more with the cell
       light = np.isnan(value) or common.luminance(image.cmap(image.norm(value))) > common.EQUAL_CONTRAST_LUMINANCE
       ax.text(j, i, '–' if np.isnan(value) else f'{value:.4f}', ha='center', va='center', fontsize=8,
@@ -214,9 +219,27 @@ def plot(result: dict):
     ax.set(xticks=range(len(xs)), xticklabels=xs, xlabel=x_field, yticks=range(len(ys)), yticklabels=ys,
            ylabel=y_field)
     fig.colorbar(image, ax=ax, label=label + (' (mean over the other fields)' if len(fields) > 2 else ''))
-  common.fit_title(ax, result['config'].split('/')[-1], fontsize=8)
+  title = result['config'].split('/')[-1]
+  if len(fields) > 1:
+    title += (f': the colours span at least {noise:.4f}, the widest {common.CI_PERCENT} interval of a Δ (the noise), '
+              'so cells of one colour are not told apart' if noise else
+              ': no interval (one run per point), so the colours may show only noise')
+  common.fit_title(ax, title, fontsize=8)
   fig.tight_layout()
   return fig
+
+
+def colour_noise(result: dict) -> float | None:
+  """The width of the widest interval of a point's Δ to the reference (its seeds paired), else of the eval loss's
+  own interval (1.96 standard errors either side): a heatmap's colours span at least this much, so that noise never
+  looks like a winner. None without either."""
+  key = result['metric']  # the paired differences are of the final metric
+  widths = [s[f'{key}_diff_high'] - s[f'{key}_diff_low'] for s in result['summary']
+            if s.get(f'{key}_diff_low') is not None]
+  if widths:
+    return max(widths)
+  errors = [h['loss_se'] for h in (r.get('held_out') for r in result.get('points', [])) if (h or {}).get('loss_se')]
+  return 2 * 1.96 * max(errors) if errors and 'loss' in key else None
 
 
 def sweep():
@@ -224,10 +247,11 @@ def sweep():
   launcher, grid = common.Launcher(_LAUNCH), parse_grid(_FIELD.value, _VALUES.value)
   points = plan_points(_WORKDIR.value, _CONFIG.value, grid, _SEEDS.value, _SET.value, launcher)
   reference_combination(combinations_of(points), list(grid))  # a bad --reference fails before anything runs
+  if launcher.launch == 'print' and not _COLLECT_ONLY.value:  # the commands only; nothing is read or written
+    launcher.run(points, 'sweep.log')
+    return
+  common.hold_folder(_WORKDIR.value, 'workdir')  # one sweep at a time in a workdir
   if not _COLLECT_ONLY.value:
-    if launcher.launch == 'print':  # the commands only; nothing is read or written
-      launcher.run(points, 'sweep.log')
-      return
     for point in points:
       check_not_another_run(point)
     launcher.run(points, 'sweep.log')

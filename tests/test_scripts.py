@@ -302,13 +302,13 @@ def test_sweep_grid_on_a_tpu_slice_with_a_gs_workdir_goes_on_past_a_failed_point
 def test_reproduce_on_a_tpu_slice_with_gs_workdirs_records_a_failed_row(cloud):
   env, gcs, calls = cloud
   args = ['--preset=paper', '--rows=baseline_24,rw', '--seeds=1', '--workdir=gs://bucket/abl', '--out=gs://bucket/res',
-          '--tpu=t', '--zone=z', '--accelerator=v6e-16', '--nosetup']
+          '--tpu=t', '--zone=z', '--accelerator=v6e-16', '--nosetup', '--data_path=gs://bucket/c4']
   r = script('reproduce_c4_ablation.py', *args, '--launch=print', env=env)
   assert r.returncode == 0 and len(r.stdout.splitlines()) == 2, r.stdout + r.stderr
   assert r.stdout.splitlines()[0] == (
       'python scripts/launch_tpu.py --tpu=t --zone=z --accelerator=v6e-16 --nosetup --nodetach '
       '--config=configs/c4_ablation.py:baseline_24,preset=paper --workdir=gs://bucket/abl/baseline_24/seed0 '
-      '--config.seed=0')
+      '--config.seed=0 --config.data.path=gs://bucket/c4')
   r = script('reproduce_c4_ablation.py', *args, '--launch=tpu', '--nopreflight',
              env={**env, 'FAKE_GCLOUD_FAIL': '^bucket/abl/rw/'})
   assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == 'error: 1 run(s) failed: rw/seed0'
@@ -375,7 +375,8 @@ def test_reproduce_c4_ablation_end_to_end_and_resumable(tmp_path):
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert r.stdout.count('+ ') == 2 and r.stdout.count('= evaluate') == 2  # one run and one evaluation per (row, seed)
   for suffix in ('md', 'csv', 'json', 'png'):
-    assert (out / f'c4_ablation_tiny.{suffix}').exists(), suffix
+    assert (out / f'c4_ablation_tiny.{suffix}').exists() and f'  {out}/c4_ablation_tiny.{suffix}\n' in r.stdout, suffix
+  assert json.loads((runs / 'rw' / 'seed0' / 'provenance.json').read_text())['device'] == 'cpu'
   rows = {row['name']: row for row in json.loads((out / 'c4_ablation_tiny.json').read_text())['rows']}
   assert list(rows) == ['baseline_24', 'rw'] and rows['rw']['params_m'] > rows['baseline_24']['params_m']
   assert rows['baseline_24']['test_loss_ratio'] == 1.0 and rows['rw']['peak_memory_gb'] > 0
