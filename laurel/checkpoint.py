@@ -163,8 +163,8 @@ def _on_every_host(attempt, outcomes: tuple[str, ...], what: str):
   except Exception as e:  # pylint: disable=broad-except  # raised below
     outcome, detail, failure = None, None, e
   if jax.process_count() > 1:
-    codes = multihost_utils.process_allgather(np.asarray(len(outcomes) if failure else outcomes.index(outcome)))
-    worst = int(np.max(codes))
+    code = len(outcomes) if failure is not None else outcomes.index(outcome)  # len(outcomes): an exception
+    worst = int(np.max(multihost_utils.process_allgather(np.asarray(code))))
     if failure is None and worst == len(outcomes):
       failure = RuntimeError(f'{what} failed on another host; see its log')
     elif failure is None and outcomes[worst] != outcome:
@@ -208,9 +208,10 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_chan
       continue
     outcome, result = ('damaged', why) if verdict == 'damaged' else restore(number)
     if outcome == 'ok':
+      trusted = 'is verified' if verdict == 'verified' else 'predates checksum lists'
       for newer, reason in unvouched:
         _move_aside(mngr, workdir, newer, f'has no checksum list that vouches for it ({reason}) and checkpoint '
-                    f'{number} is verified')
+                    f'{number} {trusted}')
       return result['state'], number, moved + [newer for newer, _ in unvouched]
     _move_aside(mngr, workdir, number, f'is unreadable ({result})')
     moved.append(number)
@@ -345,6 +346,7 @@ class _QuietIOFailures(logging_std.Filter):
 
 
 _QUIET_IO_FAILURES = _QuietIOFailures()
+
 
 @dataclasses.dataclass
 class _Saves:
