@@ -338,14 +338,26 @@ def _io_cause(error: BaseException | None) -> str | None:
 
 
 class _QuietIOFailures(logging_std.Filter):
-  """Drops orbax's logged tracebacks of a failed read or write: each of its threads logs one (some 460 lines for one
-  save to a full disk), and the run reports the failure itself in one line (`failure`, restore_latest)."""
+  """Drops the logged tracebacks of a failed read or write from orbax and the asyncio tasks it runs: each of its
+  threads and tasks logs one (some 460 lines for one save to a full disk), and the run reports the failure itself in
+  one line (`failure`, restore_latest)."""
   def filter(self, record):
     error = record.exc_info[1] if record.exc_info else None
-    return not (f'{os.sep}orbax{os.sep}' in record.pathname and _io_cause(error) is not None)
+    ours = record.name == 'asyncio' or f'{os.sep}orbax{os.sep}' in record.pathname
+    return not (ours and _io_cause(error) is not None)
 
 
 _QUIET_IO_FAILURES = _QuietIOFailures()
+
+
+def _without_closed_loop_errors(hook):
+  """sys.unraisablehook without tensorstore's 'Event loop is closed' of each write that ends after orbax closed the
+  event loop of a failed save (the failure itself is reported in one line)."""
+  def unraisable(info):
+    if not (isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == 'Event loop is closed'):
+      hook(info)
+  unraisable.laurel_quiet = True
+  return unraisable
 
 
 @dataclasses.dataclass
@@ -361,7 +373,10 @@ def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
   mngr = ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, cleanup_tmp_directories=True))
   mngr.laurel_saves = _Saves()
-  logging_std.getLogger('absl').addFilter(_QUIET_IO_FAILURES)  # once: a filter is added only where absent
+  for logger in ('absl', 'asyncio'):
+    logging_std.getLogger(logger).addFilter(_QUIET_IO_FAILURES)  # once: a filter is added only where absent
+  if not getattr(sys.unraisablehook, 'laurel_quiet', False):
+    sys.unraisablehook = _without_closed_loop_errors(sys.unraisablehook)
   return mngr
 
 

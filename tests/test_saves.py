@@ -2,11 +2,13 @@
 restores a checkpoint no list vouches for only where no verified one exists, a damaged list is one line and sets no
 intact data aside, and a failed save stops the run at once; a disk without room for a checkpoint stops a rerun."""
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from etils import epath
@@ -182,3 +184,19 @@ def test_a_rerun_on_a_disk_without_room_for_a_checkpoint_stops_before_training(c
       f'({size / 2**20:,.1f} MiB, the size of checkpoint 6); free space or use another workdir')
   assert (workdir / 'metrics.jsonl').read_text() == logged and json.loads(
       (workdir / 'config.json').read_text())['steps'] == 6  # nothing trained, nothing recorded
+
+
+def test_the_tracebacks_of_a_failed_write_are_held_back(tmp_path, caplog):
+  """A save to a full disk ends in one line (test_a_failed_save_is_one_line_and_status_3): the asyncio tasks orbax ran
+  for its writes log theirs when collected, and tensorstore reports each write that ends after orbax closed their
+  event loop as unraisable."""
+  checkpoint.manager(epath.Path(tmp_path), keep=1).close()
+  logger = logging.getLogger('asyncio')
+  for error in (ENOSPC, ValueError('a bug')):
+    logger.error('Task exception was never retrieved', exc_info=(type(error), error, None))
+  assert [str(r.exc_info[1]) for r in caplog.records] == ['a bug']
+  unraisable = []
+  hook = checkpoint._without_closed_loop_errors(unraisable.append)  # pylint: disable=protected-access
+  for error in (RuntimeError('Event loop is closed'), RuntimeError('another')):
+    hook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=error, exc_traceback=None, err_msg=None, object=None))
+  assert [str(info.exc_value) for info in unraisable] == ['another']
