@@ -78,7 +78,7 @@ def _read_listing(path: epath.Path) -> tuple[str, dict]:
   """(algorithm, {file name: [hash, size]}) of the checksum list at `path`; Unreadable where it is none."""
   try:
     listing = json.loads(path.read_bytes())  # random bytes: a UnicodeDecodeError, a ValueError as JSON's errors
-  except (OSError, ValueError) as e:
+  except (IsADirectoryError, ValueError) as e:  # another OSError (permissions, storage) is raised: it moves nothing
     raise Unreadable(f'{path.name} is unreadable ({io_error_reason(e)})') from None
   if not isinstance(listing, dict):
     raise Unreadable(f'{path.name} is no checksum list (a JSON {type(listing).__name__})')

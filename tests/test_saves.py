@@ -110,9 +110,12 @@ DAMAGED_LISTS = {
 }
 
 
-@pytest.mark.parametrize('name', DAMAGED_LISTS)
+@pytest.mark.parametrize('name', [*DAMAGED_LISTS, 'a folder'])
 def test_a_damaged_list_is_one_phrase(tmp_path, name):
-  (tmp_path / checksums.LISTING.format(0)).write_bytes(DAMAGED_LISTS[name])
+  if name == 'a folder':
+    (tmp_path / checksums.LISTING.format(0)).mkdir()
+  else:
+    (tmp_path / checksums.LISTING.format(0)).write_bytes(DAMAGED_LISTS[name])
   why = checksums.mismatch(tmp_path)  # what the inference loader names
   assert why.startswith('checksums.process_0.json is ') and '\n' not in why
   assert checksums.verify(tmp_path) == ('unreadable', why)
