@@ -1,12 +1,16 @@
 """Checkpoints: the orbax manager, resuming past damage, the config guard, a run's parameters for inference. Each
 WORKDIR/checkpoints/<step> holds state, data (the grain iterator), config (all but the fields declared `resumable`,
-which alone a resume may change without --allow_config_change) and checksums.process_<i>.json (laurel.checksums)."""
+which alone a resume may change without --allow_config_change), checksummed (that its run writes checksum lists) and
+checksums.process_<i>.json (laurel.checksums)."""
 
 import contextlib
 import dataclasses
+import functools
 import json
+import logging as logging_std
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -25,7 +29,10 @@ from jax.experimental import multihost_utils
 
 from laurel import checksums, config_lib, designs, sharding, step, tasks
 from laurel.config_lib import InputError
-from laurel.files import utc, write_text_atomic
+from laurel.files import is_remote, utc, write_text_atomic
+
+PROMISE = 'checksummed'  # the item that says a checkpoint's run writes checksum lists: without one it is unvouched
+VERDICTS = ('verified', 'unchecked', 'unvouched', 'damaged')  # of a checkpoint's files, best first
 
 
 def _flat(config) -> dict:
@@ -111,9 +118,6 @@ def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, all
   `allow_change`) config; any other error that is not damage as it is."""
   where, step_dir = f'--workdir={str(workdir)!r}', epath.Path(mngr.directory) / str(number)
   try:
-    # Checksums first: orbax reading a damaged state leaves tensorstore callbacks that print tracebacks later.
-    if (why := checksums.mismatch(step_dir)) is not None:
-      return 'damaged', why
     saved = mngr.restore(number, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
     changes, unsafe = config_changes(saved, config)
     if model := [k for k in unsafe if k == 'task' or k.startswith('model.')]:
@@ -137,36 +141,88 @@ def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, all
     return 'damaged', why
 
 
+def _verdict(step_dir: epath.Path) -> tuple[str, str | None]:
+  """This host's word on a checkpoint's files (VERDICTS) and why: 'unchecked' where its run wrote no checksum lists
+  (older code), 'unvouched' where its list is missing or unreadable, 'damaged' where a file differs from its list."""
+  found, why = checksums.verify(step_dir)
+  if found == 'mismatch':
+    return 'damaged', why
+  if found == 'unreadable':
+    return 'unvouched', why
+  if found == 'none' and (step_dir / PROMISE).exists():  # its run writes lists: this one never came (a crash)
+    return 'unvouched', f'no {checksums.LISTING.format(jax.process_index())}'
+  return ('verified' if found == 'verified' else 'unchecked'), None
+
+
+def _on_every_host(attempt, outcomes: tuple[str, ...], what: str):
+  """attempt()'s (outcome, detail), the same on every host: the worst of `outcomes` (best first) any host had; an
+  exception on one host is raised on all, once every host knows."""
+  failure = None
+  try:
+    outcome, detail = attempt()
+  except Exception as e:  # pylint: disable=broad-except  # raised below
+    outcome, detail, failure = None, None, e
+  if jax.process_count() > 1:
+    code = len(outcomes) if failure is not None else outcomes.index(outcome)  # len(outcomes): an exception
+    worst = int(np.max(multihost_utils.process_allgather(np.asarray(code))))
+    if failure is None and worst == len(outcomes):
+      failure = RuntimeError(f'{what} failed on another host; see its log')
+    elif failure is None and outcomes[worst] != outcome:
+      outcome, detail = outcomes[worst], f'{outcomes[worst]} on another host'
+  if failure is not None:
+    raise failure
+  return outcome, detail
+
+
+def _move_aside(mngr, workdir, number: int, why: str) -> None:
+  """Moves checkpoint `number` to WORKDIR/unreadable_checkpoints (never deleted), saying `why` once."""
+  aside = workdir / 'unreadable_checkpoints' / f'{number}.{int(time.time())}'
+  if jax.process_index() == 0:  # the one that moves it says so, once
+    print(f'warning: checkpoint {number} {why}; moved to {aside}', file=sys.stderr, flush=True)
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    (epath.Path(mngr.directory) / str(number)).rename(aside)
+  else:
+    logging.warning('checkpoint %d %s; process 0 moves it to %s', number, why, aside)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f'moved checkpoint {number}')
+  mngr.reload()
+
+
 def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_change: bool = False):
-  """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). A damaged
-  one is moved to WORKDIR/unreadable_checkpoints, never deleted; any other failure is raised, moving nothing."""
-  moved = []
+  """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). One whose
+  files differ from their checksum list, or that orbax finds damaged, is moved to WORKDIR/unreadable_checkpoints,
+  never deleted. One that no list vouches for (missing or unreadable) is restored only where no verified one exists;
+  where an older verified one is restored, it is moved aside too. Any other failure is raised, moving nothing."""
+  moved, unvouched = [], []  # unvouched: (step, why), newest first
+
+  def restore(number):
+    return _on_every_host(lambda: _restore_step(mngr, number, workdir, config, abstract_state, train_iter,
+                                                allow_change), ('ok', 'damaged'), f'restoring checkpoint {number}')
+
   for number in sorted(mngr.all_steps(), reverse=True):
-    failure = None
-    try:
-      outcome, result = _restore_step(mngr, number, workdir, config, abstract_state, train_iter, allow_change)
-    except Exception as e:  # pylint: disable=broad-except  # raised below, once every host knows
-      outcome, failure = 'failed', e
-    if jax.process_count() > 1:  # all hosts restore the same checkpoint, or all stop
-      codes = multihost_utils.process_allgather(np.asarray(['ok', 'damaged', 'failed'].index(outcome)))
-      if failure is None and np.any(codes == 2):
-        failure = RuntimeError(f'restoring checkpoint {number} failed on another host; see its log')
-      elif failure is None and outcome == 'ok' and np.any(codes == 1):
-        outcome, result = 'damaged', 'unreadable on another host'
-    if failure is not None:
-      raise failure
+    # Checksums first: orbax reading a damaged state leaves tensorstore callbacks that print tracebacks later.
+    verdict, why = _on_every_host(functools.partial(_verdict, epath.Path(mngr.directory) / str(number)), VERDICTS,
+                                  f'verifying checkpoint {number}')
+    if verdict == 'unvouched':
+      unvouched.append((number, why))
+      continue
+    outcome, result = ('damaged', why) if verdict == 'damaged' else restore(number)
     if outcome == 'ok':
+      trusted = 'is verified' if verdict == 'verified' else 'predates checksum lists'
+      for newer, reason in unvouched:
+        _move_aside(mngr, workdir, newer, f'has no checksum list that vouches for it ({reason}) and checkpoint '
+                    f'{number} {trusted}')
+      return result['state'], number, moved + [newer for newer, _ in unvouched]
+    _move_aside(mngr, workdir, number, f'is unreadable ({result})')
+    moved.append(number)
+  for number, why in unvouched:  # no verified checkpoint: the newest that orbax restores, unverified
+    outcome, result = restore(number)
+    if outcome == 'ok':
+      if jax.process_index() == 0:
+        print(f'warning: checkpoint {number} is restored unverified: no checksum list vouches for it ({why}) and no '
+              'verified checkpoint exists', file=sys.stderr, flush=True)
       return result['state'], number, moved
-    aside = workdir / 'unreadable_checkpoints' / f'{number}.{int(time.time())}'
-    if jax.process_index() == 0:  # the one that moves it says so, once
-      print(f'warning: checkpoint {number} is unreadable ({result}); moved to {aside}', file=sys.stderr, flush=True)
-      aside.parent.mkdir(parents=True, exist_ok=True)
-      (epath.Path(mngr.directory) / str(number)).rename(aside)
-    else:
-      logging.warning('checkpoint %d is unreadable (%s); process 0 moves it to %s', number, result, aside)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f'moved checkpoint {number}')
-    mngr.reload()
+    _move_aside(mngr, workdir, number, f'is unreadable ({result})')
     moved.append(number)
   return None, 0, moved
 
@@ -286,36 +342,138 @@ def _recorded(history: str, entry: dict) -> bool:
   return isinstance(last, dict) and {**last, 'time': None} == {**entry, 'time': None}
 
 
+def _io_cause(error: BaseException | None) -> str | None:
+  """The system's reason where `error` (or its cause) is a failed read or write, e.g. 'No space left on device'."""
+  while error is not None:
+    if isinstance(error, OSError) and error.errno:
+      return os.strerror(error.errno)
+    if code := re.search(r"os_error_code='?(\d+)", str(error)):  # tensorstore's errors name the OS's
+      return os.strerror(int(code[1]))
+    error = error.__cause__ or error.__context__
+  return None
+
+
+class _QuietIOFailures(logging_std.Filter):
+  """Drops the logged tracebacks of a failed read or write from orbax and the asyncio tasks it runs: each of its
+  threads and tasks logs one (some 460 lines for one save to a full disk), and the run reports the failure itself in
+  one line (`failure`, restore_latest)."""
+  def filter(self, record):
+    error = record.exc_info[1] if record.exc_info else None
+    ours = record.name == 'asyncio' or f'{os.sep}orbax{os.sep}' in record.pathname
+    return not (ours and _io_cause(error) is not None)
+
+
+_QUIET_IO_FAILURES = _QuietIOFailures()
+
+
+def _without_closed_loop_errors(hook):
+  """sys.unraisablehook without tensorstore's 'Event loop is closed' of each write that ends after orbax closed the
+  event loop of a failed save (the failure itself is reported in one line)."""
+  def unraisable(info):
+    if not (isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == 'Event loop is closed'):
+      hook(info)
+  unraisable.laurel_quiet = True
+  return unraisable
+
+
+@dataclasses.dataclass
+class _Saves:
+  """A manager's saves: the thread that waits for the one in flight and then writes its checksum list, and the save
+  that failed, with its error."""
+  recorder: threading.Thread | None = None
+  failed: tuple[int, BaseException] | None = None
+
+
 def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
   """The run's checkpoints, `keep` of them; the temporary folders of a save a kill cut short are removed."""
-  return ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
+  mngr = ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+  mngr.laurel_saves = _Saves()
+  for logger in ('absl', 'asyncio'):
+    logging_std.getLogger(logger).addFilter(_QUIET_IO_FAILURES)  # once: a filter is added only where absent
+  if not getattr(sys.unraisablehook, 'laurel_quiet', False):
+    sys.unraisablehook = _without_closed_loop_errors(sys.unraisablehook)
+  return mngr
 
 
-def finish(mngr, background: bool = False) -> None:
-  """Waits for the save in flight, then records its checksums; with `background` in a thread the next call joins."""
-  mngr.wait_until_finished()
-  if (thread := getattr(mngr, 'laurel_checksums', None)) is not None:
-    thread.join()
-  number, mngr.laurel_unrecorded, mngr.laurel_checksums = getattr(mngr, 'laurel_unrecorded', None), None, None
-  if number not in mngr.all_steps():
-    return
+def _record_when_saved(mngr, number: int) -> None:
+  """Waits for save `number`, then at once writes this host's checksum list of it: a crash after the save leaves a
+  checkpoint that a rerun verifies. A failure of either is kept for `failure`."""
+  try:
+    mngr.wait_until_finished()
+    checksums.record(epath.Path(mngr.directory) / str(number))
+  except Exception as e:  # pylint: disable=broad-except  # the train loop stops at its next step
+    mngr.laurel_saves.failed = (number, e)
 
-  def record():
-    with contextlib.suppress(FileNotFoundError):  # max_to_keep removed the checkpoint meanwhile
-      checksums.record(epath.Path(mngr.directory) / str(number))
-  if not background:
-    return record()
-  mngr.laurel_checksums = threading.Thread(target=record, name=f'laurel-checksums-{number}')
-  mngr.laurel_checksums.start()
+
+def failure(mngr) -> str | None:
+  """Why a save failed, in one line naming the cause and the last good checkpoint; None where none failed (yet)."""
+  if mngr.laurel_saves.failed is None:
+    return None
+  number, error = mngr.laurel_saves.failed
+  good = max((s for s in mngr.all_steps() if s != number), default=None)
+  return (f'checkpoint {number} could not be saved ({_io_cause(error) or config_lib.io_error_reason(error)}); last '
+          f'good checkpoint: {"none" if good is None else good} in {epath.Path(mngr.directory)}')
+
+
+def finish(mngr) -> str | None:
+  """Waits for the save in flight and its checksum list; then `failure`."""
+  if mngr.laurel_saves.recorder is not None:
+    mngr.laurel_saves.recorder.join()
+  return failure(mngr)
+
+
+def close(mngr) -> None:
+  """Waits for the save in flight and closes the manager; a failed save, which `failure` reports, is not raised."""
+  finish(mngr)
+  try:
+    mngr.close()
+  except Exception as e:  # pylint: disable=broad-except
+    if mngr.laurel_saves.failed is None or e is not mngr.laurel_saves.failed[1]:
+      raise
+    mngr.close()  # orbax raises a failed save once in each thread that waits: now it closes
 
 
 def save(mngr, number: int, state, train_iter, config) -> None:
-  """Checkpoint `number` (async): the state, the input's position and the config's signature."""
-  finish(mngr, background=True)
-  mngr.laurel_unrecorded = number
+  """Checkpoint `number` (async): the state, the input's position and the config's signature. Its checksum list is
+  written as soon as it completes. After a failed save (`failure`) nothing more is saved."""
+  if finish(mngr) is not None:  # the one before and its list first: max_to_keep may not delete it before its list
+    return
   resumable = _schema(config)[1]
   signature = {k: v for k, v in _flat(config).items() if not _is_resumable(k, resumable)}
-  mngr.save(number, force=True, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
-      config=ocp.args.JsonSave(flax.traverse_util.unflatten_dict(signature, sep='.'))))
+  try:
+    mngr.save(number, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
+        config=ocp.args.JsonSave(flax.traverse_util.unflatten_dict(signature, sep='.')),
+        **{PROMISE: ocp.args.JsonSave({'lists': checksums.LISTING, 'algorithm': checksums.ALGORITHM})}))
+  except Exception as e:  # pylint: disable=broad-except
+    if _io_cause(e) is None:  # not the disk: a bug, with its traceback
+      raise
+    mngr.laurel_saves.failed = (number, e)
+    return
+  mngr.laurel_saves.recorder = threading.Thread(target=_record_when_saved, args=(mngr, number),
+                                                name=f'laurel-checksums-{number}')
+  mngr.laurel_saves.recorder.start()
+
+
+def check_room(mngr, workdir, abstract_state) -> None:
+  """A one-line InputError where the checkpoints' disk has less room than a checkpoint takes (the latest on disk,
+  else the state's bytes), before training: a save would fail. Every host checks its own; all stop together."""
+  folder = epath.Path(mngr.directory)
+  short = None
+  if not is_remote(folder):  # an object store does not fill up
+    latest = mngr.latest_step()
+    if latest is None:
+      need, what = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state)), 'the train state'
+    else:
+      files = [os.path.join(root, name) for root, _, names in os.walk(folder / str(latest)) for name in names]
+      need, what = sum(map(os.path.getsize, files)), f'the size of checkpoint {latest}'
+    free = shutil.disk_usage(folder).free
+    if free < need:
+      short = (f'--workdir={str(workdir)!r}: {free / 2**20:,.1f} MiB free on its disk, less than a checkpoint needs '
+               f'({need / 2**20:,.1f} MiB, {what}); free space or use another workdir')
+  if jax.process_count() > 1:
+    if np.any(multihost_utils.process_allgather(np.asarray(short is not None))) and short is None:
+      short = f"--workdir={str(workdir)!r}: another host's disk has no room for a checkpoint; see its log"
+  if short is not None:
+    raise InputError(short)

@@ -1,5 +1,6 @@
-"""Content checksums of a checkpoint's files (orbax checksums no array data): after a save each host records the XXH3
-hash and size of the files it wrote in <step>/checksums.process_<i>.json, and checks them before a restore."""
+"""Content checksums of a checkpoint's files (orbax checksums no array data): as soon as a save completes each host
+records the XXH3 hash and size of the files it wrote in <step>/checksums.process_<i>.json, and checks them before a
+restore."""
 
 from concurrent import futures
 import functools
@@ -12,9 +13,11 @@ import jax
 import xxhash
 from etils import epath
 
+from laurel.config_lib import io_error_reason
 from laurel.files import is_remote, write_text_atomic
 
 ALGORITHM = 'xxh3_64'
+ALGORITHMS = (ALGORITHM, 'crc32')
 LISTING = 'checksums.process_{}.json'  # this host's list, by process index
 CHUNK = 2**24  # a gs:// file is hashed as it streams, 16 MiB at a time
 
@@ -67,23 +70,54 @@ def record(step_dir) -> None:
                     json.dumps({'algorithm': ALGORITHM, 'files': files}, indent=0, sort_keys=True) + '\n')
 
 
-def mismatch(step_dir) -> str | None:
-  """Why this host's files in `step_dir` differ from its checksums, as a phrase; None if they match or none exist."""
+class Unreadable(ValueError):
+  """A checksum list that cannot be read, or that is no checksum list; the message says why as a phrase."""
+
+
+def _read_listing(path: epath.Path) -> tuple[str, dict]:
+  """(algorithm, {file name: [hash, size]}) of the checksum list at `path`; Unreadable where it is none."""
+  try:
+    listing = json.loads(path.read_bytes())  # random bytes: a UnicodeDecodeError, a ValueError as JSON's errors
+  except (IsADirectoryError, ValueError) as e:  # another OSError (permissions, storage) is raised: it moves nothing
+    raise Unreadable(f'{path.name} is unreadable ({io_error_reason(e)})') from None
+  if not isinstance(listing, dict):
+    raise Unreadable(f'{path.name} is no checksum list (a JSON {type(listing).__name__})')
+  legacy = 'algorithm' not in listing  # written before XXH3: {name: [crc32, size]}
+  algorithm, files = ('crc32', listing) if legacy else (listing['algorithm'], listing.get('files'))
+  if algorithm not in ALGORITHMS:
+    raise Unreadable(f'{path.name} is no checksum list (algorithm {algorithm!r})')
+  if not isinstance(files, dict) or not files:
+    raise Unreadable(f'{path.name} is no checksum list (it lists no files)')
+  for name, entry in files.items():
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int if legacy else str)
+            and isinstance(entry[1], int)):
+      raise Unreadable(f'{path.name} is no checksum list (its entry of {name} is {entry!r})')
+  return algorithm, {k: [f'{v:08x}', n] for k, (v, n) in files.items()} if legacy else files
+
+
+def verify(step_dir) -> tuple[str, str | None]:
+  """This host's word on its files in `step_dir`: ('verified', None) where they match its checksum list, ('none',
+  None) where it has no list, ('unreadable', why) where its list cannot be read or is none, ('mismatch', why) where
+  a file is missing or differs."""
   listing_path = epath.Path(step_dir) / LISTING.format(jax.process_index())
   if not listing_path.exists():
-    return None
+    return 'none', None
   try:
-    listing = json.loads(listing_path.read_text())
-  except json.JSONDecodeError:
-    return f'{listing_path.name} is not JSON'
-  algorithm = listing.get('algorithm', 'crc32')
-  files = listing['files'] if 'algorithm' in listing else {k: [f'{v:08x}', n] for k, (v, n) in listing.items()}
+    algorithm, files = _read_listing(listing_path)
+  except Unreadable as e:
+    return 'unreadable', str(e)
   for name, (saved, size) in files.items():
     path = listing_path.parent / name
     if not path.exists():
-      return f'{name} is missing'
+      return 'mismatch', f'{name} is missing'
     if (now_size := _size(path)) != size:
-      return f'{name} has {now_size} bytes, {size} when saved'
+      return 'mismatch', f'{name} has {now_size} bytes, {size} when saved'
     if (now := checksum(path, algorithm)) != saved:
-      return f'{name}: content checksum mismatch ({algorithm} {now}, {saved} when saved)'
-  return None
+      return 'mismatch', f'{name}: content checksum mismatch ({algorithm} {now}, {saved} when saved)'
+  return 'verified', None
+
+
+def mismatch(step_dir) -> str | None:
+  """Why this host's files in `step_dir` cannot be verified (a file differs, or the list is unreadable), as a phrase;
+  None if they match or no list exists."""
+  return verify(step_dir)[1]

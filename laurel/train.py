@@ -38,6 +38,11 @@ class TrainingDiverged(RuntimeError):
   """The loss, or a state about to be saved, is not finite."""
 
 
+class SaveFailed(TrainingDiverged):
+  """A checkpoint could not be written (e.g. a full disk): the run stops at once, with status 3 as for a loss that is
+  not finite, since a rerun would fail alike until the cause is fixed."""
+
+
 class ShardedBatches(grain.IterDataset):
   """Batches of several independent input shards, concatenated along the batch axis."""
   def __iter__(self):
@@ -290,7 +295,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
     train_iter = iter(local_dataset(task, train=True))
     mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
-    cleanup.callback(mngr.close)
+    cleanup.callback(checkpoint.close, mngr)
     with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
       state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter,
                                                             allow_change=allow_config_change)
@@ -298,6 +303,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       raise InputError(f'--workdir={os.fspath(workdir)!r}: no readable checkpoint: step'
                        f'{"s" * (len(quarantined) > 1)} {", ".join(map(str, quarantined))} moved to '
                        f'{workdir / "unreadable_checkpoints"}; pass --allow_fresh_start to train from step 0')
+    checkpoint.check_room(mngr, workdir, abstract_state)  # a save would fail: stop before training
     with console.deferred():  # only now: a refused checkpoint leaves config.json and its history as they were
       fence()
       record_config()
@@ -359,6 +365,10 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       raise TrainingDiverged(f'{diverged} at step {step}; not saved; last good checkpoint: '
                              f'{"none" if good is None else good} in {workdir / "checkpoints"}')
 
+    def stop_if_a_save_failed(wait=False):  # at once: steps trained past a failed save are lost on a rerun
+      if (failed := checkpoint.finish(mngr) if wait else checkpoint.failure(mngr)) is not None:
+        raise SaveFailed(failed)
+
     # One process: our own flag. Several: only orbax's reached_preemption, which every host agrees on (JAX's
     # preemption service catches SIGTERM), so no host starts a collective save alone.
     preempted = []
@@ -402,16 +412,17 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
         check_finite(*pending, saving=state)
         fence(every_process=True)
         checkpoint.save(mngr, done, state, train_iter, config)
+      stop_if_a_save_failed()
       if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
         t0, interval_start = time.time(), done  # steps only: not the logging, eval and saving
       watchdog.beat(done)
       if stop:
-        checkpoint.finish(mngr)
+        stop_if_a_save_failed(wait=True)
         print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
         return {'step': done, 'preempted': True}
     if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
       eval_metrics = evaluate()
-    checkpoint.finish(mngr)
+    stop_if_a_save_failed(wait=True)
     if eval_metrics is None:
       print(f'preempted: checkpoint {cfg.steps} in {workdir} is not evaluated yet; rerun the same command', flush=True)
       return {'step': cfg.steps, 'preempted': True}

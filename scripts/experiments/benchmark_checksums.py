@@ -46,7 +46,7 @@ def measure(preset: str, saves: int) -> dict:
       mngr.wait_until_finished()
       save_s.append(time.perf_counter() - start)
       start = time.perf_counter()
-      checkpoint.finish(mngr)  # the save is done: this only records its checksums, here in the foreground
+      checkpoint.finish(mngr)  # the save is done: this waits for its checksum list, begun as the save completed
       checksum_s.append(time.perf_counter() - start)
     size = sum(p.stat().length for p in checksums._own_files(  # pylint: disable=protected-access
         epath.Path(folder) / 'checkpoints' / str(saves), 0, 1))
