@@ -5,6 +5,7 @@ import contextlib
 import glob
 import importlib.util
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -152,7 +153,25 @@ def python_command() -> str:
     if found and os.path.samefile(found, sys.executable) and os.path.samefile(os.path.dirname(found),
                                                                               os.path.dirname(sys.executable)):
       return 'python'
-  return shown(sys.executable)
+  return quoted(sys.executable)
+
+
+def script_command(name: str, module: str) -> str:
+  """A console script installed beside this interpreter (the venv's `tensorboard`) in a printed command: its name
+  where the PATH finds that very one, else its shown() path; `python -m module` where there is none."""
+  script = os.path.join(os.path.dirname(sys.executable), name)
+  if not os.path.isfile(script):
+    return f'{python_command()} -m {module}'
+  found = shutil.which(name)
+  with contextlib.suppress(OSError):
+    if found and os.path.samefile(found, script):
+      return name
+  return quoted(script)
+
+
+def quoted(path) -> str:
+  """shown(path) quoted for a shell, as a printed command needs it (a folder with spaces)."""
+  return shlex.quote(shown(path))
 
 
 def shown(path) -> str:
