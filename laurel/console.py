@@ -89,6 +89,17 @@ def deferred():
         _exit_interrupted(_interrupt['pending'])
 
 
+def quiet_unless_first(process_index: int) -> None:
+  """A process other than a run's process 0 prints only its errors and warnings (stderr): process 0 prints the run's
+  progress, and what libraries write to stdout (Gloo's `[Gloo] Rank 1 is connected to ...`) goes to /dev/null."""
+  if process_index == 0:
+    return
+  sys.stdout.flush()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, sys.stdout.fileno())  # the descriptor, as C++ code writes to it too
+  os.close(devnull)
+
+
 def duration(seconds: float) -> str:
   """12.3 s, 4m05s, 2h03m."""
   if seconds < 60:
