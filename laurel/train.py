@@ -438,5 +438,5 @@ def next_commands(config, workdir: epath.Path) -> list[str]:
   # Sampled: greedy decoding of a small model repeats itself (`def test the the the`).
   return [f'  {python} -m laurel.generate --workdir={run} --prompt={shlex.quote(prompt)} '
           f'--max_new_tokens={new_tokens} --temperature=0.8 --top_k=40',
-          f'  {python} -m laurel.evaluate --workdir={run} --task=held_out --max_items=100   # its '
-          'held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']
+          f'  {python} -m laurel.evaluate --workdir={run} --task=held_out --max_items=10   # the first '
+          '10 of its held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']

@@ -57,8 +57,8 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
       f'  TensorBoard   {os.path.dirname(sys.executable)}/tensorboard --logdir run/tensorboard', 'next:',
       f"  {sys.executable} -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=16 --temperature=0.8 "
       '--top_k=40',
-      f'  {sys.executable} -m laurel.evaluate --workdir=run --task=held_out --max_items=100   # its held-out '
-      'documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']
+      f'  {sys.executable} -m laurel.evaluate --workdir=run --task=held_out --max_items=10   # the first 10 of '
+      'its held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']
   assert (workdir / 'checkpoints' / '4').is_dir() and list((workdir / 'tensorboard').iterdir())
   # The next command works as printed, from that shell.
   generated = subprocess.run(['bash', '-c', end[-2].strip()], env=env, cwd=tmp_path, capture_output=True, text=True,
