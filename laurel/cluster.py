@@ -14,7 +14,7 @@ import urllib.request
 import jax
 from absl import logging
 
-from laurel import config_lib
+from laurel import config_lib, console
 
 JOIN_FAILED = 4  # the launchers' retry policies know it: restart every process together
 JOIN_TIMEOUT_S = 300  # jax's own default
@@ -89,6 +89,7 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
   print(f'cluster: {found.name} ({found.source}): process {jax.process_index()} of {jax.process_count()} on '
         f'{socket.gethostname()}, {jax.local_device_count()} of {len(devices)} {devices[0].platform} devices',
         flush=True)
+  console.quiet_unless_first(jax.process_index())  # the progress is process 0's to print
   return found
 
 

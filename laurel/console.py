@@ -5,6 +5,7 @@ import contextlib
 import glob
 import importlib.util
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -88,6 +89,17 @@ def deferred():
         _exit_interrupted(_interrupt['pending'])
 
 
+def quiet_unless_first(process_index: int) -> None:
+  """A process other than a run's process 0 prints only its errors and warnings (stderr): process 0 prints the run's
+  progress, and what libraries write to stdout (Gloo's `[Gloo] Rank 1 is connected to ...`) goes to /dev/null."""
+  if process_index == 0:
+    return
+  sys.stdout.flush()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, sys.stdout.fileno())  # the descriptor, as C++ code writes to it too
+  os.close(devnull)
+
+
 def duration(seconds: float) -> str:
   """12.3 s, 4m05s, 2h03m."""
   if seconds < 60:
@@ -152,7 +164,25 @@ def python_command() -> str:
     if found and os.path.samefile(found, sys.executable) and os.path.samefile(os.path.dirname(found),
                                                                               os.path.dirname(sys.executable)):
       return 'python'
-  return shown(sys.executable)
+  return quoted(sys.executable)
+
+
+def script_command(name: str, module: str) -> str:
+  """A console script installed beside this interpreter (the venv's `tensorboard`) in a printed command: its name
+  where the PATH finds that very one, else its shown() path; `python -m module` where there is none."""
+  script = os.path.join(os.path.dirname(sys.executable), name)
+  if not os.path.isfile(script):
+    return f'{python_command()} -m {module}'
+  found = shutil.which(name)
+  with contextlib.suppress(OSError):
+    if found and os.path.samefile(found, script):
+      return name
+  return quoted(script)
+
+
+def quoted(path) -> str:
+  """shown(path) quoted for a shell, as a printed command needs it (a folder with spaces)."""
+  return shlex.quote(shown(path))
 
 
 def shown(path) -> str:

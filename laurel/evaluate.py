@@ -1,5 +1,6 @@
 """Log-likelihood evaluation of an LM checkpoint (docs/evaluation.md): `python -m laurel.evaluate --workdir=DIR
---task=TASK ...` scores held-out text:GLOB, a multiple-choice .jsonl file or a TFDS task into DIR/eval_<task>.json."""
+--task=TASK ...` scores the run's own held_out split, text:GLOB, a multiple-choice .jsonl file or a TFDS task into
+DIR/eval_<task>.json."""
 
 import contextlib
 import glob
@@ -21,6 +22,7 @@ from laurel.config_lib import InputError
 from laurel.files import write_text_atomic
 
 FLAGS = flags.FLAGS
+HELD_OUT = 'held_out'  # the task of the run's own validation split (held_out_task)
 
 
 class Scorer:
@@ -68,21 +70,36 @@ def make_scorer(task, params, mesh, tokenizer, batch_size: int) -> Scorer:
 
 
 def text_task(scorer: Scorer, tokenizer, pattern: str, max_items: int) -> dict:
-  """Perplexity and bits per byte of files, each in windows of seq_len overlapping by one token."""
+  """Perplexity and bits per byte of files, each one document (document_scores)."""
   files = sorted(pathlib.Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
   if not files:
     raise InputError(f'--task=text:{pattern}: matches no files')
   files = files[:max_items or None]
+  texts = [path.read_text(encoding='utf-8', errors='replace') for path in files]
+  return {'files': len(files), **document_scores(scorer, tokenizer, texts)}
+
+
+def held_out_task(scorer: Scorer, tokenizer, data_cfg, max_items: int) -> dict:
+  """document_scores of the run's own validation split, in its order: the files it held out (text), its eval_split
+  (c4, corpus) or its synthetic validation documents."""
+  source = data._source(data_cfg, train=False)  # pylint: disable=protected-access  # the documents the loop evaluates
+  records = [source[i] for i in range(min(len(source), max_items or len(source)))]
+  texts = [record['text'] if isinstance(record, dict) else record for record in records]  # a TFDS C4 example
+  texts = [text.decode('utf-8', errors='replace') if isinstance(text, bytes) else text for text in texts]
+  return {'documents': len(texts), **document_scores(scorer, tokenizer, texts)}
+
+
+def document_scores(scorer: Scorer, tokenizer, texts: list[str]) -> dict:
+  """Perplexity and bits per byte of documents, each in windows of seq_len overlapping by one token."""
   windows, tokens, num_bytes = [], 0, 0
-  for path in files:
-    text = path.read_text(encoding='utf-8', errors='replace')
+  for text in texts:
     ids = list(tokenizer.document(text))
     num_bytes += len(text.encode('utf-8')) - len(tokenizer.decode(ids[:1]).encode('utf-8'))
     tokens += len(ids) - 1
     for start in range(0, len(ids) - 1, scorer.seq_len - 1):  # it predicts ids[start+1 : start+seq_len]
       windows.append((ids[start:start + scorer.seq_len], 1))
   nll = -float(scorer(windows)[0].sum())
-  return {'files': len(files), 'tokens': tokens, 'bytes': num_bytes, 'nll_per_token': nll / tokens,
+  return {'tokens': tokens, 'bytes': num_bytes, 'nll_per_token': nll / tokens,
           'perplexity': math.exp(nll / tokens), 'bits_per_byte': nll / math.log(2) / num_bytes}
 
 
@@ -176,14 +193,15 @@ def task_name(task: str) -> str:
     fixed = [p for p in parts if not glob.has_magic(p)]
     name = pathlib.PurePath(fixed[-1]).stem if fixed and fixed[-1] == parts[-1] else fixed[-1] if fixed else 'text'
   else:
-    name = task if task in TFDS_TASKS else pathlib.Path(task).stem
+    name = task if task in TFDS_TASKS or task == HELD_OUT else pathlib.Path(task).stem
   return re.sub(r'[^A-Za-z0-9_.-]+', '_', name).strip('_') or 'task'
 
 
 def check_task(task: str) -> None:
-  """A one-line InputError unless `task` is text:GLOB, an existing JSONL file or a TFDS task."""
-  if not task.startswith('text:') and task not in TFDS_TASKS and not epath.Path(task).is_file():
-    raise InputError(f'--task={task!r}: not text:GLOB, an existing .jsonl file, nor one of {", ".join(TFDS_TASKS)}')
+  """A one-line InputError unless `task` is held_out, text:GLOB, an existing JSONL file or a TFDS task."""
+  if not task.startswith('text:') and task not in (HELD_OUT, *TFDS_TASKS) and not epath.Path(task).is_file():
+    raise InputError(f'--task={task!r}: not {HELD_OUT}, text:GLOB, an existing .jsonl file, nor one of '
+                     f'{", ".join(TFDS_TASKS)}')
 
 
 def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_data_dir: str = ''):
@@ -192,7 +210,9 @@ def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_
     tokenizer = data.make_tokenizer(task.config.data)
     scorer = make_scorer(task, params, mesh, tokenizer, batch_size)
     for spec in tasks:
-      if spec.startswith('text:'):
+      if spec == HELD_OUT:
+        result = held_out_task(scorer, tokenizer, task.config.data, max_items)
+      elif spec.startswith('text:'):
         result = text_task(scorer, tokenizer, spec[5:], max_items)
       else:
         items = tfds_items(spec, tfds_data_dir, max_items) if spec in TFDS_TASKS else jsonl_items(spec, max_items)
@@ -237,10 +257,12 @@ def main():
 
 def run():
   flags.DEFINE_string('workdir', None, 'The LM run to evaluate.')
-  flags.DEFINE_multi_string('task', [], 'text:GLOB, a .jsonl multiple-choice file or a TFDS task (repeatable).')
+  flags.DEFINE_multi_string('task', [], f"{HELD_OUT} (the run's own validation split), text:GLOB, a .jsonl "
+                            'multiple-choice file or a TFDS task (repeatable).')
   flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for the TFDS tasks ('' = its default).")
   flags.DEFINE_integer('batch_size', 16, 'Sequences per forward pass.', lower_bound=1)
-  flags.DEFINE_integer('max_items', 0, 'Score at most this many files or items (0 = all).', lower_bound=0)
+  flags.DEFINE_integer('max_items', 0, 'Score at most this many documents, files or items (0 = all).',
+                       lower_bound=0)
   command(main, ['workdir', 'task'], 'interrupted: exited (the eval_<task>.json files written so far are complete)')
 
 

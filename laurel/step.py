@@ -79,8 +79,9 @@ class TrainConfig:
   keep_checkpoints: int = field(3, POSITIVE_INT, resumable=True)
   tensorboard: bool = field(True, BOOL, resumable=True)
   profile_steps: tuple = field((), PROFILE_STEPS, resumable=True)
-  # Independent input streams, split over the processes in order; 0 = gcd(batch_size, 64). The global batch
-  # sequence depends on this number only, never on the host count, so a run resumes on any slice.
+  # Independent input streams, split over the processes in order; 0 = gcd(batch_size, 64), and raised to a multiple
+  # of the process count (num_data_shards). The global batch sequence depends on this number only, never on the
+  # host count, so a run whose streams divide over its processes resumes on any slice.
   data_shards: int = field(0, NON_NEGATIVE_INT)
   # A process whose loop makes no progress (a step, an eval batch, a checkpoint save) for watchdog_factor × the
   # median step time (at least watchdog_min_s), or for watchdog_s in any case, exits with WATCHDOG_EXIT; 0 = off.
@@ -108,8 +109,11 @@ def base_config(**overrides) -> ml_collections.ConfigDict:
   return config_lib.config_dict(TrainConfig, **overrides)
 
 
-def num_data_shards(config) -> int:
-  return config.data_shards or math.gcd(config.batch_size, 64)
+def num_data_shards(config, process_count: int | None = None) -> int:
+  """data_shards (0 = gcd(batch_size, 64)), raised to a multiple of the process count where it is not one: a tiny
+  preset's one stream is two on two processes, each reading its own."""
+  shards = config.data_shards or math.gcd(config.batch_size, 64)
+  return math.lcm(shards, jax.process_count() if process_count is None else process_count)
 
 
 def validate_config(config, num_devices: int | None = None, process_count: int | None = None) -> tasks.Task:
@@ -140,10 +144,8 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   require(batch % accum == 0, 'batch_size', batch, f'must be divisible by optimizer.grad_accum_steps={accum}')
   require((batch // accum) % (data * fsdp) == 0, 'batch_size', batch,
           f'each micro-batch ({batch // accum}) must divide over the data-parallel size data*fsdp={data * fsdp}')
-  shards = num_data_shards(train_cfg)
+  shards = num_data_shards(train_cfg, process_count)
   require(batch % shards == 0, 'batch_size', batch, f'must divide over data_shards={shards}')
-  require(shards % process_count == 0, 'data_shards', train_cfg.data_shards,
-          f'{shards} input shards do not divide over {process_count} processes; set a multiple')
   return task
 
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -465,13 +466,20 @@ def summary(config, workdir: epath.Path, final: dict, seconds: float) -> str:
            f'  checkpoints   {console.shown(workdir / "checkpoints")} (the last: step {final["step"]})',
            f'  metrics       {console.shown(path)}']
   if config.tensorboard:
-    lines.append(f'  TensorBoard   tensorboard --logdir {console.shown(workdir / "tensorboard")}')
+    tensorboard = console.script_command('tensorboard', 'tensorboard.main')  # the venv's, which the PATH may lack
+    lines.append(f'  TensorBoard   {tensorboard} --logdir {console.quoted(workdir / "tensorboard")}')
   if config.task == 'lm':
-    prompt = 'def ' if config.data.name == 'text' and not config.data.path else 'The '
-    new_tokens = min(64, config.data.seq_len // 2)  # prompt and new tokens within the context it trained on
-    python, shown = console.python_command(), console.shown(workdir)  # the venv's python unless it is `python`
-    lines += ['next:',
-              f"  {python} -m laurel.generate --workdir={shown} --prompt='{prompt}' --max_new_tokens={new_tokens}",
-              f"  {python} -m laurel.evaluate --workdir={shown} --task='text:HELD_OUT/*.txt'   # or a .jsonl or "
-              'TFDS task: README, Evaluating a checkpoint']
+    lines += ['next:'] + next_commands(config, workdir)
   return '\n'.join(lines)
+
+
+def next_commands(config, workdir: epath.Path) -> list[str]:
+  """What to run on a finished LM run, each working as printed: sample it, and score its own held-out documents."""
+  prompt = 'def ' if config.data.name == 'text' and not config.data.path else 'The '
+  new_tokens = min(64, config.data.seq_len // 2)  # prompt and new tokens within the context it trained on
+  python, run = console.python_command(), console.quoted(workdir)  # the venv's python unless it is `python`
+  # Sampled: greedy decoding of a small model repeats itself (`def test the the the`).
+  return [f'  {python} -m laurel.generate --workdir={run} --prompt={shlex.quote(prompt)} '
+          f'--max_new_tokens={new_tokens} --temperature=0.8 --top_k=40',
+          f'  {python} -m laurel.evaluate --workdir={run} --task=held_out --max_items=10   # the first '
+          '10 of its held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import re
+import shlex
 import time
 
 import common  # puts the repo root on sys.path
@@ -79,8 +80,8 @@ def prepare():
     print(f'[{i + 1}/{len(jobs)}] {os.path.basename(path)}: {count:,} documents in {seconds:.0f} s', flush=True)
   print(f'done: {len(inputs)} shards in {out}; train with T5\'s vocabulary (the paper preset\'s data.vocab_path '
         f'and model.vocab_size):\n  {console.python_command()} -m laurel.main --config=c4_ablation:rw_lr '
-        '--workdir=runs/c4_rw_lr '
-        f'--config.data.name=c4 --config.data.path={out} --config.data.vocab_path={data.C4_VOCAB_PATH} '
+        f'--workdir=runs/c4_rw_lr --config.data.name=c4 --config.data.path={shlex.quote(os.fspath(out))} '
+        f'--config.data.vocab_path={data.C4_VOCAB_PATH} '
         '--config.model.vocab_size=32768', flush=True)
 
 

@@ -15,7 +15,8 @@ text), the inputs spread over MMMMM shards converted in parallel (--workers); an
 trained on up to --vocab_sample_docs train documents with the ids laurel's loader needs (pad 0, eos 1, unk 2, no bos),
 byte fallback (no unknown characters) and whitespace kept as written (code keeps its indentation). --vocab_path uses
 an existing model instead (e.g. T5's, data.C4_VOCAB_PATH). A rerun with the same arguments resumes: finished shards
-and the vocabulary are kept (prepare.json records the arguments; other inputs or options need another --output).
+and the vocabulary are kept (prepare.json records the arguments). Once finished, other inputs or options need another
+--output; after an attempt that failed, a corrected command reuses the folder (what the attempt wrote is removed).
 The closing lines print the training command with every flag it needs.
 """
 
@@ -24,6 +25,7 @@ import gzip
 import io
 import json
 import os
+import shlex
 import time
 
 import common  # puts the repo root on sys.path
@@ -132,11 +134,20 @@ def train_vocab(train_shards: list[str], dest: epath.Path, vocab_size: int, mode
   write_bytes_atomic(dest, model.getvalue())
 
 
-def check_resumable(manifest: epath.Path, options: dict):
-  if manifest.exists() and (saved := json.loads(manifest.read_text())) != options:
-    changed = ', '.join(f'{k}={saved.get(k)!r} (now {v!r})' for k, v in options.items() if saved.get(k) != v)
-    raise InputError(f'--output={_OUTPUT.value!r}: was prepared with {changed}; use another --output')
-  write_text_atomic(manifest, json.dumps(options, indent=2) + '\n')
+def check_resumable(out: epath.Path, options: dict):
+  """prepare.json records the options and whether they finished. A finished --output with other options is refused;
+  what an unfinished attempt with other options wrote (its shards, its vocabulary) is removed, so the corrected
+  command runs in the same folder."""
+  manifest = out / 'prepare.json'
+  saved = json.loads(manifest.read_text()) if manifest.exists() else None
+  if saved is not None and {k: v for k, v in saved.items() if k != 'complete'} != options:
+    if saved.get('complete', True):  # a good corpus is never overwritten
+      changed = ', '.join(f'{k}={saved.get(k)!r} (now {v!r})' for k, v in options.items() if saved.get(k) != v)
+      raise InputError(f'--output={_OUTPUT.value!r}: was prepared with {changed}; use another --output')
+    stale = [name for names in shard_names(saved['num_shards']).values() for name in names]
+    for name in stale + ['vocab.model'] * isinstance(saved['vocab'], dict):  # a vocabulary of its own shards
+      (out / name).unlink(missing_ok=True)
+  write_text_atomic(manifest, json.dumps({**options, 'complete': False}, indent=2) + '\n')
 
 
 def prepare():
@@ -159,7 +170,7 @@ def prepare():
              'vocab': _VOCAB_PATH.value or {'size': _VOCAB_SIZE.value, 'model_type': _VOCAB_MODEL_TYPE.value,
                                             'sample_docs': _VOCAB_SAMPLE_DOCS.value}}
   out.mkdir(parents=True, exist_ok=True)
-  check_resumable(out / 'prepare.json', options)
+  check_resumable(out, options)
   names, done = shard_names(num_shards), {p.name for p in out.iterdir()}
   jobs = [(files[i::num_shards], root, {split: os.fspath(out / names[split][i]) for split in SPLITS}, options)
           for i in range(num_shards) if not all(names[split][i] in done for split in SPLITS)]
@@ -188,14 +199,15 @@ def prepare():
           'train documents...', flush=True)
     train_vocab(shards['train'], vocab, _VOCAB_SIZE.value, _VOCAB_MODEL_TYPE.value, _VOCAB_SAMPLE_DOCS.value)
   pieces = data.SentencePieceTokenizer(vocab.read_bytes()).vocab_size
+  write_text_atomic(out / 'prepare.json', json.dumps({**options, 'complete': True}, indent=2) + '\n')
   model_vocab = -(-pieces // 128) * 128  # the vocab axis then shards over up to 128 devices
   run = f'runs/{out.name}'
   print(f'done: {counts["train"]:,} train and {counts["validation"]:,} validation documents in {num_shards} shards '
         f'per split in {out}; vocabulary {vocab} ({pieces:,} pieces)\n'
         f'train a small model on it (any row of configs/c4_ablation.py; --config.model.* changes the shape):\n'
-        f'  {console.python_command()} -m laurel.main --config=c4_ablation:rw_lr,preset=small --workdir={run} '
-        f'--config.data.name={PREFIX} '
-        f'--config.data.path={out} --config.data.vocab_path={vocab} --config.model.vocab_size={model_vocab}',
+        f'  {console.python_command()} -m laurel.main --config=c4_ablation:rw_lr,preset=small '
+        f'--workdir={shlex.quote(run)} --config.data.name={PREFIX} --config.data.path={shlex.quote(os.fspath(out))} '
+        f'--config.data.vocab_path={shlex.quote(os.fspath(vocab))} --config.model.vocab_size={model_vocab}',
         flush=True)
 
 

@@ -251,3 +251,29 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
                          timeout=300)
   assert other.returncode == 2 and other.stderr == (
       f"error: --output='{out}': was prepared with validation_fraction=0.1 (now 0.2); use another --output\n")
+
+
+@pytest.mark.slow
+def test_prepare_text_after_a_failed_attempt_the_corrected_command_reuses_the_output(tmp_path, sp_model):
+  """Two text files of 40 lines: one document per file puts none in validation (refused); the retry with one per line
+  writes into the same --output, without the first attempt's shards. A finished output is still never overwritten."""
+  corpus, out = tmp_path / 'corpus', tmp_path / 'mine'
+  corpus.mkdir()
+  lines = {name: [f'{name} says {i}' for i in range(40)] for name in ('a.txt', 'b.txt')}
+  for name, text in lines.items():
+    (corpus / name).write_text('\n'.join(text) + '\n')
+  assert min(data._unit_hash(f'{name}:0') for name in lines) > 0.1  # pylint: disable=protected-access  # all train
+  args = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={corpus}/*.txt', f'--output={out}',
+          f'--vocab_path={sp_model}', '--validation_fraction=0.1', '--workers=1']
+  run = lambda *extra: subprocess.run(args + list(extra), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  failed = run('--num_shards=2')
+  assert failed.returncode == 2 and 'no document went to the validation split' in failed.stderr, failed.stderr
+  retried = run('--text_unit=line', '--num_shards=1')  # the first attempt's two shards are removed
+  assert retried.returncode == 0, retried.stderr[-3000:]
+  shards = sorted(p.name for p in out.glob('*.array_record'))
+  assert shards == ['corpus-train.00000-of-00001.array_record', 'corpus-validation.00000-of-00001.array_record']
+  written = [t for name in shards for t in read_shard(out / name)]
+  assert sorted(written) == sorted(t for text in lines.values() for t in text)
+  refused = run('--text_unit=file')
+  assert refused.returncode == 2 and refused.stderr.endswith('use another --output\n'), refused.stderr
+  assert sorted(p.name for p in out.glob('*.array_record')) == shards

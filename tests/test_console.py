@@ -53,11 +53,12 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
   assert re.search(r'; train loss [\d.]+ \(the mean of steps 3-4\)$', end[0]), end[0]
   assert end[1:] == [
       '  final.json    run/final.json', '  checkpoints   run/checkpoints (the last: step 4)',
-      '  metrics       run/metrics.jsonl', '  TensorBoard   tensorboard --logdir run/tensorboard', 'next:',
-      f"  {sys.executable} -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=16",
-      f"  {sys.executable} -m laurel.evaluate --workdir=run --task='text:HELD_OUT/*.txt'   # or a .jsonl or TFDS "
-      'task: README, '
-      'Evaluating a checkpoint']
+      '  metrics       run/metrics.jsonl',
+      f'  TensorBoard   {os.path.dirname(sys.executable)}/tensorboard --logdir run/tensorboard', 'next:',
+      f"  {sys.executable} -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=16 --temperature=0.8 "
+      '--top_k=40',
+      f'  {sys.executable} -m laurel.evaluate --workdir=run --task=held_out --max_items=10   # the first 10 of '
+      'its held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']
   assert (workdir / 'checkpoints' / '4').is_dir() and list((workdir / 'tensorboard').iterdir())
   # The next command works as printed, from that shell.
   generated = subprocess.run(['bash', '-c', end[-2].strip()], env=env, cwd=tmp_path, capture_output=True, text=True,

@@ -153,8 +153,43 @@ def test_evaluate_cli(trained_run, tmp_path):
   bad = subprocess.run(command[:4] + ['--task=missing.jsonl'], env=cli_env(), cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
   assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-      "error: --task='missing.jsonl': not text:GLOB, an existing .jsonl file, nor one of hellaswag, piqa, arc_easy, "
-      'arc_challenge, winogrande']
+      "error: --task='missing.jsonl': not held_out, text:GLOB, an existing .jsonl file, nor one of hellaswag, piqa, "
+      'arc_easy, arc_challenge, winogrande']
+
+
+class _TokenCounts:
+  """A scorer whose log-likelihood of a window is minus its scored tokens: nll_per_token is then exactly 1."""
+  seq_len = 12
+
+  def __init__(self):
+    self.windows = []
+
+  def __call__(self, windows):
+    self.windows += windows
+    return -np.array([len(tokens) - first for tokens, first in windows], np.float64), None
+
+
+def test_held_out_scores_the_run_s_own_held_out_files(tmp_path):
+  """--task=held_out of a text run: the files its split held out, and no other, each one document."""
+  for i in range(20):
+    (tmp_path / f'{i}.txt').write_text(f'file {i} ' * (i + 1))
+  data_cfg = data.LMDataConfig(name='text', path=str(tmp_path / '*.txt'), validation_fraction=0.2)
+  held_out = data.split_files(data_cfg.path, data_cfg.validation_fraction)[1]
+  result = evaluate.held_out_task(_TokenCounts(), data.ByteTokenizer(), data_cfg, 0)
+  texts = [open(f, encoding='utf-8').read() for f in held_out]
+  assert 0 < result['documents'] == len(held_out) < 20 and result['nll_per_token'] == 1.0
+  assert result['tokens'] == sum(len(t.encode()) for t in texts) == result['bytes'] + len(held_out)
+  first = evaluate.held_out_task(_TokenCounts(), data.ByteTokenizer(), data_cfg, 1)
+  assert first['documents'] == 1 and first['tokens'] == len(texts[0].encode())
+
+
+def test_held_out_of_a_synthetic_run_scores_its_validation_documents():
+  data_cfg = data.LMDataConfig(name='synthetic')
+  result = evaluate.held_out_task(_TokenCounts(), data.ByteTokenizer(), data_cfg, 3)
+  documents = [data.SyntheticSource(512, split=1)[i] for i in range(3)]
+  assert result['documents'] == 3 and result['tokens'] == sum(len(d.encode()) for d in documents)
+  assert evaluate.task_name('held_out') == 'held_out'
+  evaluate.check_task('held_out')  # no file of that name needed
 
 
 @pytest.mark.parametrize('task, name', [('text:/data/held_out/*.txt', 'held_out'), ('text:c4/**/*.txt', 'c4'),
