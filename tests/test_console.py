@@ -37,7 +37,7 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
   assert not [l for l in lines if LOGGING_PREFIX.match(l) or 'INVALID_ARGUMENT' in l or 'Traceback' in l], lines
   assert result.stderr == ''
   out = result.stdout.splitlines()
-  assert out[0] == 'config: run/config.json (lm, row rw_lr, preset tiny, 4 steps)'
+  assert out[0] == 'config: run/config.json (lm, row rw_lr, design laurel rw+lr r=8, preset tiny, 4 steps)'
   assert json.loads((workdir / 'config.json').read_text())['steps'] == 4
   assert 'compiling the train step for 1 device...' in out
   assert any(re.fullmatch(r'compiling the train step for 1 device: done in [\d.]+ s', l) for l in out)
