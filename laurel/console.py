@@ -27,8 +27,7 @@ def quiet_start() -> None:
   """Before JAX starts a backend: the CPU where libtpu is installed but no accelerator is present (not libtpu's
   errors; unless JAX_PLATFORMS says otherwise); TensorFlow's warnings only, with no oneDNN notice; on a GPU, the
   flags a known-slow jaxlib needs (laurel.gpu_workarounds), in one line."""
-  if note := gpu_workarounds.apply():
-    print(note, file=sys.stderr, flush=True)
+  gpu_workarounds.apply()
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   if os.environ.get('JAX_PLATFORMS') or importlib.util.find_spec('libtpu') is None or has_accelerator():

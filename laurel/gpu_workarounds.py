@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import sys
 
 SLOW_SCATTER = ((0, 10, 2), (0, 11, 0))  # the first and the last affected jaxlib
 FTZ_ATOMICS = '--xla_backend_extra_options=-nvptx-allow-ftz-atomics'
@@ -34,7 +35,8 @@ def on_nvidia_gpu() -> bool:
 
 def apply() -> str | None:
   """Adds FTZ_ATOMICS to XLA_FLAGS on an NVIDIA GPU with an affected jaxlib (unless XLA_FLAGS sets LLVM's options
-  already); returns the line that says so, else None. LLVM without NVPTX (the CPU's) would refuse the option."""
+  already) and says so in one line on stderr, which it returns; else None. LLVM without NVPTX (the CPU's) would
+  refuse the option."""
   try:
     version = importlib.metadata.version('jaxlib')
   except importlib.metadata.PackageNotFoundError:
@@ -43,5 +45,7 @@ def apply() -> str | None:
   if not slow_gpu_scatter(version) or 'xla_backend_extra_options' in xla_flags or not on_nvidia_gpu():
     return None
   os.environ['XLA_FLAGS'] = f'{xla_flags} {FTZ_ATOMICS}'.strip()
-  return (f'note: jaxlib {version} adds float32 scatters slowly on GPUs (openxla/xla#46225, fixed in 0.11.1): '
+  note = (f'note: jaxlib {version} adds float32 scatters slowly on GPUs (openxla/xla#46225, fixed in 0.11.1): '
           f'XLA_FLAGS gets {FTZ_ATOMICS}')
+  print(note, file=sys.stderr, flush=True)
+  return note

@@ -26,6 +26,10 @@ import subprocess
 import time
 
 import common  # puts the repo root on sys.path
+from laurel import gpu_workarounds  # pylint: disable=g-bad-import-order
+
+if __name__ == '__main__':  # before JAX starts a backend
+  gpu_workarounds.apply()
 import paper
 import step_profile
 import flax.linen as nn

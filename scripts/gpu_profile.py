@@ -41,8 +41,7 @@ if str(ROOT) not in sys.path:  # `python scripts/gpu_profile.py` puts scripts/ o
 from laurel import gpu_workarounds  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 if __name__ == '__main__':  # before JAX starts a backend, here and in every job (they inherit XLA_FLAGS)
-  if _note := gpu_workarounds.apply():
-    print(_note, file=sys.stderr, flush=True)
+  gpu_workarounds.apply()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import flax.linen as nn  # noqa: E402
