@@ -44,7 +44,8 @@ bench: $(VENV)/.installed
 
 # On a machine with an NVIDIA GPU: the GPU tests, then Table 5's step at 32 x 1024 tokens per device into
 # results/benchmark_<gpu>.json (docs/gpu.md). It runs .venv's Python (pip install -e '.[cuda,test]' there) or, on an
-# image that has JAX with CUDA, the one PYTHON names (make gpu-check PYTHON=python3). PART=tests or bench: one half.
+# image that has JAX with CUDA, the one PYTHON names (make gpu-check PYTHON=python3). PART=tests or bench: one half;
+# PART=profile: scripts/gpu_profile.py, the step's kernels by group and A/B jobs, into results/gpu_profile_<gpu>.json.
 gpu-check:
 	scripts/gpu_check.sh $(or $(PART),all)
 

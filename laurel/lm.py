@@ -4,6 +4,7 @@ Shapes: B batch, L length, D model width, H heads, K head width, F MLP width, V 
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -63,6 +64,7 @@ class LMConfig:
   attention_scores: str = field('float32', one_of('float32', 'bfloat16'))  # L×L scores of the xla path and decoding
   # Most documents the loader packs into a row, 0 = as many as fit; cudnn attention needs a bound (state per document).
   max_segments: int = field(0, NON_NEGATIVE_INT)
+  embed_lookup: str = field('gather', one_of('gather', 'one_hot'), resumable=True)  # the token lookup's form: lookup()
   stream: Any = designs.stream_field(LaurelSpec())  # the residual design's config (laurel.designs)
   value_residual: bool = field(False, BOOL)  # ResFormer (arXiv 2410.17897)
   share: ShareSpec = ShareSpec()
@@ -161,6 +163,37 @@ class Dense(nn.Module):
 def _norm(cfg, name):
   return nn.RMSNorm(dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype], name=name,
                     scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('embed',)))
+
+
+def lookup(table_VxD, ids, dtype, form='gather', mode=None):
+  """Rows `ids` of `table_VxD` in `dtype`, their gradients summed in float32: XLA:GPU adds a bfloat16 scatter by a
+  compare-and-swap loop, about 20 times slower than float32's (openxla/xla#26371), and bfloat16 sums lose the small
+  gradients of frequent tokens. 'gather': from the table in float32 (exact for a bfloat16 table), cast after, so the
+  backward pass is a float32 scatter-add. 'one_hot': one-hot rows times the table in `dtype`, a matmul each way with
+  float32 sums and no scatter, 2·ids·V·D FLOPs each way: for small vocabularies. `mode`: jnp.take's, for 'gather'."""
+  with jax.named_scope('lookup'):  # the profile's embedding group (scripts/step_profile.py)
+    if form == 'one_hot':
+      return _one_hot_lookup(table_VxD.shape[0], jnp.dtype(dtype), table_VxD.astype(dtype), ids)
+    return jnp.take(table_VxD.astype(jnp.float32), ids, axis=0, mode=mode).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _one_hot_lookup(vocab, dtype, table_VxD, ids):
+  one_hot = jax.nn.one_hot(ids, vocab, dtype=dtype)
+  return jnp.einsum('...v,vd->...d', one_hot, table_VxD, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _one_hot_lookup_fwd(vocab, dtype, table_VxD, ids):
+  return _one_hot_lookup(vocab, dtype, table_VxD, ids), ids
+
+
+def _one_hot_lookup_bwd(vocab, dtype, ids, grad):
+  # jax's own transpose would multiply in float32 (the product's float32 output makes its cotangent float32)
+  one_hot = jax.nn.one_hot(ids, vocab, dtype=dtype)
+  return jnp.einsum('...v,...d->vd', one_hot, grad, preferred_element_type=jnp.float32).astype(dtype), None
+
+
+_one_hot_lookup.defvjp(_one_hot_lookup_fwd, _one_hot_lookup_bwd)
 
 
 def rope(x_BxLxHxK, positions_BxL, base):
@@ -312,10 +345,10 @@ class LM(nn.Module):
                      embedding_init=nn.with_logical_partitioning(embed_init, ('vocab', 'embed')), name='embed')
     # Gathering the embed axis first: from an fsdp-sharded table XLA would replicate the looked-up rows.
     table_VxD = nn.with_logical_constraint(embed.embedding.astype(DTYPES[cfg.dtype]), ('vocab', None))
-    x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
+    x_BxLxD = lookup(table_VxD, tokens_BxL, table_VxD.dtype, cfg.embed_lookup)
     if cfg.positional == 'learned':
       pos_embed = _param(self, 'pos_embed', embed_init, (cfg.max_len, cfg.d_model), (None, 'embed'))
-      x_BxLxD = x_BxLxD + pos_embed[positions_BxL].astype(x_BxLxD.dtype)
+      x_BxLxD = x_BxLxD + lookup(pos_embed, positions_BxL, x_BxLxD.dtype, mode='clip')
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ('act_batch', 'act_len', 'act_embed'))
     head_shape = (b, length, cfg.num_heads, cfg.d_model // cfg.num_heads)
     values_BxLxHxK = jnp.zeros(head_shape, DTYPES[cfg.dtype]) if cfg.value_residual else None  # V_1

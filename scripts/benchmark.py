@@ -17,7 +17,6 @@ results/benchmark_{device}.json. The JSON records jax's, CUDA's and cuDNN's vers
 """
 
 import importlib.metadata
-import importlib.util
 import json
 import math
 import os
@@ -27,11 +26,14 @@ import subprocess
 import time
 
 import common  # puts the repo root on sys.path
+from laurel import gpu_workarounds  # pylint: disable=g-bad-import-order
+
+if __name__ == '__main__':  # before JAX starts a backend
+  gpu_workarounds.apply()
 import paper
 import step_profile
 import flax.linen as nn
 import jax
-import numpy as np
 from absl import app, flags
 from etils import epath
 
@@ -91,27 +93,6 @@ def variant_rows(batch_size, seq_len, *extra) -> dict:
   return out
 
 
-def runtime_versions() -> dict:
-  """jax's and jaxlib's versions and, on a GPU, the CUDA plug-in's, CUDA's, cuDNN's and the driver's."""
-  out = {'jax_version': jax.__version__, 'jaxlib_version': importlib.metadata.version('jaxlib')}
-  if jax.default_backend() != 'gpu':
-    return out
-  plugins = [p for p in ('jax-cuda13-plugin', 'jax-cuda12-plugin') if importlib.util.find_spec(p.replace('-', '_'))]
-  out['cuda_plugin'] = [f'{p} {importlib.metadata.version(p)}' for p in plugins]
-  out['compute_capability'] = getattr(jax.devices()[0], 'compute_capability', None)
-  try:
-    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel  # private: best effort
-    out.update(cuda_runtime_version=cuda_versions.cuda_runtime_get_version(),
-               cuda_driver_version=cuda_versions.cuda_driver_get_version(),
-               cudnn_version=cuda_versions.cudnn_get_version())
-  except Exception as e:  # pylint: disable=broad-except  # the versions are a record, not a reason to stop
-    out['cuda_versions_error'] = repr(e)
-  smi = subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv,noheader'],
-                       capture_output=True, text=True, check=False)
-  out['nvidia_smi'] = smi.stdout.strip() if smi.returncode == 0 else None
-  return out
-
-
 def shape_of(configs: dict) -> dict:
   c = next(iter(configs.values()))  # Baseline-24 comes first
   return {**{k: v for k, v in c.model.items() if not hasattr(v, 'to_dict')}, 'laurel': c.model.laurel.to_dict(),
@@ -137,15 +118,6 @@ def compile_row(config, mesh) -> tuple:
       'params': task.num_params(abstract.params), 'compile_s': time.perf_counter() - start,
       'peak_memory_bytes': hardware.peak_memory_bytes(compiled), 'argument_bytes': int(m.argument_size_in_bytes),
       'temp_bytes': int(m.temp_size_in_bytes), 'xla_peak_memory_bytes': int(m.peak_memory_in_bytes or 0)}
-
-
-def synthetic_batch(task, config, mesh):
-  """One fixed batch of random tokens, one document per row, placed like the train loop places its batches."""
-  batch = task.example_batch(config.batch_size // jax.process_count())
-  batch['tokens'] = np.random.default_rng(jax.process_index()).integers(
-      1, config.model.vocab_size, batch['tokens'].shape, dtype=np.int32)
-  batch['positions'] = np.broadcast_to(np.arange(config.data.seq_len, dtype=np.int32), batch['tokens'].shape).copy()
-  return sharding.global_batch(batch, mesh)
 
 
 def time_rows(rows: dict, batch, steps: int, per_round: int):
@@ -190,7 +162,7 @@ def measure(configs, mesh, cpu: bool, profiles: dict) -> list[dict]:
       rows[name] = {'step': compiled, 'state': init_state(jax.random.key(c.seed)), **facts,
                     'flops_per_step': step.step_flops(task), 'model_flops_per_step': task.model_flops(c.batch_size),
                     'xla_flops_compiled': hardware.xla_flops(compiled) * n}
-    batch = batch if batch is not None else synthetic_batch(task, c, mesh)
+    batch = batch if batch is not None else step_profile.synthetic_batch(task, c, mesh)
     print(f"compiled {name}: {facts['compile_s']:.1f}s, {facts['params']:,} params, peak memory "
           f"{facts['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)
   time_rows(rows, batch, _STEPS.value or (3 if cpu else 30), _PER_ROUND.value or (1 if cpu else 5))
@@ -375,7 +347,7 @@ def main():
     step.validate_config(c)
   result = {'device': {'platform': jax.default_backend(), 'device_kind': kind, 'device_count': n,
                        'process_count': jax.process_count(), 'peak_flops_per_device': peak_flops_per_device(),
-                       'host_cpus': os.cpu_count(), 'hostname': platform.node(), **runtime_versions()},
+                       'host_cpus': os.cpu_count(), 'hostname': platform.node(), **step_profile.runtime_versions()},
             'shape': shape_of(configs)}
   c, mesh = configs[BASELINE], sharding.make_mesh(configs[BASELINE].mesh)
   print(f'{kind} x{n}: {len(names)} rows, batch {c.batch_size} x {c.data.seq_len}, {c.model.dtype}', flush=True)

@@ -6,23 +6,32 @@ module's text gives that instruction's opcode and the JAX name stack it came fro
   attention   the attention core under an `attn` module (scores, softmax, value product, cuDNN's fused kernel), not
               its q/k/v/out projections
   loss        the chunked cross-entropy (laurel.cross_entropy: its scan and custom VJP) and the logits' matmuls
+  embedding   the token and position lookups (laurel.lm.lookup: a gather and its scatter-add, or one-hot matmuls),
+              and any other gather or scatter
   residual    the residual connection (laurel.residual): LAuReL's ops (the RW weights, the low-rank term, PA's
               shortcuts), a plain add for Baseline-24
+  matmul      the layers' other matmuls (projections, MLP): dots, cuBLAS and Triton GEMMs
   optimizer   what runs after the gradients: AdamW, clipping, the gradient norm (outside jvp and its transpose)
-  other       the rest of the layers: projections, MLP, norms, embeddings, the layer loop's copies
+  other       the rest of the layers: norms, activations, the layer loop's copies
 A fusion carries one op's name for all it fuses, so the groups are the compiler's attribution, not exact.
 """
 
 import collections
 import glob
 import gzip
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
+import subprocess
 
 import jax
+import numpy as np
 
-CATEGORIES = ('attention', 'loss', 'residual', 'optimizer', 'other')
+from laurel import sharding
+
+CATEGORIES = ('embedding', 'attention', 'matmul', 'residual', 'loss', 'optimizer', 'other')
 CONTAINERS = ('while', 'call', 'conditional')  # ops whose time is their body's, counted there
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*.*?\b([a-z][a-z0-9\-]*)\(')
 
@@ -45,8 +54,13 @@ def category(op_name: str, line: str = '') -> str:
     return 'attention'
   if 'jvp()' in op_name or '_scan_chunks' in op_name or '_chunked' in op_name:
     return 'loss'
+  if '/lookup/' in op_name or re.search(r'\b(gather|scatter)\(', line):
+    return 'embedding'
   if 'laurel.' in op_name or 'laurel_' in op_name:
     return 'residual'
+  gemm = re.search(r'\b(dot|convolution)\(|gemm|cublas|nvjet|cutlass|xmma', line, re.IGNORECASE)
+  if gemm or op_name.endswith('/dot_general'):
+    return 'matmul'  # an HLO dot, a GEMM's custom call or fusion, a GEMM kernel's name, a fusion named by its dot
   if op_name and 'jvp(' not in op_name and 'transpose(' not in op_name:  # after the gradients
     return 'optimizer'
   return 'other'
@@ -98,3 +112,33 @@ def print_profile(name: str, profile: dict, top: int = 15):
   for r in profile['ops'][:top]:
     print(f"  {r['ms']:9.3f} ms  {r['ms'] / profile['total_ms']:6.1%}  {r['category']:<9}  {r['opcode']:<12} "
           f"{r['hlo_op'][:40]:<40}  {r['op_name'][-60:]}")
+
+
+def runtime_versions() -> dict:
+  """jax's and jaxlib's versions and, on a GPU, the CUDA plug-in's, CUDA's, cuDNN's and the driver's."""
+  out = {'jax_version': jax.__version__, 'jaxlib_version': importlib.metadata.version('jaxlib')}
+  if jax.default_backend() != 'gpu':
+    return out
+  plugins = [p for p in ('jax-cuda13-plugin', 'jax-cuda12-plugin') if importlib.util.find_spec(p.replace('-', '_'))]
+  out['cuda_plugin'] = [f'{p} {importlib.metadata.version(p)}' for p in plugins]
+  out['compute_capability'] = getattr(jax.devices()[0], 'compute_capability', None)
+  try:
+    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel  # private: best effort
+    out.update(cuda_runtime_version=cuda_versions.cuda_runtime_get_version(),
+               cuda_driver_version=cuda_versions.cuda_driver_get_version(),
+               cudnn_version=cuda_versions.cudnn_get_version())
+  except Exception as e:  # pylint: disable=broad-except  # the versions are a record, not a reason to stop
+    out['cuda_versions_error'] = repr(e)
+  smi = subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv,noheader'],
+                       capture_output=True, text=True, check=False)
+  out['nvidia_smi'] = smi.stdout.strip() if smi.returncode == 0 else None
+  return out
+
+
+def synthetic_batch(task, config, mesh):
+  """One fixed batch of random tokens, one document per row, placed like the train loop places its batches."""
+  batch = task.example_batch(config.batch_size // jax.process_count())
+  batch['tokens'] = np.random.default_rng(jax.process_index()).integers(
+      1, config.model.vocab_size, batch['tokens'].shape, dtype=np.int32)
+  batch['positions'] = np.broadcast_to(np.arange(config.data.seq_len, dtype=np.int32), batch['tokens'].shape).copy()
+  return sharding.global_batch(batch, mesh)

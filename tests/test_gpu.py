@@ -1,6 +1,6 @@
 """On an NVIDIA GPU (marker `gpu`, skipped without one; `make gpu-check` runs them): cuDNN attention on packed rows
 against the reference, `auto` choosing cuDNN on Hopper, train steps with cuDNN against the same steps with `xla`
-attention, and the chunked loss against the full one.
+attention, the chunked loss against the full one, and no scatter in the compiled step adding in bfloat16.
 
 Tolerances are relative errors of whole tensors, ‖got − want‖ / ‖want‖: bfloat16 operands (8 mantissa bits) with
 float32 accumulation land between 1e-3 and 1e-2, so cuDNN's bfloat16 output and gradients against a float32
@@ -11,6 +11,7 @@ product's output differently for each shape (2.3e-3 on an H200), the bfloat16 bo
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -129,3 +130,16 @@ def test_the_chunked_loss_equals_the_full_loss(dtype, loss_bound, grad_bound):
   assert relative_error(got, want) < loss_bound
   flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
   assert relative_error(flat(got_grads), flat(want_grads)) < grad_bound
+
+
+@on_gpu
+def test_the_compiled_step_adds_no_scatter_in_low_precision():
+  """The token lookup's gradient is a float32 scatter-add in the program XLA:GPU compiled (tests/test_scatter.py
+  checks the lowered program on the CPU): a bfloat16 one is a compare-and-swap loop, ~20x slower."""
+  config = load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {**GPU_TINY, 'model.attention': 'xla'})
+  task = step.validate_config(config, num_devices=1)
+  mesh = sharding.make_mesh(task.config.mesh, jax.devices()[:1])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
+    text = step.compile_step(task, mesh)[0].as_text()
+  scatters = re.findall(r'=\s*(\w+)\[[^\]]*\]\S*\s+scatter\(', text)
+  assert scatters and not set(scatters) & {'bf16', 'f16'}, scatters

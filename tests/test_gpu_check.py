@@ -1,15 +1,18 @@
 """make gpu-check's parts that run without a GPU: scripts/benchmark.py's variants, arguments, JSON layout and MFU
-arithmetic (on CPU at a tiny shape), the peak FLOP/s table, and scripts/gpu_check.sh's arguments."""
+arithmetic (on CPU at a tiny shape), the peak FLOP/s table, scripts/gpu_check.sh's arguments and its end without a
+GPU, and the flags a known-slow jaxlib gets on a GPU (laurel.gpu_workarounds)."""
 
 import gzip
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, cli_env
-from laurel import hardware
+from helpers import ROOT, cli_env, gpu_present
+from laurel import console, gpu_workarounds, hardware
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 import step_profile  # noqa: E402  (scripts/step_profile.py)
@@ -55,12 +58,67 @@ def test_bad_benchmark_arguments_are_one_line_before_compiling(args, message):
 def test_gpu_check_takes_only_its_parts():
   result = subprocess.run(['bash', str(ROOT / 'scripts' / 'gpu_check.sh'), 'everything'], capture_output=True,
                           text=True, check=False)
-  assert result.returncode == 2 and result.stderr == 'error: part=everything: must be tests, bench or all\n'
+  assert result.returncode == 2 and result.stderr == 'error: part=everything: must be tests, bench, profile or all\n'
+
+
+@pytest.mark.skipif(gpu_present(), reason='a GPU is here: make gpu-check would run')
+def test_gpu_check_without_a_gpu_is_one_line_and_writes_nothing(tmp_path):
+  """A copy of the script in an empty tree, so that whatever it writes (results/versions.log) shows."""
+  (tmp_path / 'scripts').mkdir()
+  shutil.copy(ROOT / 'scripts' / 'gpu_check.sh', tmp_path / 'scripts')
+  result = subprocess.run(['bash', str(tmp_path / 'scripts' / 'gpu_check.sh'), 'tests'], capture_output=True,
+                          text=True, check=False, timeout=120, env=dict(cli_env(), PYTHON=sys.executable))
+  assert result.returncode == 1 and result.stdout == '', result.stdout + result.stderr
+  assert result.stderr.startswith('error: no NVIDIA GPU: JAX found no CUDA device') and result.stderr.count('\n') == 1
+  assert "pip install -e '.[cuda,test]'" in result.stderr
+  assert sorted(p.name for p in tmp_path.rglob('*')) == ['gpu_check.sh', 'scripts']
+
+
+@pytest.mark.parametrize('version, slow', [('0.10.1', False), ('0.10.2', True), ('0.10.2rc1', True), ('0.11.0', True),
+                                           ('0.11.0.dev20260101', True), ('0.11.1', False), ('0.11.2', False),
+                                           ('0.9.2', False), ('1.0.0', False), ('unknown', False)])
+def test_the_jaxlibs_with_slow_gpu_scatters_are_0_10_2_to_0_11_0(version, slow):
+  assert gpu_workarounds.slow_gpu_scatter(version) is slow
+
+
+@pytest.fixture
+def nvidia_gpu_with(monkeypatch):
+  """A GPU and the jaxlib version given; XLA_FLAGS and the variables quiet_start sets restored after the test."""
+  def set_up(jaxlib):
+    monkeypatch.setattr(gpu_workarounds, 'on_nvidia_gpu', lambda: True)
+    monkeypatch.setattr(gpu_workarounds.importlib.metadata, 'version', lambda name: {'jaxlib': jaxlib}[name])
+    for name in ('XLA_FLAGS', 'JAX_PLATFORMS', 'TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS'):
+      monkeypatch.setenv(name, os.environ.get(name, ''))
+    monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_autotune_level=4')
+    monkeypatch.setenv('JAX_PLATFORMS', 'cuda')
+  return set_up
+
+
+def test_an_affected_jaxlib_on_a_gpu_gets_the_atomics_flag_and_says_so(nvidia_gpu_with, capsys):
+  nvidia_gpu_with('0.10.2')
+  console.quiet_start()
+  assert os.environ['XLA_FLAGS'] == '--xla_gpu_autotune_level=4 --xla_backend_extra_options=-nvptx-allow-ftz-atomics'
+  assert capsys.readouterr().err == ('note: jaxlib 0.10.2 adds float32 scatters slowly on GPUs (openxla/xla#46225, '
+                                     'fixed in 0.11.1): XLA_FLAGS gets '
+                                     '--xla_backend_extra_options=-nvptx-allow-ftz-atomics\n')
+  assert gpu_workarounds.apply() is None  # once: a child process inherits the flag
+
+
+@pytest.mark.parametrize('jaxlib, gpu', [('0.11.2', True), ('0.10.2', False)])
+def test_a_fixed_jaxlib_or_no_gpu_gets_no_flag(nvidia_gpu_with, monkeypatch, jaxlib, gpu):
+  nvidia_gpu_with(jaxlib)
+  monkeypatch.setattr(gpu_workarounds, 'on_nvidia_gpu', lambda: gpu)
+  assert gpu_workarounds.apply() is None and os.environ['XLA_FLAGS'] == '--xla_gpu_autotune_level=4'
+
+
+def test_jax_platforms_without_cuda_is_no_gpu(monkeypatch):
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  assert not gpu_workarounds.on_nvidia_gpu()
 
 
 @pytest.mark.parametrize('op_name, line, group', [
     ('jit(train_step)/jvp(LM)/while/body/closed_call/layers/laurel/attn/bqhk,bshk->bhqs/dot_general', '', 'attention'),
-    ('jit(train_step)/transpose(jvp(LM))/while/body/closed_call/layers/laurel/attn/query/dot_general', '', 'other'),
+    ('jit(train_step)/transpose(jvp(LM))/while/body/closed_call/layers/laurel/attn/query/dot_general', '', 'matmul'),
     ('', '%custom-call.3 = (bf16[8,1024,12,64]) custom-call(...), custom_call_target="__cudnn$fmhaSoftmax"',
      'attention'),
     ('jit(train_step)/jvp()/while/body/closed_call/_scan_chunks.<locals>.body/reduce', '', 'loss'),
@@ -68,7 +126,19 @@ def test_gpu_check_takes_only_its_parts():
      'residual'),
     ('jit(train_step)/jvp(LM)/laurel_rw/div', '', 'residual'),
     ('jit(train_step)/sqrt', '', 'optimizer'),
-    ('jit(train_step)/jvp(LM)/while/body/closed_call/layers/laurel/mlp/up/dot_general', '', 'other'),
+    ('jit(train_step)/jvp(LM)/while/body/closed_call/layers/laurel/mlp/up/dot_general', '', 'matmul'),
+    ('jit(train_step)/jvp(LM)/while/body/closed_call/layers/laurel/mlp/gelu', '', 'other'),
+    ('jit(train_step)/jvp(LM)/while/body/closed_call/layers/laurel/mlp/up/dot_general',
+     '%dot.4 = bf16[8,1024,1536]{2,1,0} dot(bf16[8,1024,512]{2,1,0} %x, bf16[512,1536]{1,0} %w)', 'matmul'),
+    ('jit(train_step)/transpose(jvp(LM))/while/body/closed_call/layers/laurel/attn/out/dot_general',
+     '%custom-call.7 = (bf16[8192,512]{1,0}, s8[4194304]{0}) custom-call(...), custom_call_target="__cublas$gemm"',
+     'matmul'),
+    ('', 'nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NTN', 'matmul'),  # a GEMM kernel's name (no HLO line)
+    ('jit(train_step)/transpose(jvp(LM))/lookup/jit(_take)/scatter-add', '%wrapped_scatter = f32[264,512] fusion()',
+     'embedding'),
+    ('jit(train_step)/jvp(LM)/lookup/convert_element_type', '', 'embedding'),
+    ('jit(train_step)/jvp(LM)/while/body/gather', '%gather.3 = f32[8,4]{1,0} gather(f32[32,4] %t, s32[8] %i)',
+     'embedding'),
 ])
 def test_profile_groups_ops_by_their_name_stack(op_name, line, group):
   assert step_profile.category(op_name, line) == group
@@ -153,3 +223,48 @@ def test_benchmark_variants_write_the_gpu_check_layout_with_mfu_from_the_given_p
     assert times == sorted(times, reverse=True) and all(op['opcode'] != 'while' for op in profile['ops'])
   # RW+LR's residual adds the weights and the low-rank term's matmuls to the baseline's add.
   assert profiles['rw_lr']['categories']['residual']['ops'] > profiles['baseline_24']['categories']['residual']['ops']
+
+
+def _gpu_profile(tmp_path, *args, timeout=900):
+  command = [sys.executable, str(ROOT / 'scripts' / 'gpu_profile.py'), '--smoke', f'--cache={tmp_path}/cache',
+             f'--out={tmp_path}/gpu_profile_{{device}}.json', *args]
+  return subprocess.run(command, cwd=ROOT, text=True, capture_output=True, env=cli_env(), timeout=timeout, check=False)
+
+
+@pytest.mark.slow
+def test_gpu_profile_writes_each_jobs_times_profile_and_the_ab_ratios(tmp_path):
+  """scripts/gpu_profile.py --smoke on the CPU: three of its jobs, each in its own process; the CPU's trace grouped."""
+  result = _gpu_profile(tmp_path, '--jobs=gpu,one_hot,gpu_rw_lr_pa', '--budget_s=800')
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  out = json.loads((tmp_path / 'gpu_profile_cpu.json').read_text())
+  assert out['device']['device_kind'] == 'cpu' and out['device']['jax_version'] and out['smoke']
+  jobs = {j['name']: j for j in out['jobs']}
+  assert list(jobs) == ['gpu', 'one_hot', 'gpu_rw_lr_pa'] and {j['status'] for j in jobs.values()} == {'ok'}
+  assert 'model.embed_lookup=one_hot' in jobs['one_hot']['job']['overrides']
+  for j in jobs.values():
+    assert len(j['step_times_s']) == 2 and j['compile_s'] > 0 and j['params'] > 0 and j['mfu'] is None  # no CPU peak
+    assert j['tokens_per_s'] == pytest.approx(64 / j['step_time_s'])
+  assert out['ab'] == [{'name': 'one_hot', 'step_time_s': jobs['one_hot']['step_time_s'], 'mfu': None,
+                        'step_time_ratio': round(jobs['one_hot']['step_time_s'] / jobs['gpu']['step_time_s'], 4)}]
+  assert 'profile' not in jobs['one_hot'] and 'profile of gpu_rw_lr_pa: ' in result.stdout
+  profiles = {name: jobs[name]['profile'] for name in ('gpu', 'gpu_rw_lr_pa')}
+  for profile in profiles.values():
+    groups = profile['categories']
+    assert list(groups) == list(step_profile.CATEGORIES) and profile['source'] == 'host'  # CPU thunks
+    assert sum(g['share'] for g in groups.values()) == pytest.approx(1.0)
+    for name in ('embedding', 'attention', 'matmul', 'loss', 'optimizer'):
+      assert groups[name]['ops'] > 0, name
+  assert profiles['gpu_rw_lr_pa']['categories']['residual']['ops'] > profiles['gpu']['categories']['residual']['ops']
+
+
+@pytest.mark.slow
+def test_gpu_profile_records_a_job_out_of_time_and_overwrites_nothing(tmp_path):
+  (tmp_path / 'gpu_profile_cpu.json').write_text('{"a good": "file"}')
+  result = _gpu_profile(tmp_path, '--jobs=gpu', '--budget_s=1', timeout=120)
+  assert result.returncode == 1 and 'gpu: timed out after 1 s' in result.stdout, result.stdout + result.stderr
+  assert result.stderr.endswith("error: no job ran to the end (their output above); nothing written\n")
+  assert (tmp_path / 'gpu_profile_cpu.json').read_text() == '{"a good": "file"}'
+  bad = _gpu_profile(tmp_path, '--jobs=gpu,nope', timeout=120)
+  assert bad.returncode == 2 and bad.stderr.endswith("error: --jobs: unknown job 'nope' (known: gpu, paper, one_hot, "
+                                                     "unrolled, xla_attention, no_command_buffers, jax_toolbox, "
+                                                     "gpu_rw_lr_pa)\n")
