@@ -3,6 +3,7 @@ figures collected from its runs, their statistics against Baseline-24, the prove
 whose first line says what the table can claim, and the chart."""
 
 import json
+import re
 import statistics
 
 import common  # puts the repo root on sys.path
@@ -278,3 +279,8 @@ def check_corpora(workdir: epath.Path, corpora: dict):
                          f'{here}: continue it where its corpus is, or give another --workdir and merge the tables '
                          'with --from_json')
 
+
+def preset_of(command: str, default: str) -> str:
+  """The preset a table's command trained (tables written before the JSON kept a `preset` hold it only there)."""
+  found = re.search(r'--preset[= ](\w+)', command)
+  return found[1] if found else default

@@ -95,7 +95,7 @@ def restate(table: str, all_rows, with_paper: bool):
     raise InputError(f'--from_json={_FROM_JSON.value[0]}: row {unknown[0]!r} is not in --table={table}')
   out = epath.Path(_OUT.value or epath.Path(_FROM_JSON.value[0]).parent)
   common.hold_folder(out, 'out')
-  preset = result.get('preset', _PRESET.value)
+  preset = result.get('preset') or ablation_table.preset_of(result['command'], _PRESET.default)
   stem, command, reruns = f'{table}_{preset}', common.command(), result.get('reruns', [])
   text = markdown(rows, result['command'], with_paper, preset)
   text += ''.join(f"\nSeeds of rows {', '.join(r['rows'])} from: `{r['command']}`\n" for r in reruns)

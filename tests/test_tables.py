@@ -430,3 +430,9 @@ def test_the_paper_preset_needs_its_data_path_and_prints_it_in_every_command():
   assert len(lines) == 4 and all(line.endswith(' --config.data.path=gs://bucket/c4') for line in lines)
   assert lines[0].startswith('python -m laurel.main --config=configs/c4_ablation.py:baseline_24,preset=paper ')
   assert [re.search(r'--config\.seed=(\d+)', line).group(1) for line in lines] == ['3', '3', '4', '4']
+
+
+def test_a_table_written_before_the_json_kept_its_preset_is_restated_under_the_preset_its_command_trained():
+  committed = json.loads((ROOT / 'results' / 'c4_ablation_gpu.json').read_text())
+  assert ablation_table.preset_of(committed['command'], 'tiny') == 'gpu'
+  assert ablation_table.preset_of('python scripts/reproduce_c4_ablation.py --seeds=3', 'tiny') == 'tiny'
