@@ -21,7 +21,8 @@ a metrics line every step and a 2-batch final eval, so that a CPU runs it in abo
 Issue 54's parts, each case as its "What must hold" says (the statuses: the constants below, laurel's own where it
 names them):
   lease          a restarted container (unshare --pid, else pid 1 simulated), a holder stopped for --stop_s, a
-                 second run with its clock 90 s ahead, a dead lease whose heartbeat is an hour ahead.
+                 second run with its clock 90 s ahead, another holder's lease written over a live run's (fencing),
+                 a dead lease whose heartbeat is an hour ahead.
   checksums      SIGKILL once checkpoint 25 is saved, then a bit flipped in it.
   disk           a tmpfs that fills at the third checkpoint, one full at start, one turned read-only at step 12
                  (root: mount -t tmpfs).
@@ -794,6 +795,26 @@ def skewed_clock(ref_rows):
   return second_run_on_a_live_holder(ref_rows, 'skewed_clock', patch='clock+90')
 
 
+def lease_taken_while_running(ref_rows) -> tuple[dict, list[str]]:
+  """Point 2 (fencing): another holder's lease written over a live run's at step 5: the run stops in one line
+  (FENCED) before its next checkpoint, and leaves the other's lease and the log's steps as they were."""
+  del ref_rows
+  workdir = fresh('lease_taken_while_running')
+  first = Started(w_command(workdir), workdir, 'first')
+  why = [] if first.wait_for(f'step 5/{STEPS}') else ['step 5 not reached']
+  write_lease(workdir, host='another-host', pid=1, token='intruder', heartbeat=time.time() + 5)
+  taken_at = max((r['step'] for r in metrics(workdir) if 'loss' in r), default=0)
+  result = first.wait()
+  why += one_line_stop(result, FENCED)
+  lease_now = (workdir / 'lease.json').read_text() if (workdir / 'lease.json').is_file() else ''
+  if 'intruder' not in lease_now:
+    why.append('the other holder\'s lease was overwritten or removed')
+  saved = [int(p.name) for p in (workdir / 'checkpoints').glob('*') if p.name.isdigit()]
+  if any(step > taken_at + EVERY for step in saved):
+    why.append(f'checkpoints {sorted(saved)} saved after the lease was taken at step {taken_at}')
+  return {'taken_at_step': taken_at, 'rc': result['rc'], 'stderr': error_lines(result['stderr'])[-2:]}, why
+
+
 def heartbeat_from_a_clock_ahead(ref_rows) -> tuple[dict, list[str]]:
   """Point 6: the lease of a run on another host whose clock is an hour ahead, no longer renewed: it blocks the
   workdir no longer than the stale limit, and no line names a negative age."""
@@ -924,26 +945,29 @@ def two_scripts(command_of, name: str, check) -> tuple[dict, list[str]]:
   folder = fresh(name).parent
   started = [Started(command_of(folder, i), folder / f'script{i}' / 'x', f'script{i}') for i in range(2)]
   results = [s.wait(timeout=1800) for s in started]
-  why = []
+  why = [] if any(r['rc'] == 0 for r in results) else ['neither script finished']
   for i, result in enumerate(results):
     if result['rc'] != 0 and one_line_stop(result, None):
       why.append(f"script {i}: rc {result['rc']}, {error_lines(result['stderr'])[-2:]}")
   return {'rcs': [r['rc'] for r in results], 'command': shown(command_of(folder, 0))}, why + check(folder, results)
 
 
-SHORT = ['--set=steps=10', '--set=eval_steps=2', '--set=checkpoint_every=10', '--set=log_every=5']
+SHORT = ['--set=steps=10', '--set=optimizer.warmup_steps=5', '--set=eval_steps=2', '--set=checkpoint_every=10',
+         '--set=log_every=5']
 
 
 def two_tables(ref_rows):
   del ref_rows
   rows = ('baseline_24', 'rw')
   command = lambda folder, i: [sys.executable, 'scripts/reproduce_c4_ablation.py', '--preset=tiny', '--seeds=1',
-                               f'--rows={rows[i]}', f'--workdir={folder / "runs"}', f'--out={folder / "out"}', *SHORT]
+                               f'--rows={rows[i]}', f'--workdir={folder / f"runs{i}"}', f'--out={folder / "out"}',
+                               *SHORT]
 
   def check(folder, results):
-    tables = ''.join(p.read_text() for p in (folder / 'out').glob('*.json'))
-    finished = [row for row, r in zip(rows, results) if r['rc'] == 0]
-    return [f'the table lacks {row}' for row in finished if f'"{row}"' not in tables]
+    table = folder / 'out' / 'c4_ablation_tiny.json'
+    measured = {r['name'] for r in json.loads(table.read_text())['rows'] if r.get('test_losses')} if (
+        table.exists()) else set()
+    return [f'the table lacks {row}' for row, r in zip(rows, results) if r['rc'] == 0 and row not in measured]
   return two_scripts(command, 'two_tables', check)
 
 
@@ -1057,13 +1081,14 @@ def next_commands_quote_the_workdir(ref_rows) -> tuple[dict, list[str]]:
     named = [a.split('=', 1)[1] for a in shlex.split(generate[0]) if a.startswith('--workdir=')] if generate else []
   except ValueError:
     named = []
-  ok = result['rc'] == 0 and named and os.path.samefile(ROOT / named[0], workdir)
+  ok = result['rc'] == 0 and named and (ROOT / named[0]).resolve() == workdir.resolve()
   return {'next': generate[:1]}, [] if ok else [f"rc {result['rc']}, the command names {named}: {generate[:1]}"]
 
 
 ISSUE54 = {
     'lease': {'restarted_container': restarted_container, 'stopped_holder': stopped_holder,
-              'skewed_clock': skewed_clock, 'heartbeat_from_a_clock_ahead': heartbeat_from_a_clock_ahead},
+              'skewed_clock': skewed_clock, 'lease_taken_while_running': lease_taken_while_running,
+              'heartbeat_from_a_clock_ahead': heartbeat_from_a_clock_ahead},
     'checksums': {'crash_then_flipped_bit': crash_then_flipped_bit},
     'disk': {'full_disk': full_disk, 'disk_full_at_start': disk_full_at_start, 'read_only_mid_run': read_only_mid_run},
     'tables': {'two_tables': two_tables, 'two_sweeps': two_sweeps},
