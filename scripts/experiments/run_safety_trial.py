@@ -69,7 +69,8 @@ _PARTS = flags.DEFINE_list('parts', ['signals', 'phase_signals', 'damage', 'bad_
 _HOST_MEMORY = flags.DEFINE_bool('host_memory_case', False, 'Also data.seq_len=100000 (issue 40 point 6): a compile '
                                   'that may exhaust the host\'s memory before laurel checks it.')
 _RESULT = flags.DEFINE_string('result', 'results/run_safety_trial.json', 'The summary (JSON).')
-_CASES = flags.DEFINE_list('cases', [], "Only these cases of issue 54's parts (e.g. peer_death); default: all.")
+_CASES = flags.DEFINE_list('cases', [], 'Only these cases of the damage part and issue 54\'s (e.g. peer_death); '
+                           'default: all.')
 _STOP_S = flags.DEFINE_float('stop_s', 65, 'How long the lease case stops its first run (SIGSTOP): past the lease\'s '
                              'stale limit (60 s, or --lease_timing\'s).')
 _LEASE_TIMING = flags.DEFINE_string('lease_timing', '', "HEARTBEAT_S,STALE_S of the lease cases' runs (e.g. 1,8 with "
@@ -489,7 +490,7 @@ def check_damage(kind, expected, workdir, before_metrics, setup, result, cases_e
 
 def damage(cases: Cases) -> None:
   for kind, (apply, expected) in damage_kinds().items():
-    if f'damage_{kind}' in cases.done:
+    if f'damage_{kind}' in cases.done or (_CASES.value and kind not in _CASES.value):
       continue
     workdir = OUT / 'damage' / kind
     shutil.rmtree(workdir, ignore_errors=True)
