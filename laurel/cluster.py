@@ -18,6 +18,10 @@ from laurel import config_lib, console
 
 JOIN_FAILED = 4  # the launchers' retry policies know it: restart every process together
 JOIN_TIMEOUT_S = 300  # jax's own default
+PEER_LOST = JOIN_FAILED  # a process of the run died: restart every process together
+PEER_TIMEOUT_S = 20.0  # a peer silent this long is lost (jax waits for its 100 s heartbeat timeout, then aborts)
+PEER_BEAT_S = 2.0
+PREEMPTED = 42  # stopped with a checkpoint before it finished: xpk, JobSet and slurm_train.sbatch restart it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +54,14 @@ def detect(environ=None) -> Environment | None:
            'pods and jobs, and start every pod of the Job together (docs/clusters.md)')
     return Environment('Kubernetes Indexed Job', None, f'JOB_COMPLETION_INDEX={env["JOB_COMPLETION_INDEX"]}', fix)
   return None
+
+
+def preempted_exit(flag: int | None, environ=None) -> int:
+  """The exit status of a run stopped before it finished: --preempted_exit where given; else PREEMPTED under a
+  scheduler, which would read 0 as finished and never restart it; else 0."""
+  if flag is not None:
+    return flag
+  return PREEMPTED if detect(environ) is not None else 0
 
 
 def _count(env, name: str) -> int:
@@ -85,6 +97,9 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
   if found.processes is not None and jax.process_count() != found.processes:
     config_lib.fail(f'{found.source}: names {found.processes} processes, but jax joined {jax.process_count()} '
                     f'(it found another environment); {found.fix}', code=JOIN_FAILED)
+  if jax.process_count() > 1:
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel  # where jax keeps its client
+    PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count()).start()
   devices = jax.devices()
   print(f'cluster: {found.name} ({found.source}): process {jax.process_index()} of {jax.process_count()} on '
         f'{socket.gethostname()}, {jax.local_device_count()} of {len(devices)} {devices[0].platform} devices',
@@ -127,6 +142,93 @@ def _initialize(found: Environment, timeout_s: float, **arguments):
                     f'jax.distributed.initialize() could not join them ({reason}); {found.fix}', code=JOIN_FAILED)
   finally:  # whatever ended the wait, the timer must not end the process later
     timer.cancel()
+
+
+class PeerWatch:
+  """Each process of a run beats in the coordinator's key-value store every `beat_s`. Where a peer's beat stops for
+  `timeout_s` (it died, or its host did; the coordinator not answering: process 0), this process ends with one line
+  naming it and PEER_LOST, instead of a traceback of the failed collective and, 54-100 s later, jax's abort with a
+  C++ stack. A process that ended its work says so (`finish`): it is not lost."""
+  PREFIX = 'laurel/peers/'
+  running = None  # this process's watch, once started
+
+  def __init__(self, client, process_id: int, processes: int, timeout_s: float = PEER_TIMEOUT_S,
+               beat_s: float = PEER_BEAT_S, end=os._exit):  # pylint: disable=protected-access
+    self.client, self.process_id, self.processes = client, process_id, processes
+    self.timeout_s, self.beat_s, self.end = timeout_s, beat_s, end
+    self.beats, self.last_seen = 0, {}  # peer: (its last beat, when it last changed)
+    self.finished = threading.Event()
+
+  def start(self) -> 'PeerWatch':
+    self._set('who', f'pid {os.getpid()} on host {socket.gethostname()}')
+    PeerWatch.running = self
+    threading.Thread(target=self._watch, daemon=True, name='laurel-peers').start()
+    return self
+
+  def finish(self):
+    self.finished.set()
+    self._set('beat', 'done')
+
+  def _set(self, kind: str, value: str):
+    try:
+      self.client.key_value_set(f'{self.PREFIX}{kind}/{self.process_id}', value, allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except  # the coordinator is gone: the watch will say so
+      pass
+
+  def _read(self, kind: str) -> dict[int, str]:
+    pairs = self.client.key_value_dir_get(f'{self.PREFIX}{kind}/')
+    return {int(key.rsplit('/', 1)[-1]): value for key, value in pairs}
+
+  def _watch(self):
+    polled = answered = time.monotonic()
+    while not self.finished.wait(self.beat_s):
+      now = time.monotonic()
+      if now - polled > 2 * self.beat_s + 1.0:  # this process was stopped (SIGSTOP): no peer was silent meanwhile
+        answered, self.last_seen = now, {peer: (beat, now) for peer, (beat, _) in self.last_seen.items()}
+      polled, self.beats = now, self.beats + 1
+      try:
+        self.client.key_value_set(f'{self.PREFIX}beat/{self.process_id}', str(self.beats), allow_overwrite=True)
+        beats = self._read('beat')
+      except Exception as e:  # pylint: disable=broad-except  # whatever the client raises
+        if now - answered > self.timeout_s:
+          self._lost([0], f'the coordinator does not answer ({type(e).__name__})')
+        continue
+      answered = now
+      for peer in set(range(self.processes)) - {self.process_id}:
+        beat = beats.get(peer)
+        if peer not in self.last_seen or self.last_seen[peer][0] != beat:
+          self.last_seen[peer] = (beat, now)
+      silent = [peer for peer, (beat, since) in sorted(self.last_seen.items())
+                if beat != 'done' and now - since > self.timeout_s]
+      if silent:
+        self._lost(silent, f'no beat for {self.timeout_s:g} s')
+
+  def _lost(self, peers: list[int], why: str):
+    try:
+      who = self._read('who')
+    except Exception:  # pylint: disable=broad-except
+      who = {}
+    named = ', '.join(f'process {p} of {self.processes}' + (f' ({who[p]})' if p in who else '') for p in peers)
+    print(f'error: lost {named}: {why}; it died, or its host did. Process {self.process_id} ends too, with status '
+          f'{PEER_LOST}, so that the scheduler restarts every process from the last checkpoint', file=sys.stderr,
+          flush=True)
+    sys.stdout.flush()
+    self.finished.set()  # where `end` returns (a test), the watch is over
+    self.end(PEER_LOST)
+
+
+def finish_peer_watch():
+  """This process ended its work: its peers do not count it lost when it exits."""
+  if PeerWatch.running is not None:
+    PeerWatch.running.finish()
+
+
+def await_lost_peer():
+  """After a failure in a run of several processes: waits as long as the watch needs to tell whether a peer was lost
+  (then it ends this process in one line); returns where none was, and the failure is this process's own."""
+  watch = PeerWatch.running
+  if watch is not None and not watch.finished.is_set():
+    watch.finished.wait(watch.timeout_s + 3 * watch.beat_s)
 
 
 def local_device_ids(environ=None) -> list[int] | None:

@@ -112,12 +112,23 @@ def duration(seconds: float) -> str:
   return f'{minutes}m{int(seconds % 60):02d}s' if minutes < 60 else f'{minutes // 60}h{minutes % 60:02d}m'
 
 
+class Phase:
+  """What a phase's body tells `phase`: `cut(why)` where it stopped before its work was done."""
+
+  def __init__(self):
+    self.cut_by = None
+
+  def cut(self, why: str) -> None:
+    self.cut_by = why
+
+
 @contextlib.contextmanager
 def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
-  """Prints `what...`, `  still <what> (<time>)` every `every_s` s, then `<what>: done in <time>` unless it raises."""
+  """Prints `what...`, `  still <what> (<time>)` every `every_s` s, then `<what>: done in <time>` unless it raises,
+  or `<what>: interrupted (<why>) after <time>` where the body called `cut(why)` on the Phase it was given."""
   say = lambda line: print(line, file=file or sys.stdout, flush=True)
   say(f'{what}...')
-  start, done = time.perf_counter(), threading.Event()
+  start, done, progress = time.perf_counter(), threading.Event(), Phase()
 
   def heartbeat():
     while not done.wait(every_s):
@@ -126,11 +137,12 @@ def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
   thread = threading.Thread(target=heartbeat, daemon=True, name='laurel-heartbeat')
   thread.start()
   try:
-    yield
+    yield progress
   finally:
     done.set()
     thread.join()
-  say(f'{what}: done in {duration(time.perf_counter() - start)}')
+  took = duration(time.perf_counter() - start)
+  say(f'{what}: interrupted ({progress.cut_by}) after {took}' if progress.cut_by else f'{what}: done in {took}')
 
 
 # Bookkeeping of a logged row, shown in their own places on the console line (or only in metrics.jsonl).

@@ -6,11 +6,13 @@
 --config: a config file with its argument, a shipped config by name (c4_ablation, imagenet_resnet50, llm,
 residual_designs), or WORKDIR (or WORKDIR/config.json): the config a run saved. Rerun the same command to resume.
 Exit status: 2 and one line for bad input (resuming with another config included, unless --allow_config_change),
-before anything is compiled or touched; 0 (or --preempted_exit) after SIGTERM or Ctrl-C in the train loop, which
-saves a checkpoint; 130 (143 for SIGTERM) and one line for either before the loop; 3 for a loss that is not finite;
-4 for processes that did not all join (docs/clusters.md); 5 for a workdir another live run holds; 6 for a run whose
-workdir another run took over (it stopped before writing again); 74 and one line for a write the storage refused (full,
-read-only, no permission); 75 for a hung loop (config.watchdog_*); 1 with a traceback for anything else.
+before anything is compiled or touched; after SIGTERM or Ctrl-C in the train loop, which saves a checkpoint,
+--preempted_exit: by default 42 (PREEMPTED) under a scheduler (Slurm, Kubernetes, Open MPI, a TPU VM), which must
+not read the stopped run as finished, else 0; 130 (143 for SIGTERM) and one line for either before the loop; 3 for a
+loss that is not finite or a checkpoint save that failed; 4 for processes that did not all join, or a process of the
+run lost (docs/clusters.md); 5 for a workdir another live run holds; 6 for a run whose workdir another run took over
+(it stopped before writing again); 74 and one line for a write the storage refused (full, read-only, no permission);
+75 for a hung loop (config.watchdog_*); 1 with a traceback for anything else.
 """
 
 from laurel import console  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
@@ -35,9 +37,11 @@ _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of processe
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process (multi-process).')
 _JOIN_TIMEOUT = flags.DEFINE_float('join_timeout', cluster.JOIN_TIMEOUT_S, 'Seconds for every process of a '
                                    'multi-process run to join before each exits with status 4 (docs/clusters.md).')
-_PREEMPTED_EXIT = flags.DEFINE_integer('preempted_exit', 0, 'Exit status of a run that SIGTERM or Ctrl-C stopped, '
-                                      'with a checkpoint, before its last step: 42 has xpk, JobSet and '
-                                      'scripts/slurm_train.sbatch restart it (docs/clusters.md).')
+PREEMPTED = cluster.PREEMPTED  # 42: stopped with a checkpoint before it finished (a scheduler restarts it)
+_PREEMPTED_EXIT = flags.DEFINE_integer('preempted_exit', None, 'Exit status of a run that SIGTERM or Ctrl-C stopped, '
+                                      'with a checkpoint, before it finished: by default 42 under a scheduler '
+                                      '(Slurm, Kubernetes, Open MPI, a TPU VM), which xpk, JobSet and '
+                                      'scripts/slurm_train.sbatch restart, else 0 (docs/clusters.md).')
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     'allow_config_change', False, 'Resume checkpoints trained with another config in fields other than the resumable '
     'ones (steps, the log/eval/checkpoint cadence, the mesh, input workers), which always may change. The change is '
@@ -101,8 +105,12 @@ def main(argv):
     config_lib.fail(str(e), code=3)
   except KeyboardInterrupt:  # Ctrl-C before the first step (in the loop it saves a checkpoint)
     config_lib.fail('interrupted before training started; nothing was saved', code=130)
+  except Exception:  # a collective that failed as a peer died: one line naming it (laurel.cluster), not this
+    cluster.await_lost_peer()
+    raise
+  cluster.finish_peer_watch()
   if final.get('preempted'):
-    sys.exit(_PREEMPTED_EXIT.value)
+    sys.exit(cluster.preempted_exit(_PREEMPTED_EXIT.value))
 
 
 def run():

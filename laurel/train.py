@@ -112,6 +112,11 @@ class MetricsLog:
         self.path.write_text(''.join(self.lines))
       self.info = {}
 
+  def step_times(self) -> list[float]:
+    """The step_time_s of every train line logged, by earlier runs too (process 0 alone reads the log)."""
+    rows = (json.loads(line) for line in self.lines)
+    return [row['step_time_s'] for row in rows if isinstance(row.get('step_time_s'), (int, float))]
+
 
 def check_inputs(task, workdir: epath.Path) -> None:
   """As one-line InputErrors, what would otherwise fail after compiling: remote paths, data, extras, the workdir."""
@@ -342,9 +347,10 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       """The eval metrics, or None where SIGTERM or Ctrl-C came during the eval of one process (several hosts finish
       it: each batch is a collective step)."""
       it, totals, loss_batches = iter(local_dataset(task, train=False)), {}, []
-      with console.phase(f'evaluating on {cfg.eval_steps} batches'):
+      with console.phase(f'evaluating on {cfg.eval_steps} batches') as progress:
         for _ in range(cfg.eval_steps):
           if preempted and nproc == 1:
+            progress.cut(signal.Signals(preempted[0]).name)  # its line must not say done
             return None
           batch_metrics = jax.device_get(eval_step(state, sharding.global_batch(next(it), mesh)))
           for name, sum_and_weight in batch_metrics.items():  # weighted means over the batches
@@ -355,6 +361,14 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       eval_noise.update(loss_se=weighted_mean_se(*zip(*loss_batches)), batches=len(loss_batches),
                         **{task.unit: int(totals['loss'][1])})
       return {f'eval_{k}': float(s / max(w, 1.0)) for k, (s, w) in totals.items()}
+
+    def evaluate_and_log(step):
+      """The eval metrics, logged and printed; None where the eval was interrupted (see evaluate)."""
+      metrics = evaluate()
+      if metrics is not None:
+        log.write(step, metrics)
+        print(console.eval_line(step, cfg.steps, metrics), flush=True)
+      return metrics
 
     def check_finite(step, metrics, saving=None):  # before a save also the state: only a finite one is a checkpoint
       loss = float(metrics['loss'])
@@ -376,7 +390,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     handler = _preemption_handler(preempted, nproc)
     for signum in (signal.SIGTERM, signal.SIGINT) if nproc == 1 else (signal.SIGINT,):
       cleanup.callback(signal.signal, signum, signal.signal(signum, handler))  # the old handler back at the end
-    eval_metrics, eval_noise, pending, step_times, interval = {}, {}, None, [], []
+    eval_metrics, eval_noise, pending, interval = {}, {}, None, []
     t0, interval_start = time.time(), start
     watchdog.start()
     for done in range(start + 1, cfg.steps + 1):
@@ -393,7 +407,6 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       if done % cfg.log_every == 0 or last or stop:
         check_finite(*pending)
         dt = (time.time() - t0) / (done - interval_start)
-        step_times.append(dt)
         row, interval = interval_mean(jax.device_get(interval)), []
         row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
                    peak_memory_bytes=peak_memory, params=num_params,
@@ -403,12 +416,9 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
         log.write(done, row)
         print(console.step_line(done, cfg.steps, row, task.unit), flush=True)
       if done % cfg.eval_every == 0 or last:
-        eval_metrics = evaluate()
+        eval_metrics = evaluate_and_log(done)
         if eval_metrics is None:  # interrupted: this step's checkpoint, then exit; a rerun evaluates it
           eval_metrics, stop = {}, True
-        else:
-          log.write(done, eval_metrics)
-          print(console.eval_line(done, cfg.steps, eval_metrics), flush=True)
       if done % cfg.checkpoint_every == 0 or last or stop:
         check_finite(*pending, saving=state)
         fence(every_process=True)
@@ -422,15 +432,13 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
         print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
         return {'step': done, 'preempted': True}
     if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
-      eval_metrics = evaluate()
+      eval_metrics = evaluate_and_log(cfg.steps)
     stop_if_a_save_failed(wait=True)
     if eval_metrics is None:
       print(f'preempted: checkpoint {cfg.steps} in {workdir} is not evaluated yet; rerun the same command', flush=True)
       return {'step': cfg.steps, 'preempted': True}
     final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
-             'peak_memory_bytes': peak_memory,
-             'median_step_time_s': float(np.median(step_times)) if step_times else None, **info,
-             'finished_at': utc()}
+             'peak_memory_bytes': peak_memory, **median_step_time(log.step_times()), **info, 'finished_at': utc()}
     log.writer.write_summary(final)
 
   if jax.process_index() == 0:
@@ -439,6 +447,14 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       write_text_atomic(workdir / 'final.json', json.dumps(final, indent=2) + '\n')
     print(summary(cfg, workdir, final, time.perf_counter() - started), flush=True)
   return final
+
+
+def median_step_time(step_times: list[float]) -> dict:
+  """final.json's median_step_time_s over every logged interval of every run of the workdir; null, and why, where
+  none was timed."""
+  if step_times:
+    return {'median_step_time_s': float(np.median(step_times))}
+  return {'median_step_time_s': None, 'median_step_time_why': 'metrics.jsonl holds no timed step of any run'}
 
 
 def interval_mean(rows: list[dict]) -> dict:

@@ -94,6 +94,103 @@ def test_a_process_whose_peer_never_starts_fails_in_one_line(tmp_path, launcher,
   assert not (tmp_path / 'run').exists()
 
 
+@pytest.mark.parametrize('environ, flag, status', [
+    ({'SLURM_JOB_ID': '7', 'SLURM_NTASKS': '2'}, None, 42),  # sbatch requeues 42; 0 would end the job unfinished
+    ({'JOB_COMPLETION_INDEX': '0', 'KUBERNETES_SERVICE_HOST': '10.0.0.1'}, None, 42),
+    ({'OMPI_COMM_WORLD_SIZE': '2'}, None, 42),
+    ({'SLURM_JOB_ID': '7'}, 0, 0),  # an explicit --preempted_exit wins
+    ({}, None, 0),  # a shell: Ctrl-C saves and exits 0
+    ({}, 42, 42),
+])
+def test_a_stopped_run_exits_42_under_a_scheduler_unless_told_otherwise(monkeypatch, environ, flag, status):
+  monkeypatch.setattr(cluster, 'on_tpu_vm', lambda: False)
+  assert cluster.preempted_exit(flag, environ) == status
+
+
+class _KeyValueStore:
+  """The coordinator's key-value store as jax's client offers it; `down` makes every call fail."""
+
+  def __init__(self):
+    self.values, self.down = {}, False
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    assert allow_overwrite
+    if self.down:
+      raise RuntimeError('UNAVAILABLE: failed to connect')
+    self.values[key] = value
+
+  def key_value_dir_get(self, prefix):
+    if self.down:
+      raise RuntimeError('UNAVAILABLE: failed to connect')
+    return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def _watch_until_it_ends(store, process_id=0, beat_of_peer=None, seconds=10.0):
+  """Process `process_id` of 2 watching; the peer beats through `beat_of_peer(beat)` (returns False: it stops)."""
+  ended = []
+  watch = cluster.PeerWatch(store, process_id, 2, timeout_s=0.4, beat_s=0.05, end=ended.append).start()
+  peer = 1 - process_id
+  store.key_value_set(f'{watch.PREFIX}who/{peer}', 'pid 77 on host node-b', allow_overwrite=True)
+  deadline, beat = time.monotonic() + seconds, 0
+  while not ended and time.monotonic() < deadline:
+    beat += 1
+    if beat_of_peer is None or beat_of_peer(beat):
+      store.key_value_set(f'{watch.PREFIX}beat/{peer}', str(beat), allow_overwrite=True)
+    time.sleep(0.02)
+  watch.finished.set()
+  return ended
+
+
+def test_a_peer_that_stops_beating_ends_the_run_in_one_line_naming_it(capsys):
+  ended = _watch_until_it_ends(_KeyValueStore(), beat_of_peer=lambda beat: beat < 20)
+  assert ended == [cluster.PEER_LOST]
+  lines = capsys.readouterr().err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: lost process 1 of 2 (pid 77 on host node-b): no beat for '
+                                                 '0.4 s; it died, or its host did. Process 0 ends too'), lines
+
+
+def test_a_peer_that_beats_or_finished_is_never_lost(capsys):
+  assert not _watch_until_it_ends(_KeyValueStore(), seconds=1.5)
+  store = _KeyValueStore()
+  assert not _watch_until_it_ends(store, beat_of_peer=lambda beat: beat < 5 or store.values.update(
+      {'laurel/peers/beat/1': 'done'}), seconds=1.5)
+  assert capsys.readouterr().err == ''
+
+
+def test_a_coordinator_that_stops_answering_is_process_0_lost(capsys):
+  store = _KeyValueStore()
+  ended = _watch_until_it_ends(store, process_id=1, beat_of_peer=lambda beat: beat < 10 or setattr(store, 'down', True))
+  assert ended == [cluster.PEER_LOST]
+  assert capsys.readouterr().err.startswith('error: lost process 0 of 2: the coordinator does not answer')
+
+
+@pytest.mark.slow
+def test_a_peer_that_dies_ends_the_other_process_in_one_line_naming_it(tmp_path):
+  """Process 1 of a two-process Slurm run killed in the loop: process 0, whose collective fails, ends with one line
+  naming process 1 and status 4 (jax alone: a traceback, then 54-100 s later an abort with a C++ stack)."""
+  overrides = {**TINY_LM, 'steps': 100_000, 'checkpoint_every': 100_000, 'eval_every': 100_000, 'data_shards': 2}
+  port, outs = free_port(), [tmp_path / f'process_{i}.out' for i in range(2)]
+  procs = []
+  for i, out in enumerate(outs):
+    with out.open('w') as f:  # files: a pipe left unread would stall a run
+      procs.append(subprocess.Popen(cli_args(SPEC, tmp_path / 'run', overrides), env=cluster_env('slurm', i, 2, port),
+                                    stdout=f, stderr=subprocess.STDOUT))
+  try:
+    deadline = time.time() + 240
+    while 'step 3/' not in outs[0].read_text():
+      assert all(p.poll() is None for p in procs) and time.time() < deadline, outs[0].read_text()[-2000:]
+      time.sleep(0.1)
+    procs[1].kill()
+    assert procs[0].wait(timeout=120) == cluster.PEER_LOST, outs[0].read_text()[-3000:]
+  finally:
+    for p in procs:
+      p.kill()
+  text = outs[0].read_text()
+  errors = [l for l in text.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and errors[0].startswith('error: lost process 1 of 2 (pid '), text[-3000:]
+  assert 'Traceback' not in text and 'Fatal Python error' not in text and 'Check failure' not in text
+
+
 def _dead_pid() -> int:
   child = subprocess.Popen([sys.executable, '-c', 'pass'])
   child.wait()

@@ -221,6 +221,14 @@ def test_phase_prints_a_heartbeat_and_its_duration(capsys):
   assert re.fullmatch(r'compiling the step: done in 0\.\d s', out[-1])
 
 
+def test_a_phase_that_was_cut_says_so_and_never_done(capsys):
+  with console.phase('evaluating on 16 batches') as progress:
+    progress.cut('SIGTERM')
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == 'evaluating on 16 batches...'
+  assert re.fullmatch(r'evaluating on 16 batches: interrupted \(SIGTERM\) after 0\.\d s', out[-1]), out
+
+
 def test_pyproject_licence_is_an_spdx_string_for_a_setuptools_that_reads_it_silently():
   project = tomllib.loads((ROOT / 'pyproject.toml').read_text())
   assert project['project']['license'] == 'Apache-2.0'  # the table form printed a deprecation banner per build

@@ -6,6 +6,7 @@ import json
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -441,3 +442,28 @@ def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_an
   assert checkpoint.config_changes(saved, config)[1] == ['model.attention_scores']
   with pytest.raises(config_lib.InputError, match=r"model\.attention_scores='float32' \(now 'bfloat16'\)"):
     checkpoint.guard_config(config, tmp_path)
+
+
+# 6. A stop in the final eval is no finished run: its phase line says so, and the rerun logs the eval and its timing.
+
+@pytest.mark.slow
+def test_sigterm_in_the_final_eval_is_told_and_the_rerun_logs_its_eval_and_timing(tmp_path, monkeypatch, capsys):
+  config = load_config(SPEC, {**TINY_LM, 'eval_steps': 3})  # eval and checkpoint at the last step only
+  beat = train.Watchdog.beat
+
+  def terminated_after_an_eval_batch(watchdog, step=None):  # beat() without a step: an eval batch is done
+    if step is None:
+      signal.raise_signal(signal.SIGTERM)
+    beat(watchdog, step)
+
+  monkeypatch.setattr(train.Watchdog, 'beat', terminated_after_an_eval_batch)
+  assert train.train(config, str(tmp_path), devices=jax.devices()[:1]) == {'step': 6, 'preempted': True}
+  out = capsys.readouterr().out
+  assert re.search(r'^evaluating on 3 batches: interrupted \(SIGTERM\) after ', out, re.M), out[-1000:]
+  assert 'evaluating on 3 batches: done' not in out and not (tmp_path / 'final.json').exists()
+  monkeypatch.undo()
+  final = train.train(config, str(tmp_path), devices=jax.devices()[:1])
+  assert 'evaluating on 3 batches: done' in capsys.readouterr().out
+  rows = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in rows if 'eval_loss' in r] == [6] and final['eval_loss'] == rows[-1]['eval_loss']
+  assert final['median_step_time_s'] == np.median([r['step_time_s'] for r in rows if 'step_time_s' in r]) > 0

@@ -1,7 +1,9 @@
-"""The run-safety trial of issue 40, rerun: signals at random moments, checkpoint damage, bad command lines.
+"""The run-safety trial of issues 40 and 54: signals at random moments, checkpoint damage, bad command lines, and the
+layers around a run (lease, checksum lists, a full disk, scripts sharing a folder, exit statuses, a lost process).
 
   python scripts/experiments/run_safety_trial.py [--out=runs/run_safety_trial] [--signals=15] [--seed=0]
-      [--parts=signals,phase_signals,damage,bad_inputs] [--result=results/run_safety_trial.json]
+      [--parts=signals,phase_signals,damage,bad_inputs,lease,checksums,disk,tables,exits,peers,smaller]
+      [--cases=NAME,...] [--stop_s=65] [--lease_timing=HEARTBEAT_S,STALE_S] [--result=results/run_safety_trial.json]
 
 $T is the tiny rw_lr run, 30 steps, a checkpoint every 5 (warm-up 5 steps: the row's 50 is refused for 30 steps),
 a metrics line every step and a 2-batch final eval, so that a CPU runs it in about a minute.
@@ -11,16 +13,32 @@ a metrics line every step and a 2-batch final eval, so that a CPU runs it in abo
                  final parameters, optimizer state, input position, per-step metrics and eval bit-equal to the
                  reference's.
   phase_signals  the same, each signal 1 s into the compile and 0.2 s into the final eval.
-  damage         one kind of damage each to a copy of the finished reference run (its latest checkpoint, 30, or its
-                 run files), then $T with steps=35: recovered when the run does what laurel specifies for that damage
-                 (moved aside and resumed from checkpoint 25, taken as it is, or stopped in one line).
+  damage         one kind of damage each to a copy of the finished reference run (its latest checkpoint, 30, its
+                 checksum lists, its lease file or its run files), then $T with steps=35: recovered when the run does
+                 what laurel specifies for that damage (moved aside and resumed from checkpoint 25, taken as it is,
+                 or stopped in one line).
   bad_inputs     command lines that must exit non-zero with one `error:` line on stderr before anything compiles.
+Issue 54's parts, each case as its "What must hold" says (the statuses: the constants below, laurel's own where it
+names them):
+  lease          a restarted container (unshare --pid, else pid 1 simulated), a holder stopped for --stop_s, a
+                 second run with its clock 90 s ahead, another holder's lease written over a live run's (fencing),
+                 a dead lease whose heartbeat is an hour ahead.
+  checksums      SIGKILL once checkpoint 25 is saved, then a bit flipped in it.
+  disk           a tmpfs that fills at the third checkpoint, one full at start, one turned read-only at step 12
+                 (root: mount -t tmpfs).
+  tables         two reproduce_c4_ablation.py with one --out, two sweep.py on one --workdir, at once.
+  exits          SIGTERM at step 10 under Slurm's variables; SIGTERM in the final eval, with and without them.
+  peers          process 1 of a two-process Slurm simulation SIGKILLed at step 5.
+  smaller        a kill between the first config_history.jsonl line and config.json; next: commands quoting a
+                 workdir with spaces. (.tmp leftovers are a damage kind.)
 Every successful run's stderr is scanned for 'Event loop is closed' and tracebacks.
 
 Each case's result is added to OUT/cases_<part>.jsonl as it finishes; a rerun skips the cases done; parts may run in
 separate processes at once. The summary (every part's cases) is written to --result.
 """
 
+import ast
+import contextlib
 import json
 import os
 import pathlib
@@ -28,7 +46,9 @@ import platform
 import random
 import re
 import shutil
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,11 +63,18 @@ ROOT = common.ROOT
 _OUT = flags.DEFINE_string('out', 'runs/run_safety_trial', 'Folder of the trial\'s runs and its cases_*.jsonl.')
 _SIGNALS = flags.DEFINE_integer('signals', 15, 'Runs interrupted by a signal.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the signals and their moments.')
-_PARTS = flags.DEFINE_list('parts', ['signals', 'phase_signals', 'damage', 'bad_inputs'],
+_PARTS = flags.DEFINE_list('parts', ['signals', 'phase_signals', 'damage', 'bad_inputs', 'lease', 'checksums', 'disk',
+                                     'tables', 'exits', 'peers', 'smaller'],
                            'Which parts of the trial to run (each may run in its own process at once).')
 _HOST_MEMORY = flags.DEFINE_bool('host_memory_case', False, 'Also data.seq_len=100000 (issue 40 point 6): a compile '
                                   'that may exhaust the host\'s memory before laurel checks it.')
 _RESULT = flags.DEFINE_string('result', 'results/run_safety_trial.json', 'The summary (JSON).')
+_CASES = flags.DEFINE_list('cases', [], 'Only these cases of the damage part and issue 54\'s (e.g. peer_death); '
+                           'default: all.')
+_STOP_S = flags.DEFINE_float('stop_s', 65, 'How long the lease case stops its first run (SIGSTOP): past the lease\'s '
+                             'stale limit (60 s, or --lease_timing\'s).')
+_LEASE_TIMING = flags.DEFINE_string('lease_timing', '', "HEARTBEAT_S,STALE_S of the lease cases' runs (e.g. 1,8 with "
+                                    '--stop_s=12, for a shorter trial); default: the lease\'s own.')
 
 SPEC = f'{ROOT}/configs/c4_ablation.py:rw_lr,preset=tiny'
 STEPS, EVERY, LONGER = 30, 5, 35
@@ -56,6 +83,32 @@ T_FLAGS = [f'--config.steps={STEPS}', f'--config.checkpoint_every={EVERY}', '--c
 # The per-step figures that a resumed run must reproduce bit-exactly (not the timings).
 EXACT_FIELDS = ('loss', 'accuracy', 'grad_norm', 'learning_rate', 'eval_loss', 'eval_accuracy')
 NOISE = ('Event loop is closed', 'Traceback')
+
+
+def laurel_status(*names: str) -> int | None:
+  """The first of `names` that laurel's modules define as an integer constant (read, not imported), else None."""
+  for module in ('main', 'cluster', 'lease', 'checkpoint', 'checksums', 'train'):
+    path = ROOT / 'laurel' / f'{module}.py'
+    constants = {}
+    for node in ast.parse(path.read_text()).body if path.exists() else []:
+      if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        value = node.value
+        constants[node.targets[0].id] = (value.value if isinstance(value, ast.Constant)
+                                         else constants.get(value.id) if isinstance(value, ast.Name) else None)
+    for name in names:
+      if isinstance(constants.get(name), int) and not isinstance(constants[name], bool):
+        return constants[name]
+  return None
+
+
+# The exit statuses issue 54's cases expect, as laurel documents them where it names them; None: not named yet, so
+# any status but 0 (finished) and 1 (a traceback) passes.
+BAD_INPUT = 2
+PREEMPTED = laurel_status('PREEMPTED') or 42  # stopped before it finished, under a scheduler
+HELD = laurel_status('HELD') or 5  # another live run holds the workdir
+PEER_LOST = laurel_status('PEER_LOST') or 4  # a process of the run died
+FENCED = laurel_status('FENCED', 'LEASE_LOST', 'LOST')  # the run found its lease taken: it stops before writing
+SAVE_FAILED = laurel_status('SAVE_FAILED', 'DISK_FULL', 'NO_SPACE')  # a checkpoint could not be written
 CLUSTER_VARIABLES = ('SLURM_', 'OMPI_', 'PMIX_', 'JOB_COMPLETION_INDEX', 'KUBERNETES_SERVICE_HOST', 'JAX_COORDINATOR')
 
 
@@ -332,6 +385,8 @@ def config_change(workdir: pathlib.Path) -> None:
 #   kept: resumed from C (its data is whole), 35 steps; stop: exit 2 with one `error:` line.
 def damage_kinds():
   ckpt = lambda w: w / 'checkpoints' / str(STEPS)
+  listed = lambda w: ckpt(w) / 'checksums.process_0.json'
+  every_list = lambda w: (w / 'checkpoints').glob('*/checksums.process_*.json')
   return {
       'truncated_array_file': (lambda w: truncate(largest_array_file(ckpt(w))), 'moved'),
       'flipped_byte_in_array_data': (lambda w: flip_byte(largest_array_file(ckpt(w))), 'moved'),
@@ -353,7 +408,35 @@ def damage_kinds():
       'deleted_config_json_then_other_learning_rate': (config_change, 'stop_config'),
       'all_checkpoints_unreadable': (lambda w: [truncate(largest_array_file(w / 'checkpoints' / s))
                                                 for s in ('20', '25', '30')], 'stop_fresh'),
+      # issue 54 point 4: a damaged list alone never sets intact data aside, and is never a traceback
+      'checksum_list_random_bytes': (lambda w: listed(w).write_bytes(random.Random(54).randbytes(64)), 'kept'),
+      'checksum_list_empty_json_list': (lambda w: listed(w).write_text('[]'), 'kept'),
+      'checksum_list_without_files': (lambda w: listed(w).write_text('{"step": 30}'), 'kept'),
+      'checksum_list_truncated': (lambda w: truncate(listed(w)), 'kept'),
+      'every_checksum_list_truncated': (lambda w: [truncate(p) for p in every_list(w)], 'kept'),
+      # issue 54 point 6: a damaged lease file is taken over or refused in one line, never a traceback
+      'lease_heartbeat_of_a_wrong_type': (lambda w: write_lease(w, heartbeat='soon'), 'kept_or_stop'),
+      'lease_is_a_directory': (lambda w: (w / 'lease.json').mkdir(), 'kept_or_stop'),
+      'lease_random_bytes': (lambda w: (w / 'lease.json').write_bytes(random.Random(6).randbytes(64)),
+                             'kept_or_stop'),
+      # issue 54 point 9: the temporary files of atomic writes a kill cut short are removed
+      'tmp_files_of_cut_writes': (tmp_leftovers, 'kept_no_tmp'),
   }
+
+
+def write_lease(workdir: pathlib.Path, **fields) -> None:
+  """A lease file of a run on this host whose pid is gone, with `fields` instead of its own."""
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  record = {'host': socket.gethostname(), 'pid': dead.pid, 'process_id': 0, 'processes': 1,
+            'started_at': '2026-01-01T00:00:00+00:00', 'heartbeat': time.time(), 'token': 'trial', **fields}
+  (workdir / 'lease.json').write_text(json.dumps(record))
+
+
+def tmp_leftovers(workdir: pathlib.Path) -> None:
+  for path in (workdir / '.config.json.k1ll3d.tmp', workdir / '.final.json.k1ll3d.tmp',
+               workdir / 'checkpoints' / str(STEPS) / '.checksums.process_0.json.k1ll3d.tmp'):
+    path.write_text('{"cut": ')
 
 
 def check_damage(kind, expected, workdir, before_metrics, setup, result, cases_extra) -> list[str]:
@@ -370,7 +453,9 @@ def check_damage(kind, expected, workdir, before_metrics, setup, result, cases_e
   if 'Traceback' in err:
     why.append(f'a traceback: {err[-2000:]}')
   lines = error_lines(err)
-  if expected == 'kept_or_stop' and rc == 2 and len(lines) == 1 and lines[0].startswith('error: '):
+  if kind.startswith('lease_') and re.search(r'\bNone\b|-\d+ s ago', err):
+    why.append(f'a lease line naming None or a negative age: {lines[-2:]}')
+  if expected == 'kept_or_stop' and rc in (BAD_INPUT, HELD) and len(lines) == 1 and lines[0].startswith('error: '):
     return why  # refused in one line, naming the file
   if expected.startswith('stop'):  # one error line, after the warnings of the checkpoints it moved aside
     errors = [l for l in lines if not l.startswith('warning: checkpoint') and not re.match(r'W\d{4} ', l)]
@@ -391,8 +476,9 @@ def check_damage(kind, expected, workdir, before_metrics, setup, result, cases_e
     why.append(f'moved aside {aside}, resumed from {resumed}; expected {want_aside} and {want_from}')
   if moved and len(warnings) != 1:
     why.append(f'{len(warnings)} warning lines, not one: {warnings}')
-  if expected == 'kept_no_tmp' and list((workdir / 'checkpoints').glob('*tmp*')):
-    why.append('the orbax temporary folder is still there')
+  if expected == 'kept_no_tmp' and list((workdir / 'checkpoints').glob('*tmp*')) + list(workdir.rglob('*.tmp')):
+    why.append(f"temporary files are still there: {list((workdir / 'checkpoints').glob('*tmp*'))[:2]}, "
+               f"{[p.name for p in workdir.rglob('*.tmp')][:3]}")
   text = (workdir / 'metrics.jsonl').read_text()
   kept = before_metrics if kind != 'torn_last_metrics_line' else before_metrics[:before_metrics.rindex('\n') + 1]
   if not text.startswith(kept):
@@ -404,7 +490,7 @@ def check_damage(kind, expected, workdir, before_metrics, setup, result, cases_e
 
 def damage(cases: Cases) -> None:
   for kind, (apply, expected) in damage_kinds().items():
-    if f'damage_{kind}' in cases.done:
+    if f'damage_{kind}' in cases.done or (_CASES.value and kind not in _CASES.value):
       continue
     workdir = OUT / 'damage' / kind
     shutil.rmtree(workdir, ignore_errors=True)
@@ -573,6 +659,470 @@ def bad(cases: Cases) -> None:
       cases.add(bad_input_case(name, args))
 
 
+# d) issue 54: the layers around the run (lease, checksums, a full disk, scripts sharing a folder, exit statuses, the
+# smaller points). Each case is a function of the reference's metrics (rows) returning (what it saw, why it failed).
+
+WRAPPER = """import os, sys, time
+patch, timing = sys.argv.pop(1), sys.argv.pop(1)
+if patch.startswith('clock+'):  # this process's clock runs ahead (another host's)
+  ahead, real_time = float(patch[6:]), time.time
+  time.time = lambda: real_time() + ahead
+elif patch == 'pid1':  # a container's python is pid 1 in every incarnation
+  os.getpid = lambda: 1
+if timing:  # the lease's heartbeat and stale limit, in seconds
+  from laurel import lease
+  heartbeat_s, stale_s = map(float, timing.split(','))
+  init = lease.Lease.__init__
+  def shortened(self, *args, **kwargs):
+    kwargs.setdefault('heartbeat_s', heartbeat_s)
+    kwargs.setdefault('stale_s', stale_s)
+    init(self, *args, **kwargs)
+  lease.Lease.__init__ = shortened
+from laurel import main
+sys.argv[0] = 'laurel'
+main.run()
+"""
+SLURM = {'SLURM_JOB_ID': '54', 'SLURM_NTASKS': '1', 'SLURM_PROCID': '0'}  # sbatch's one task: no join
+
+
+def w_command(workdir, patch='', *extra) -> list[str]:
+  """$T through WRAPPER: `patch` (clock+SECONDS, pid1 or ''), the lease timing of --lease_timing."""
+  return [sys.executable, '-c', WRAPPER, patch, _LEASE_TIMING.value] + t_command(workdir)[3:] + list(extra)
+
+
+class Started:
+  """A command running in the background, its output in files beside `workdir`."""
+
+  def __init__(self, command, workdir: pathlib.Path, name: str, environ=None):
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    self.out, self.err = workdir.parent / f'{name}.stdout', workdir.parent / f'{name}.stderr'
+    with open(self.out, 'w') as out, open(self.err, 'w') as err:
+      self.proc = subprocess.Popen(command, env={**env(), **(environ or {})}, cwd=ROOT, stdout=out, stderr=err,
+                                   start_new_session=True)
+
+  def wait_for(self, text: str, timeout=600) -> bool:
+    deadline = time.monotonic() + timeout
+    while text not in self.out.read_text():
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        return False
+      time.sleep(0.05)
+    return True
+
+  def signal(self, sig) -> None:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(self.proc.pid, sig)
+
+  def wait(self, timeout=900) -> dict:
+    try:
+      rc = self.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      self.signal(signal.SIGKILL)
+      rc = f'no exit in {timeout} s'
+    return {'rc': rc, 'stdout': self.out.read_text(), 'stderr': self.err.read_text()}
+
+
+def one_line_stop(result: dict, status: int | None) -> list[str]:
+  """Why `result` is not a stop with `status` (None: any but 0 and 1) and one `error:` line, without a traceback."""
+  errors = [l for l in error_lines(result['stderr']) if l.startswith('error: ')]
+  ok_status = result['rc'] == status if status is not None else result['rc'] not in (0, 1) and isinstance(
+      result['rc'], int) and result['rc'] > 0
+  if ok_status and len(errors) == 1 and 'Traceback' not in result['stderr']:
+    return []
+  return [f"expected status {status or 'not 0 or 1'} and one error line; got rc {result['rc']}, "
+          f"{error_lines(result['stderr'])[-3:]}"]
+
+
+def finished_like_reference(workdir, ref_rows, result) -> list[str]:
+  """Why a run that should have finished did not, with every step logged once and bit-equal to the reference."""
+  if result['rc'] != 0:
+    return [f"rc {result['rc']}: {error_lines(result['stderr'])[-3:]}"]
+  why = [f'stderr has {noise(result["stderr"])}'] if noise(result['stderr']) else []
+  rows = metrics(workdir)
+  if [r['step'] for r in rows if 'loss' in r] != list(range(1, STEPS + 1)):
+    why.append(f"train lines for steps {[r['step'] for r in rows if 'loss' in r]}, not 1..{STEPS} once each")
+  if exact(rows) != exact(ref_rows):
+    why.append('per-step metrics differ from the reference')
+  return why
+
+
+def fresh(name: str) -> pathlib.Path:
+  workdir = OUT / 'issue54' / name / 'run'
+  shutil.rmtree(workdir.parent, ignore_errors=True)
+  workdir.parent.mkdir(parents=True)
+  return workdir
+
+
+def restarted_container(ref_rows) -> tuple[dict, list[str]]:
+  """Point 1: the run as a container's pid 1 (unshare; else os.getpid patched), SIGKILLed at step 25, then the same
+  again: the rerun is not refused by its own earlier incarnation."""
+  workdir = fresh('restarted_container')
+  unshare = ['unshare', '--pid', '--fork', '--mount-proc']
+  real = shutil.which('unshare') and subprocess.run(unshare + ['true'], capture_output=True).returncode == 0
+  command = unshare + t_command(workdir) if real else w_command(workdir, 'pid1')
+  first = Started(command, workdir, 'first')
+  killed = first.wait_for(f'step 25/{STEPS}')
+  first.signal(signal.SIGKILL)
+  first.wait()
+  rerun = run(command)
+  seen = {'pid_namespace': 'unshare --pid --fork --mount-proc' if real else 'os.getpid() patched to 1',
+          'command': shown(command), 'rerun_rc': rerun['rc'], 'rerun_stderr': error_lines(rerun['stderr'])[-2:]}
+  return seen, ([] if killed else ['not killed at step 25']) + finished_like_reference(workdir, ref_rows, rerun)
+
+
+def second_run_on_a_live_holder(ref_rows, name: str, stop_s: float = 0, patch: str = '') -> tuple[dict, list[str]]:
+  """Point 2: a run holds the workdir; it is stopped (SIGSTOP) for `stop_s` first, or the second run's clock is
+  ahead (`patch`). The second run is refused (HELD, one line) and the first finishes with every step logged once."""
+  workdir = fresh(name)
+  first = Started(w_command(workdir), workdir, 'first')
+  why = [] if first.wait_for(f'step 5/{STEPS}') else ['the first run did not reach step 5']
+  if stop_s:
+    first.signal(signal.SIGSTOP)
+    time.sleep(stop_s)
+  second = run(w_command(workdir, patch))
+  first.signal(signal.SIGCONT)
+  result = first.wait()
+  why += one_line_stop(second, HELD) + finished_like_reference(workdir, ref_rows, result)
+  seen = {'stopped_s': stop_s, 'second': patch or 'same clock', 'second_rc': second['rc'],
+          'second_stderr': error_lines(second['stderr'])[-2:], 'first_rc': result['rc'],
+          'command': shown(w_command(workdir, patch))}
+  return seen, why
+
+
+def stopped_holder(ref_rows):
+  return second_run_on_a_live_holder(ref_rows, 'stopped_holder', stop_s=_STOP_S.value)
+
+
+def skewed_clock(ref_rows):
+  return second_run_on_a_live_holder(ref_rows, 'skewed_clock', patch='clock+90')
+
+
+def lease_taken_while_running(ref_rows) -> tuple[dict, list[str]]:
+  """Point 2 (fencing): another holder's lease written over a live run's at step 5: the run stops in one line
+  (FENCED) before its next checkpoint, and leaves the other's lease and the log's steps as they were."""
+  del ref_rows
+  workdir = fresh('lease_taken_while_running')
+  first = Started(w_command(workdir), workdir, 'first')
+  why = [] if first.wait_for(f'step 5/{STEPS}') else ['step 5 not reached']
+  write_lease(workdir, host='another-host', pid=1, token='intruder', heartbeat=time.time() + 5)
+  taken_at = max((r['step'] for r in metrics(workdir) if 'loss' in r), default=0)
+  result = first.wait()
+  why += one_line_stop(result, FENCED)
+  lease_now = (workdir / 'lease.json').read_text() if (workdir / 'lease.json').is_file() else ''
+  if 'intruder' not in lease_now:
+    why.append('the other holder\'s lease was overwritten or removed')
+  saved = [int(p.name) for p in (workdir / 'checkpoints').glob('*') if p.name.isdigit()]
+  if any(step > taken_at + EVERY for step in saved):
+    why.append(f'checkpoints {sorted(saved)} saved after the lease was taken at step {taken_at}')
+  return {'taken_at_step': taken_at, 'rc': result['rc'], 'stderr': error_lines(result['stderr'])[-2:]}, why
+
+
+def heartbeat_from_a_clock_ahead(ref_rows) -> tuple[dict, list[str]]:
+  """Point 6: the lease of a run on another host whose clock is an hour ahead, no longer renewed: it blocks the
+  workdir no longer than the stale limit, and no line names a negative age."""
+  workdir = OUT / 'issue54' / 'clock_ahead' / 'run'
+  shutil.rmtree(workdir.parent, ignore_errors=True)
+  shutil.copytree(OUT / 'reference', workdir)
+  write_lease(workdir, host='another-host', heartbeat=time.time() + 3600)
+  command = w_command(workdir, '', f'--config.steps={LONGER}')
+  tries, stale_s = [], float(_LEASE_TIMING.value.split(',')[1]) if _LEASE_TIMING.value else 60.0
+  for _ in range(2):
+    tries.append(run(command))
+    if tries[-1]['rc'] != HELD:
+      break
+    time.sleep(stale_s + 5)  # refused while it might live: never past the stale limit
+  why = [f'a negative age: {error_lines(t["stderr"])[-1:]}' for t in tries if re.search(r'-\d+ s ago', t['stderr'])]
+  if tries[-1]['rc'] != 0 or 'Traceback' in tries[-1]['stderr']:
+    why.append(f"rc {[t['rc'] for t in tries]}: {error_lines(tries[-1]['stderr'])[-2:]}")
+  return {'rcs': [t['rc'] for t in tries], 'command': shown(command)}, why
+
+
+def crash_then_flipped_bit(ref_rows) -> tuple[dict, list[str]]:
+  """Point 3: SIGKILL once checkpoint 25 is saved (the newest), a bit flipped in it: the rerun moves it aside and
+  resumes from 20, as the reference."""
+  workdir = fresh('crash_then_flipped_bit')
+  first = Started(t_command(workdir), workdir, 'first')
+  newest = workdir / 'checkpoints' / '25'
+  saved = first.wait_for(f'step 27/{STEPS}')
+  while saved and not (newest / '_CHECKPOINT_METADATA').exists() and first.proc.poll() is None:
+    time.sleep(0.05)
+  first.signal(signal.SIGKILL)
+  first.wait()
+  listed = (newest / 'checksums.process_0.json').exists()
+  flip_byte(largest_array_file(newest))
+  rerun = run(t_command(workdir))
+  aside = sorted(p.name.split('.')[0] for p in (workdir / 'unreadable_checkpoints').glob('*'))
+  why = [] if saved else ['not killed after checkpoint 25']
+  if aside != ['25']:
+    why.append(f'moved aside {aside}, not [25] (its checksum list was {"there" if listed else "missing"})')
+  if rerun['rc'] != 0 or exact(metrics(workdir)) != exact(ref_rows):
+    why.append(f"rerun rc {rerun['rc']}, metrics {'equal' if exact(metrics(workdir)) == exact(ref_rows) else 'differ'}"
+               f": {error_lines(rerun['stderr'])[-2:]}")
+  return {'checksum_list_at_the_kill': listed, 'moved_aside': aside, 'command': shown(t_command(workdir))}, why
+
+
+@contextlib.contextmanager
+def tmpfs(folder: pathlib.Path, size: str):
+  """A tmpfs of `size` at `folder` (root only), removed afterwards."""
+  folder.mkdir(parents=True, exist_ok=True)
+  subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(folder)], check=True,
+                 capture_output=True)
+  try:
+    yield folder
+  finally:
+    subprocess.run(['umount', '-l', str(folder)], check=False, capture_output=True)
+
+
+def remount(folder: pathlib.Path, options: str, tries: int = 100) -> None:
+  """Remounts `folder`; read-only only between writes (a file open for writing: EBUSY), so retried."""
+  for _ in range(tries - 1):
+    if subprocess.run(['mount', '-o', f'remount,{options}', str(folder)], capture_output=True).returncode == 0:
+      return
+    time.sleep(0.05)
+  subprocess.run(['mount', '-o', f'remount,{options}', str(folder)], check=True, capture_output=True)
+
+
+def disk_size(path: pathlib.Path) -> int:
+  return sum(p.stat().st_size for p in path.rglob('*') if p.is_file())
+
+
+def full_disk(ref_rows) -> tuple[dict, list[str]]:
+  """Point 5: a disk with room for about two checkpoints: the failed save stops the run at once in one line; the
+  rerun on the still-full disk stops before training; with room again it finishes as the reference."""
+  reference_dir = OUT / 'reference'
+  size = disk_size(reference_dir) - disk_size(reference_dir / 'checkpoints') + int(
+      2.5 * disk_size(reference_dir / 'checkpoints' / str(STEPS))) + 2**20
+  folder = fresh('full_disk').parent / 'disk'
+  with tmpfs(folder, str(size)):
+    workdir = folder / 'run'
+    first = run(t_command(workdir))
+    good = max((int(p.name) for p in (workdir / 'checkpoints').glob('*') if p.name.isdigit()), default=0)
+    logged = max((r['step'] for r in metrics(workdir) if 'loss' in r), default=0)
+    why = one_line_stop(first, SAVE_FAILED)
+    if logged > good + 2 * EVERY:  # the failed save is good + EVERY; nothing trained past the next one
+      why.append(f'trained on to step {logged} after the last good checkpoint {good}')
+    again = run(t_command(workdir))
+    why += one_line_stop(again, None)
+    if any(l.startswith('step ') for l in again['stdout'].splitlines()):
+      why.append('the rerun on the full disk trained')
+    remount(folder, 'size=512m')
+    last = run(t_command(workdir))
+    why += finished_like_reference(workdir, ref_rows, last)
+  return {'tmpfs_bytes': size, 'first': error_lines(first['stderr'])[-1:], 'last_good': good, 'logged': logged,
+          'rerun_on_full_disk': error_lines(again['stderr'])[-1:], 'command': shown(t_command(workdir))}, why
+
+
+def disk_full_at_start(ref_rows) -> tuple[dict, list[str]]:
+  """Point 5: a disk that cannot hold even the lease: one line, no traceback."""
+  del ref_rows
+  folder = fresh('disk_full_at_start').parent / 'disk'
+  with tmpfs(folder, '16k'):
+    (folder / 'filler').write_bytes(b'\0' * 12288)
+    result = run(t_command(folder / 'run'))
+  return {'stderr': error_lines(result['stderr'])[-2:], 'rc': result['rc']}, one_line_stop(result, None)
+
+
+def read_only_mid_run(ref_rows) -> tuple[dict, list[str]]:
+  """Point 9: the workdir's filesystem turned read-only at step 12: one line naming the cause; the rerun with it
+  writable again finishes as the reference."""
+  logs = fresh('read_only')
+  folder = logs.parent / 'disk'
+  with tmpfs(folder, '512m'):
+    workdir = folder / 'run'
+    command = t_command(workdir, '--config.tensorboard=false')  # no file held open for writing: remount works
+    first = Started(command, logs, 'first')
+    reached = first.wait_for(f'step 12/{STEPS}')
+    remount(folder, 'ro')
+    result = first.wait()
+    why = ([] if reached else ['step 12 not reached']) + one_line_stop(result, None)
+    if not re.search(r'read-only', ''.join(error_lines(result['stderr'])[-1:]), re.I):
+      why.append(f'the line does not name the cause: {error_lines(result["stderr"])[-1:]}')
+    remount(folder, 'rw')
+    why += finished_like_reference(workdir, ref_rows, run(command))
+  return {'stderr': error_lines(result['stderr'])[-2:], 'rc': result['rc']}, why
+
+
+def two_scripts(command_of, name: str, check) -> tuple[dict, list[str]]:
+  """Point 7: two scripts at once on one folder: each finishes or is refused in one line; `check` the rest."""
+  folder = fresh(name).parent
+  started = [Started(command_of(folder, i), folder / f'script{i}' / 'x', f'script{i}') for i in range(2)]
+  results = [s.wait(timeout=1800) for s in started]
+  why = [] if any(r['rc'] == 0 for r in results) else ['neither script finished']
+  for i, result in enumerate(results):
+    if result['rc'] != 0 and one_line_stop(result, None):
+      why.append(f"script {i}: rc {result['rc']}, {error_lines(result['stderr'])[-2:]}")
+  return {'rcs': [r['rc'] for r in results], 'command': shown(command_of(folder, 0))}, why + check(folder, results)
+
+
+SHORT = ['--set=steps=10', '--set=optimizer.warmup_steps=5', '--set=eval_steps=2', '--set=checkpoint_every=10',
+         '--set=log_every=5']
+
+
+def two_tables(ref_rows):
+  del ref_rows
+  rows = ('baseline_24', 'rw')
+  command = lambda folder, i: [sys.executable, 'scripts/reproduce_c4_ablation.py', '--preset=tiny', '--seeds=1',
+                               f'--rows={rows[i]}', f'--workdir={folder / f"runs{i}"}', f'--out={folder / "out"}',
+                               *SHORT]
+
+  def check(folder, results):
+    table = folder / 'out' / 'c4_ablation_tiny.json'
+    measured = {r['name'] for r in json.loads(table.read_text())['rows'] if r.get('test_losses')} if (
+        table.exists()) else set()
+    return [f'the table lacks {row}' for row, r in zip(rows, results) if r['rc'] == 0 and row not in measured]
+  return two_scripts(command, 'two_tables', check)
+
+
+def two_sweeps(ref_rows):
+  del ref_rows
+  command = lambda folder, i: [sys.executable, 'scripts/sweep.py', f'--config={SPEC}', '--field=model.laurel.rank',
+                               '--values=4,8', f'--workdir={folder / "sweep"}', *SHORT]
+
+  def check(folder, results):
+    why = [f'script {i} reports failed points' for i, r in enumerate(results)
+           if 'point(s) failed' in r['stdout'] + r['stderr']]
+    return why + [f'{p.parent.name} finished and has failed.json' for p in (folder / 'sweep').rglob('final.json')
+                  if (p.parent / 'failed.json').exists()]
+  return two_scripts(command, 'two_sweeps', check)
+
+
+def sigterm_under_slurm(ref_rows) -> tuple[dict, list[str]]:
+  """Point 8: SIGTERM at step 10 of a run that Slurm's variables name: status PREEMPTED, never 0; the rerun resumes
+  as the reference."""
+  workdir = fresh('sigterm_under_slurm')
+  first = Started(t_command(workdir), workdir, 'first', SLURM)
+  why = [] if first.wait_for(f'step 10/{STEPS}') else ['step 10 not reached']
+  first.signal(signal.SIGTERM)
+  result = first.wait()
+  if result['rc'] != PREEMPTED or (workdir / 'final.json').exists():
+    why.append(f"rc {result['rc']} (expected {PREEMPTED}), final.json {(workdir / 'final.json').exists()}")
+  rerun = Started(t_command(workdir), workdir, 'rerun', SLURM).wait()
+  return ({'rc': result['rc'], 'env': SLURM, 'command': shown(t_command(workdir))},
+          why + finished_like_reference(workdir, ref_rows, rerun))
+
+
+def sigterm_in_the_final_eval(environ: dict, expected_rc: int):
+  def case(ref_rows) -> tuple[dict, list[str]]:
+    """Point 8: SIGTERM in the final eval: its line says interrupted, not done, and the status is the stop's; the
+    rerun logs the eval once and final.json has a median step time."""
+    del ref_rows
+    workdir = fresh('sigterm_in_the_final_eval' + '_slurm' * bool(environ))
+    command = t_command(workdir, '--config.eval_steps=400')  # seconds of eval: the signal lands inside it
+    first = Started(command, workdir, 'first', environ)
+    why = [] if first.wait_for('evaluating on') else ['the eval did not start']
+    time.sleep(0.5)
+    first.signal(signal.SIGTERM)
+    result = first.wait()
+    phase = [l for l in result['stdout'].splitlines() if l.startswith('evaluating on 400 batches:')]
+    if result['rc'] != expected_rc or len(phase) != 1 or 'interrupted' not in phase[0]:
+      why.append(f"rc {result['rc']} (expected {expected_rc}), eval line {phase}")
+    rerun = Started(command, workdir, 'rerun', environ).wait()
+    evals = [r['step'] for r in metrics(workdir) if 'eval_loss' in r]
+    final = json.loads((workdir / 'final.json').read_text()) if (workdir / 'final.json').exists() else {}
+    if rerun['rc'] != 0 or evals != [STEPS] or not isinstance(final.get('median_step_time_s'), float):
+      why.append(f"rerun rc {rerun['rc']}, eval lines at {evals}, median_step_time_s "
+                 f"{final.get('median_step_time_s')}")
+    return {'rc': result['rc'], 'eval_line': phase, 'env': environ, 'command': shown(command)}, why
+  return case
+
+
+def peer_death(ref_rows) -> tuple[dict, list[str]]:
+  """Point 9: process 1 of a two-process Slurm simulation SIGKILLed at step 5: process 0 ends within 30 s with one
+  line naming it (status PEER_LOST); both rerun to the end, every step logged once."""
+  del ref_rows
+  workdir = fresh('peer_death')
+  with socket.socket() as free:
+    free.bind(('localhost', 0))
+    port = free.getsockname()[1]
+  slurm = lambda i: {'SLURM_JOB_ID': '4254', 'SLURM_STEP_NODELIST': 'localhost', 'SLURM_NTASKS': '2',
+                     'SLURM_PROCID': str(i), 'SLURM_LOCALID': str(i), 'SLURM_NODEID': '0',
+                     'SLURM_STEP_TASKS_PER_NODE': '2', 'JAX_COORDINATOR_PORT': str(port)}
+  command = t_command(workdir, '--config.data_shards=2')  # one input shard per process
+  procs = [Started(command, workdir, f'process{i}', slurm(i)) for i in range(2)]
+  why = [] if procs[0].wait_for(f'step 5/{STEPS}') else ['step 5 not reached']
+  procs[1].signal(signal.SIGKILL)
+  killed = time.monotonic()
+  result = procs[0].wait(timeout=300)
+  ended_s = round(time.monotonic() - killed, 1)
+  procs[1].wait()
+  errors = [l for l in error_lines(result['stderr']) if l.startswith('error: ')]
+  if result['rc'] != PEER_LOST or len(errors) != 1 or 'process 1 of 2' not in errors[0] or ended_s > 30:
+    why.append(f"process 0: rc {result['rc']} after {ended_s} s, {error_lines(result['stderr'])[-2:]}")
+  if 'Fatal Python error' in result['stderr'] or 'Traceback' in result['stderr']:
+    why.append('process 0 printed a traceback or an abort')
+  reruns = [Started(command, workdir, f'rerun{i}', slurm(i)) for i in range(2)]
+  rcs = [r.wait()['rc'] for r in reruns]
+  steps = [r['step'] for r in metrics(workdir) if 'loss' in r]
+  if rcs != [0, 0] or steps != list(range(1, STEPS + 1)):
+    why.append(f'reruns: rc {rcs}, train lines {steps[:3]}..{steps[-3:]} ({len(steps)})')
+  return {'process_0_rc': result['rc'], 'ended_after_s': ended_s, 'line': errors[:1], 'rerun_rcs': rcs,
+          'command': shown(command), 'env': slurm(0)}, why
+
+
+def first_config_write_cut(ref_rows) -> tuple[dict, list[str]]:
+  """Point 9: a kill between the first config_history.jsonl line and config.json: the run records its config once."""
+  workdir = fresh('first_config_write_cut')
+  workdir.mkdir()
+  history = (OUT / 'reference' / 'config_history.jsonl').read_text().splitlines()[0] + '\n'
+  (workdir / 'config_history.jsonl').write_text(history)
+  result = run(t_command(workdir))
+  lines = (workdir / 'config_history.jsonl').read_text().splitlines()
+  return {'history_lines': len(lines)}, finished_like_reference(workdir, ref_rows, result) + (
+      [f'config_history.jsonl has {len(lines)} lines for one config'] if len(lines) != 1 else [])
+
+
+def next_commands_quote_the_workdir(ref_rows) -> tuple[dict, list[str]]:
+  """Point 9: the printed next: commands name a workdir with spaces so that a shell reads it back."""
+  del ref_rows
+  workdir = OUT / 'issue54' / 'quoting' / 'a run with spaces'
+  shutil.rmtree(workdir.parent, ignore_errors=True)
+  shutil.copytree(OUT / 'reference', workdir)
+  result = run(t_command(workdir, f'--config.steps={LONGER}'))
+  generate = [l for l in result['stdout'].splitlines() if '-m laurel.generate' in l]
+  try:
+    named = [a.split('=', 1)[1] for a in shlex.split(generate[0]) if a.startswith('--workdir=')] if generate else []
+  except ValueError:
+    named = []
+  ok = result['rc'] == 0 and named and (ROOT / named[0]).resolve() == workdir.resolve()
+  return {'next': generate[:1]}, [] if ok else [f"rc {result['rc']}, the command names {named}: {generate[:1]}"]
+
+
+ISSUE54 = {
+    'lease': {'restarted_container': restarted_container, 'stopped_holder': stopped_holder,
+              'skewed_clock': skewed_clock, 'lease_taken_while_running': lease_taken_while_running,
+              'heartbeat_from_a_clock_ahead': heartbeat_from_a_clock_ahead},
+    'checksums': {'crash_then_flipped_bit': crash_then_flipped_bit},
+    'disk': {'full_disk': full_disk, 'disk_full_at_start': disk_full_at_start, 'read_only_mid_run': read_only_mid_run},
+    'tables': {'two_tables': two_tables, 'two_sweeps': two_sweeps},
+    'exits': {'sigterm_under_slurm': sigterm_under_slurm,
+              'sigterm_in_the_final_eval': sigterm_in_the_final_eval({}, 0),
+              'sigterm_in_the_final_eval_under_slurm': sigterm_in_the_final_eval(SLURM, PREEMPTED)},
+    'peers': {'peer_death': peer_death},
+    'smaller': {'first_config_write_cut': first_config_write_cut,
+                'next_commands_quote_the_workdir': next_commands_quote_the_workdir},
+}
+NEEDS_ROOT = ('full_disk', 'disk_full_at_start', 'read_only_mid_run')  # they mount a tmpfs
+
+
+def issue54_part(part: str):
+  def run_part(cases: Cases) -> None:
+    ref_rows = metrics(OUT / 'reference')
+    for name, case in ISSUE54[part].items():
+      if f'{part}_{name}' in cases.done or (_CASES.value and name not in _CASES.value):
+        continue
+      start = time.monotonic()
+      if name in NEEDS_ROOT and os.geteuid() != 0:
+        seen, why = {'skipped': 'mounting a tmpfs needs root'}, ['skipped: needs root (mount -t tmpfs)']
+      else:
+        try:
+          seen, why = case(ref_rows)
+        except (OSError, subprocess.SubprocessError, ValueError) as e:  # the trial's own setup (a mount) failed
+          seen, why = {}, [f'the case could not be set up: {e!r}'[:300]]
+      cases.add({'id': f'{part}_{name}', 'part': part, 'case': name, 'point': case.__doc__.split(':')[0].strip()
+                 if case.__doc__ else '', **seen, 's': round(time.monotonic() - start, 1), 'ok': not why,
+                 'why': '; '.join(why) or 'as issue 54 requires'})
+  return run_part
+
+
 def cpu_name() -> str:
   cpuinfo = pathlib.Path('/proc/cpuinfo')
   names = [l.split(':', 1)[1].strip() for l in cpuinfo.read_text().splitlines() if l.startswith('model name')] if (
@@ -583,12 +1133,13 @@ def cpu_name() -> str:
 def summary(cases: Cases, started: float) -> dict:
   by_part = lambda part: [c for c in cases.done.values() if c['part'] == part]
   counts = {part: {'ok': sum(c['ok'] for c in by_part(part)), 'of': len(by_part(part))}
-            for part in ('signals', 'phase_signals', 'damage', 'bad_inputs')}
+            for part in ('signals', 'phase_signals', 'damage', 'bad_inputs', *ISSUE54) if by_part(part)}
   successful_runs = [c for c in cases.done.values() if c.get('rerun_rc', c.get('rc')) == 0
                      and c['part'] != 'bad_inputs']
   noisy = [c['id'] for c in successful_runs if c.get('noise')]
   return {
-      'command': f'python scripts/experiments/run_safety_trial.py --signals={_SIGNALS.value} --seed={_SEED.value}',
+      'command': f'python scripts/experiments/run_safety_trial.py --signals={_SIGNALS.value} --seed={_SEED.value}'
+                 + (f' --stop_s={_STOP_S.value:g} --lease_timing={_LEASE_TIMING.value}' if _LEASE_TIMING.value else ''),
       'this_invocation': common.command(),  # the parts may run in separate processes at once (--parts)
       'device': f'CPU ({cpu_name()}, {os.cpu_count()} cores, shared with other jobs), JAX_PLATFORMS=cpu',
       't': shown(t_command(OUT / 'W')),
@@ -615,7 +1166,8 @@ def main_body():
   started = time.monotonic()
   cases = Cases(OUT)
   reference(cases)
-  parts = {'signals': signals, 'phase_signals': phase_signals, 'damage': damage, 'bad_inputs': bad}
+  parts = {'signals': signals, 'phase_signals': phase_signals, 'damage': damage, 'bad_inputs': bad,
+           **{part: issue54_part(part) for part in ISSUE54}}
   for part in _PARTS.value:
     parts[part](cases)
   result = summary(Cases(OUT), started)  # every part's cases, those other processes added included
