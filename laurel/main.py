@@ -102,7 +102,7 @@ def main(argv):
   except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
     config_lib.fail(str(e))
   except train.TrainingDiverged as e:
-    config_lib.fail(str(e), code=3)
+    config_lib.fail(str(e), code=train.DIVERGED)
   except KeyboardInterrupt:  # Ctrl-C before the first step (in the loop it saves a checkpoint)
     config_lib.fail('interrupted before training started; nothing was saved', code=130)
   except Exception:  # a collective that failed as a peer died: one line naming it (laurel.cluster), not this

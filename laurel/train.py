@@ -165,6 +165,7 @@ def _preemption_handler(preempted: list, nproc: int):
   return handle
 
 
+DIVERGED = 3  # exit status of a loss that is not finite or a failed save: a rerun would repeat it
 WATCHDOG_EXIT = 75  # a hung process: restart it from its last checkpoint (EX_TEMPFAIL)
 
 

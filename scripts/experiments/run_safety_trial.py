@@ -37,7 +37,6 @@ Each case's result is added to OUT/cases_<part>.jsonl as it finishes; a rerun sk
 separate processes at once. The summary (every part's cases) is written to --result.
 """
 
-import ast
 import contextlib
 import json
 import os
@@ -57,7 +56,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # pylint: disable=wrong-import-position  # puts the repo root on sys.path
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from laurel import files  # pylint: disable=wrong-import-position
+from laurel import cluster, files, lease, train  # pylint: disable=wrong-import-position
 
 ROOT = common.ROOT
 _OUT = flags.DEFINE_string('out', 'runs/run_safety_trial', 'Folder of the trial\'s runs and its cases_*.jsonl.')
@@ -85,30 +84,13 @@ EXACT_FIELDS = ('loss', 'accuracy', 'grad_norm', 'learning_rate', 'eval_loss', '
 NOISE = ('Event loop is closed', 'Traceback')
 
 
-def laurel_status(*names: str) -> int | None:
-  """The first of `names` that laurel's modules define as an integer constant (read, not imported), else None."""
-  for module in ('main', 'cluster', 'lease', 'checkpoint', 'checksums', 'train'):
-    path = ROOT / 'laurel' / f'{module}.py'
-    constants = {}
-    for node in ast.parse(path.read_text()).body if path.exists() else []:
-      if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-        value = node.value
-        constants[node.targets[0].id] = (value.value if isinstance(value, ast.Constant)
-                                         else constants.get(value.id) if isinstance(value, ast.Name) else None)
-    for name in names:
-      if isinstance(constants.get(name), int) and not isinstance(constants[name], bool):
-        return constants[name]
-  return None
-
-
-# The exit statuses issue 54's cases expect, as laurel documents them where it names them; None: not named yet, so
-# any status but 0 (finished) and 1 (a traceback) passes.
+# The exit statuses issue 54's cases expect, as laurel defines them.
 BAD_INPUT = 2
-PREEMPTED = laurel_status('PREEMPTED') or 42  # stopped before it finished, under a scheduler
-HELD = laurel_status('HELD') or 5  # another live run holds the workdir
-PEER_LOST = laurel_status('PEER_LOST') or 4  # a process of the run died
-FENCED = laurel_status('FENCED', 'LEASE_LOST', 'LOST')  # the run found its lease taken: it stops before writing
-SAVE_FAILED = laurel_status('SAVE_FAILED', 'DISK_FULL', 'NO_SPACE')  # a checkpoint could not be written
+PREEMPTED = cluster.PREEMPTED  # stopped before it finished, under a scheduler
+HELD = lease.HELD  # another live run holds the workdir
+PEER_LOST = cluster.JOIN_FAILED  # a process of the run died (the join's status: restart them all)
+FENCED = lease.LOST  # the run found its lease taken: it stops before writing
+SAVE_FAILED = train.DIVERGED  # a checkpoint could not be written: a rerun would repeat it
 CLUSTER_VARIABLES = ('SLURM_', 'OMPI_', 'PMIX_', 'JOB_COMPLETION_INDEX', 'KUBERNETES_SERVICE_HOST', 'JAX_COORDINATOR')
 
 
