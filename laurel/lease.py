@@ -110,6 +110,7 @@ class Lease:
                    'boot_id': _read_line('/proc/sys/kernel/random/boot_id'), 'pid_namespace': _pid_namespace(),
                    'pid_started': process_started(os.getpid())}
     self.lost = None  # why, once the heartbeat found another holder
+    self._writing = threading.Lock()  # one write at a time: a beat's older record never lands after a newer one
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._beat, name='laurel-lease', daemon=True)
 
@@ -225,9 +226,10 @@ class Lease:
     return self._mine()
 
   def _write(self):
-    now = time.time()
-    self.record.update(heartbeat=now, heartbeat_at=files.utc(now), beats=self.record['beats'] + 1)
-    files.write_text_atomic(self.path, json.dumps(self.record, indent=1))
+    with self._writing:
+      now = time.time()
+      self.record.update(heartbeat=now, heartbeat_at=files.utc(now), beats=self.record['beats'] + 1)
+      files.write_text_atomic(self.path, json.dumps(self.record, indent=1))
 
   def check(self, reread: bool = True) -> None:
     """The fence: raises Lost where another run holds the lease (`reread`: lease.json read now; else only what the

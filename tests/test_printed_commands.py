@@ -4,6 +4,7 @@ scripts/prepare_text.py's closing command is run as printed in tests/test_c4.py;
 T5's vocabulary from gs:// and real C4, and is not run."""
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
@@ -126,7 +127,7 @@ def test_the_commands_a_finished_run_prints_work_as_printed_from_a_folder_with_a
   commands = [l.strip() for l in lines[lines.index('next:') + 1:]]
   commands.append(next(l for l in lines if l.strip().startswith('TensorBoard')).split(None, 1)[1] + ' --version_tb')
   assert len(commands) == 3
-  for command in commands:
-    result = _shell(command, tmp_path)
+  for command in commands:  # from the folder the run printed them in: its python command may be relative to it
+    result = _shell(command, os.getcwd())
     assert result.returncode == 0, f'{command}\n{result.stderr[-2000:]}'
   assert json.loads((workdir / 'eval_held_out.json').read_text())['documents'] > 0
