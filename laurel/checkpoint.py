@@ -143,12 +143,13 @@ def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, all
 
 def _verdict(step_dir: epath.Path) -> tuple[str, str | None]:
   """This host's word on a checkpoint's files (VERDICTS) and why: 'unchecked' where its run wrote no checksum lists
-  (older code), 'unvouched' where its list is missing or unreadable, 'damaged' where a file differs from its list."""
+  (older code) or its list is damaged (a damaged list says nothing of the data: never a reason to set it aside),
+  'unvouched' where its list never came (a crash after the save), 'damaged' where a file differs from its list."""
   found, why = checksums.verify(step_dir)
   if found == 'mismatch':
     return 'damaged', why
   if found == 'unreadable':
-    return 'unvouched', why
+    return 'unchecked', why
   if found == 'none' and (step_dir / PROMISE).exists():  # its run writes lists: this one never came (a crash)
     return 'unvouched', f'no {checksums.LISTING.format(jax.process_index())}'
   return ('verified' if found == 'verified' else 'unchecked'), None
@@ -191,8 +192,8 @@ def _move_aside(mngr, workdir, number: int, why: str) -> None:
 def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_change: bool = False):
   """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). One whose
   files differ from their checksum list, or that orbax finds damaged, is moved to WORKDIR/unreadable_checkpoints,
-  never deleted. One that no list vouches for (missing or unreadable) is restored only where no verified one exists;
-  where an older verified one is restored, it is moved aside too. Any other failure is raised, moving nothing."""
+  never deleted. One whose list never came (a crash after its save) is restored only where no verified one exists;
+  where an older one is restored, it is moved aside too. One whose list is damaged is restored, with a warning. Any other failure is raised, moving nothing."""
   moved, unvouched = [], []  # unvouched: (step, why), newest first
 
   def restore(number):
@@ -208,7 +209,9 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_chan
       continue
     outcome, result = ('damaged', why) if verdict == 'damaged' else restore(number)
     if outcome == 'ok':
-      trusted = 'is verified' if verdict == 'verified' else 'predates checksum lists'
+      if why and jax.process_index() == 0:  # unchecked: its list is damaged
+        print(f'warning: checkpoint {number} is restored unchecked: {why}', file=sys.stderr, flush=True)
+      trusted = 'is verified' if verdict == 'verified' else 'has a damaged list' if why else 'predates checksum lists'
       for newer, reason in unvouched:
         _move_aside(mngr, workdir, newer, f'has no checksum list that vouches for it ({reason}) and checkpoint '
                     f'{number} {trusted}')

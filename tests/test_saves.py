@@ -128,8 +128,8 @@ def test_damaged_lists_set_no_intact_checkpoint_aside(crashed_run, tmp_path, cap
     (workdir / 'checkpoints' / str(step) / checksums.LISTING.format(0)).write_bytes(DAMAGED_LISTS[name])
   train.train(load_config(SPEC, RERUN), str(workdir))
   out = capsys.readouterr()
-  assert ('warning: checkpoint 6 is restored unverified: no checksum list vouches for it (checksums.process_0.json '
-          'is unreadable (UnicodeDecodeError: ') in out.err
+  assert ('warning: checkpoint 6 is restored unchecked: checksums.process_0.json is unreadable (UnicodeDecodeError: '
+          in out.err)
   assert 'resumed from checkpoint 6' in out.out and not (workdir / 'unreadable_checkpoints').exists()
 
 
