@@ -7,6 +7,7 @@ import functools
 import json
 import mmap
 import os
+import re
 import zlib
 
 import jax
@@ -14,7 +15,7 @@ import xxhash
 from etils import epath
 
 from laurel.config_lib import io_error_reason
-from laurel.files import is_remote, write_text_atomic
+from laurel.files import is_remote, remove_temporaries, write_text_atomic
 
 ALGORITHM = 'xxh3_64'
 ALGORITHMS = (ALGORITHM, 'crc32')
@@ -121,3 +122,15 @@ def mismatch(step_dir) -> str | None:
   """Why this host's files in `step_dir` cannot be verified (a file differs, or the list is unreadable), as a phrase;
   None if they match or no list exists."""
   return verify(step_dir)[1]
+
+
+def remove_list_temporaries(checkpoints) -> list[str]:
+  """Removes the temporaries of checksum lists whose writes a kill cut short, in every checkpoint under `checkpoints`
+  (for the lease holder: no other run writes there). Returns their names."""
+  removed = []
+  for step_dir in epath.Path(checkpoints).glob('*'):
+    if is_remote(step_dir) or not step_dir.is_dir():
+      continue
+    temporaries = (re.fullmatch(r'\.(checksums\.process_\d+\.json)\..*\.tmp', name) for name in os.listdir(step_dir))
+    removed += remove_temporaries(step_dir, {found[1] for found in temporaries if found})
+  return removed

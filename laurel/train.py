@@ -26,7 +26,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from laurel import checkpoint, config_lib, console, hardware, lease, metric_writers, sharding
+from laurel import checkpoint, checksums, config_lib, console, hardware, lease, metric_writers, sharding
 from laurel.checkpoint import run_dir
 from laurel.config_lib import InputError
 from laurel.files import is_remote, remove_temporaries, utc, write_text_atomic
@@ -250,6 +250,7 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
   with lease.held(workdir, jax.process_index(), nproc) if hold_lease else contextlib.nullcontext() as held:
     if held is not None:  # this run alone writes the workdir: temporaries of writes a kill cut short go
       remove_temporaries(workdir, RUN_FILES)
+      checksums.remove_list_temporaries(workdir / 'checkpoints')
     return _train_checked(config, task, workdir, devices, allow_config_change, allow_fresh_start, started,
                           lease.fence(held, nproc))
 

@@ -203,3 +203,15 @@ def test_the_tracebacks_of_a_failed_write_are_held_back(tmp_path, caplog):
   for error in (RuntimeError('Event loop is closed'), RuntimeError('another')):
     hook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=error, exc_traceback=None, err_msg=None, object=None))
   assert [str(info.exc_value) for info in unraisable] == ['another']
+
+
+def test_the_temporaries_of_checksum_lists_a_kill_cut_short_are_removed(tmp_path):
+  step_dir = tmp_path / 'checkpoints' / '30'
+  step_dir.mkdir(parents=True)
+  left = step_dir / f'.{checksums.LISTING.format(1)}.k1ll3d.tmp'  # as a kill inside write_text_atomic leaves it
+  other = step_dir / '.state.x.tmp'  # not a list's: orbax's to handle
+  for path in (left, other):
+    path.write_text('')
+  (tmp_path / 'checkpoints' / 'not_a_folder').write_text('')
+  assert checksums.remove_list_temporaries(tmp_path / 'checkpoints') == [left.name]
+  assert sorted(os.listdir(step_dir)) == [other.name]

@@ -381,7 +381,7 @@ def damage_kinds():
       'emptied_step_dir': (lambda w: empty_folder(ckpt(w)), 'moved'),
       'deleted_state_dir': (lambda w: shutil.rmtree(ckpt(w) / 'state'), 'moved'),
       'nan_state_saved_by_old_code': (nan_state(old_code=True), 'moved_nan'),
-      'deleted_checksum_list': (lambda w: (ckpt(w) / 'checksums.process_0.json').unlink(), 'kept'),
+      'deleted_checksum_list': (lambda w: (ckpt(w) / 'checksums.process_0.json').unlink(), 'moved'),  # unvouched
       'orbax_tmp_dir_left_behind': (orbax_tmp, 'kept_no_tmp'),
       'torn_final_json': (lambda w: truncate(w / 'final.json'), 'kept'),
       'torn_last_metrics_line': (torn_last_line, 'kept'),
