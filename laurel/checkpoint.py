@@ -193,7 +193,8 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_chan
   """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). One whose
   files differ from their checksum list, or that orbax finds damaged, is moved to WORKDIR/unreadable_checkpoints,
   never deleted. One whose list never came (a crash after its save) is restored only where no verified one exists;
-  where an older one is restored, it is moved aside too. One whose list is damaged is restored, with a warning. Any other failure is raised, moving nothing."""
+  where an older one is restored, it is moved aside too. One whose list is damaged is restored, with a warning. Any
+  other failure is raised, moving nothing."""
   moved, unvouched = [], []  # unvouched: (step, why), newest first
 
   def restore(number):
@@ -287,9 +288,12 @@ def lm_run_on_mesh(workdir):
     number = mngr.latest_step()
     if number is None:
       raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
-    if (why := checksums.mismatch(epath.Path(mngr.directory) / str(number))) is not None:
+    verdict, why = _verdict(epath.Path(mngr.directory) / str(number))  # as resuming judges it
+    if verdict == 'damaged':
       raise InputError(f'--workdir={str(workdir)!r}: checkpoint {number} is damaged ({why}); resuming the run moves '
                        'it aside and goes on from the one before')
+    if why:  # a damaged list, or none where its run writes them: the data may well be intact
+      print(f'warning: checkpoint {number} is read unchecked: {why}', file=sys.stderr, flush=True)
     restored = mngr.restore(number, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
     yield task, restored['state']['params'], number, mesh

@@ -118,12 +118,6 @@ def verify(step_dir) -> tuple[str, str | None]:
   return 'verified', None
 
 
-def mismatch(step_dir) -> str | None:
-  """Why this host's files in `step_dir` cannot be verified (a file differs, or the list is unreadable), as a phrase;
-  None if they match or no list exists."""
-  return verify(step_dir)[1]
-
-
 def remove_list_temporaries(checkpoints) -> list[str]:
   """Removes the temporaries of checksum lists whose writes a kill cut short, in every checkpoint under `checkpoints`
   (for the lease holder: no other run writes there). Returns their names."""

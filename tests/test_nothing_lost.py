@@ -455,23 +455,23 @@ def test_checksums_name_the_changed_missing_or_cut_file(tmp_path, monkeypatch):
   monkeypatch.setattr(checksums.jax, 'process_count', lambda: 2)
   checksums.record(tmp_path)
   assert json.loads((tmp_path / 'checksums.process_0.json').read_text())['files'].keys() == {'state/d/a'}  # its own
-  assert checksums.mismatch(tmp_path) is None
+  assert checksums.verify(tmp_path)[1] is None
   for algorithm in ('xxh3_64', 'crc32'):  # a gs:// file is streamed: the same hash as the local memory map's
     with open(state / 'd' / 'a', 'rb') as f:  # in chunks that split the file (gs:// reads checksums.CHUNK bytes)
       streamed = checksums._hash(iter(lambda: f.read(7), b''), algorithm)  # pylint: disable=cell-var-from-loop
       assert f'{streamed:08x}' == checksums.checksum(state / 'd' / 'a', algorithm)
   (state / 'd' / 'a').write_bytes(b'abce' + b'abcd' * 999)
-  assert checksums.mismatch(tmp_path).startswith('state/d/a: content checksum mismatch (xxh3_64 ')
+  assert checksums.verify(tmp_path)[1].startswith('state/d/a: content checksum mismatch (xxh3_64 ')
   (state / 'd' / 'a').write_bytes(b'abcd')
-  assert checksums.mismatch(tmp_path) == 'state/d/a has 4 bytes, 4000 when saved'
+  assert checksums.verify(tmp_path)[1] == 'state/d/a has 4 bytes, 4000 when saved'
   (state / 'd' / 'a').unlink()
-  assert checksums.mismatch(tmp_path) == 'state/d/a is missing'
+  assert checksums.verify(tmp_path)[1] == 'state/d/a is missing'
   (state / 'd' / 'a').write_bytes(b'')
   crc32_listing = {'state/d/a': [0, 0], 'state/d/e': [zlib.crc32(b'xyz'), 3]}  # as written before XXH3
   (state / 'd' / 'e').write_bytes(b'xyz')
   (tmp_path / 'checksums.process_0.json').write_text(json.dumps(crc32_listing))
-  assert checksums.mismatch(tmp_path) is None
+  assert checksums.verify(tmp_path)[1] is None
   (state / 'd' / 'e').write_bytes(b'xyw')
-  assert checksums.mismatch(tmp_path).startswith('state/d/e: content checksum mismatch (crc32 ')
+  assert checksums.verify(tmp_path)[1].startswith('state/d/e: content checksum mismatch (crc32 ')
   (tmp_path / 'checksums.process_0.json').unlink()
-  assert checksums.mismatch(tmp_path) is None  # a checkpoint saved before checksums: taken as it is
+  assert checksums.verify(tmp_path)[1] is None  # a checkpoint saved before checksums: taken as it is

@@ -116,7 +116,7 @@ def test_a_damaged_list_is_one_phrase(tmp_path, name):
     (tmp_path / checksums.LISTING.format(0)).mkdir()
   else:
     (tmp_path / checksums.LISTING.format(0)).write_bytes(DAMAGED_LISTS[name])
-  why = checksums.mismatch(tmp_path)  # what the inference loader names
+  why = checksums.verify(tmp_path)[1]  # the phrase the restore and the inference loader name
   assert why.startswith('checksums.process_0.json is ') and '\n' not in why
   assert checksums.verify(tmp_path) == ('unreadable', why)
 
@@ -215,3 +215,14 @@ def test_the_temporaries_of_checksum_lists_a_kill_cut_short_are_removed(tmp_path
   (tmp_path / 'checkpoints' / 'not_a_folder').write_text('')
   assert checksums.remove_list_temporaries(tmp_path / 'checkpoints') == [left.name]
   assert sorted(os.listdir(step_dir)) == [other.name]
+
+
+@pytest.mark.slow
+def test_inference_reads_a_checkpoint_whose_list_is_damaged_with_one_warning(crashed_run, tmp_path, capsys):
+  workdir = _copy(crashed_run, tmp_path)
+  newest = max(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
+  (workdir / 'checkpoints' / str(newest) / checksums.LISTING.format(0)).write_bytes(DAMAGED_LISTS['random bytes'])
+  with checkpoint.lm_run_on_mesh(workdir) as (_, _, number, _):  # what generate and evaluate read
+    assert number == newest
+  assert f'warning: checkpoint {newest} is read unchecked: checksums.process_0.json is unreadable' in (
+      capsys.readouterr().err)
