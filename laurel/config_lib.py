@@ -52,7 +52,7 @@ def in_range(lo, hi, closed=(True, True)):
   return (ok, f'must be a number in {"[(" [not closed[0]]}{lo}, {hi}{"])" [not closed[1]]}')
 
 
-def field(default, check=None, resumable=False, **kwargs):  # resumable: a resume may change it (laurel.checkpoint)
+def field(default, check=None, resumable=False, **kwargs):  # resumable: a resume may change it (laurel.run.checkpoint)
   return dataclasses.field(default=default, metadata={'resumable': resumable, **({'check': check} if check else {})},
                            **kwargs)
 
@@ -140,7 +140,7 @@ def resolve_spec(spec: str) -> str:
     except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
       raise InputError(f'--config={spec!r}: {io_error_reason(e)}') from None
     if saved:
-      return f'{REPO / "laurel" / "saved_config.py"}:{spec}'
+      return f'{REPO / "laurel" / "run" / "saved_config.py"}:{spec}'
   path, sep, arg = spec.partition(':')
   candidates = [pathlib.Path(path), REPO / path, REPO / 'configs' / path, REPO / 'configs' / f'{path}.py']
   found = next((p for p in candidates if p.is_file()), None)

@@ -18,7 +18,7 @@ import grain
 from grain import experimental as grain_exp
 import numpy as np
 
-from laurel import console
+from laurel.run import console
 from laurel.config_lib import (NON_NEGATIVE_INT, STRING, InputError, build, field, in_range,
                                io_error_reason, is_int, one_of, optional_import, require)
 

@@ -15,7 +15,7 @@ run lost (docs/clusters.md); 5 for a workdir another live run holds; 6 for a run
 75 for a hung loop (config.watchdog_*); 1 with a traceback for anything else.
 """
 
-from laurel import console  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
+from laurel.run import console  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
 
 INTERRUPTED = 'interrupted: exited; nothing was lost (rerun the same command to start or resume)'
 if __name__ == '__main__':  # quiet and interruptible while JAX and TensorFlow load
@@ -28,7 +28,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from laurel import aot, cluster, compile_cache, config_lib, cost, files, lease, step, train
+from laurel import config_lib, step, train
+from laurel.run import aot, cluster, compile_cache, cost, files, lease
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -105,7 +106,7 @@ def main(argv):
     config_lib.fail(str(e), code=train.DIVERGED)
   except KeyboardInterrupt:  # Ctrl-C before the first step (in the loop it saves a checkpoint)
     config_lib.fail('interrupted before training started; nothing was saved', code=130)
-  except Exception:  # a collective that failed as a peer died: one line naming it (laurel.cluster), not this
+  except Exception:  # a collective that failed as a peer died: one line naming it (laurel.run.cluster), not this
     cluster.await_lost_peer()
     raise
   cluster.finish_peer_watch()

@@ -16,7 +16,7 @@ import optax
 from laurel import config_lib, cross_entropy, designs, sharding, tasks
 from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, STRING, InputError,
                                field, in_range, is_int, one_of, require)
-from laurel.hardware import available_host_bytes, peak_memory_bytes, xla_costs
+from laurel.run.hardware import available_host_bytes, peak_memory_bytes, xla_costs
 
 LOGICAL_AXIS_RULES = designs.logical_axis_rules()  # sharding's and each registered design's
 NO_DECAY = ('scale', 'bias', 'value_mix')  # norms, biases, value residual's mix; each design adds its own
@@ -270,7 +270,7 @@ def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, fl
   """(FLOPs, bytes accessed) of one train step of `task`, from `costs_of(t)`, XLA's costs of the step of a task t
   (per device of `mesh`). XLA counts a loop's body once, so: one micro-batch per step; a scanned layer stack at
   scan_unroll 1 and 2, the difference added for every further layer (odd: all unrolled); the loss's chunks after the
-  first compiled alone, their costs by `lowered_costs(lowered)` where given (laurel.aot keeps them)."""
+  first compiled alone, their costs by `lowered_costs(lowered)` where given (laurel.run.aot keeps them)."""
   task = _with(task, scan_unroll=1)
   totals = costs_of(task)
   if not any(totals):  # the backend gives no count (a lowered step under the CUDA and TPU plug-ins): nor do we

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 
 from laurel import attention, cross_entropy, data, designs, image_data, lm, resnet, sharding
-from laurel.hardware import xla_flops
+from laurel.run.hardware import xla_flops
 from laurel.config_lib import DTYPES, InputError, build
 
 

@@ -26,11 +26,12 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from laurel import checkpoint, checksums, config_lib, console, hardware, lease, metric_writers, sharding
-from laurel.checkpoint import run_dir
+from laurel import config_lib, sharding
+from laurel.run import checkpoint, checksums, console, hardware, lease, metric_writers
+from laurel.run.checkpoint import run_dir
 from laurel.config_lib import InputError
-from laurel.files import is_remote, remove_temporaries, utc, write_text_atomic
-from laurel.stats import weighted_mean_se
+from laurel.run.files import is_remote, remove_temporaries, utc, write_text_atomic
+from laurel.run.stats import weighted_mean_se
 from laurel.step import (LOGICAL_AXIS_RULES, check_fits_host, compile_step, num_data_shards,  # noqa: F401
                          step_flops, validate_config)  # LOGICAL_AXIS_RULES: importable from here
 
@@ -73,7 +74,7 @@ def local_dataset(task, *, train: bool):
 
 
 class MetricsLog:
-  """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.metric_writers. Process 0 writes it: by appends
+  """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.run.metric_writers. Process 0 writes it: by appends
   where local, rewritten whole behind '://' (gcsfs overwrites on 'a'; GCS replaces an object atomically)."""
   def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False,
                fence=lease.fence(None)):
@@ -497,7 +498,7 @@ def next_commands(config, workdir: epath.Path) -> list[str]:
   new_tokens = min(64, config.data.seq_len // 2)  # prompt and new tokens within the context it trained on
   python, run = console.python_command(), console.quoted(workdir)  # the venv's python unless it is `python`
   # Sampled: greedy decoding of a small model repeats itself (`def test the the the`).
-  return [f'  {python} -m laurel.generate --workdir={run} --prompt={shlex.quote(prompt)} '
+  return [f'  {python} -m laurel.serve.generate --workdir={run} --prompt={shlex.quote(prompt)} '
           f'--max_new_tokens={new_tokens} --temperature=0.8 --top_k=40',
-          f'  {python} -m laurel.evaluate --workdir={run} --task=held_out --max_items=10   # the first '
+          f'  {python} -m laurel.serve.evaluate --workdir={run} --task=held_out --max_items=10   # the first '
           '10 of its held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']

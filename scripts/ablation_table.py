@@ -10,16 +10,16 @@ import common  # puts the repo root on sys.path
 import paper
 from etils import epath
 
-from laurel import files
+from laurel.run import files
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
 KEYS = ('params_m', 'test_loss', 'peak_memory_gb', 'step_time_s')  # measured beside the paper's, with ratios
-# A row's figures as collect reads them from its runs (summarise derives the rest; eval_* are laurel.evaluate's).
+# A row's figures as collect reads them from its runs (summarise derives the rest; eval_* are laurel.serve.evaluate's).
 MEASURED = ('name', 'seeds', 'failed', 'params', 'test_losses', 'peak_memory_gb', 'step_time_s', 'held_out',
             'held_out_loss_se', 'runs')
 PROVENANCE = 'provenance.json'  # in each run: the commit, device and corpus it trained on (written as it starts)
-EVAL_METRICS = ('bits_per_byte', 'accuracy', 'accuracy_norm', 'correct_loglik')  # of laurel.evaluate's results
+EVAL_METRICS = ('bits_per_byte', 'accuracy', 'accuracy_norm', 'correct_loglik')  # of laurel.serve.evaluate's results
 
 def collect(workdir: epath.Path, rows_in_order, with_paper: bool) -> list[dict]:
   """Each row's finished runs (their final.json) with the table's statistics (summarise)."""
@@ -186,7 +186,7 @@ def markdown(rows, command: str, with_paper: bool, preset: str) -> str:
             f"minus {BASELINE} on the seeds both have (pairs), with the {common.CI_PERCENT} Student-t interval over "
             'those seeds; resolved: the interval excludes zero (— below two pairs). loss × is the paired ratio. '
             'Peak memory is the compiled train step.'
-            + (' eval_<task>_<metric>: laurel.evaluate on the last checkpoint, mean over seeds.' if evals else ''),
+            + (' eval_<task>_<metric>: laurel.serve.evaluate on the last checkpoint, mean over seeds.' if evals else ''),
             '', noise_line(rows)]
   if with_paper:
     lines += ['', "The paper's Table 5, at its own scale (157–179M parameters, ~10B tokens of C4, TPU v6e 4×4; one "
@@ -205,7 +205,7 @@ def noise_line(rows) -> str:
            else f'no seed-to-seed std of {BASELINE} (one seed)')
   paired = (f', the paired differences\' std {min(diff_sds):.4f}–{max(diff_sds):.4f}' if diff_sds else '')
   if not (noise := common.eval_noise([r.get('held_out') for r in rows])):
-    return (f'Eval noise: not recorded by these runs (final.json\'s held_out, written since laurel.stats); '
+    return (f'Eval noise: not recorded by these runs (final.json\'s held_out, written since laurel.run.stats); '
             f'{seeds}{paired}.')
   return (f"Eval noise: {noise} (each row's median over its seeds; the same eval set for every run), beside "
           f'{seeds}{paired}.')

@@ -26,7 +26,7 @@ import subprocess
 import time
 
 import common  # puts the repo root on sys.path
-from laurel import gpu_workarounds  # pylint: disable=g-bad-import-order
+from laurel.run import gpu_workarounds  # pylint: disable=g-bad-import-order
 
 if __name__ == '__main__':  # before JAX starts a backend
   gpu_workarounds.apply()
@@ -37,7 +37,8 @@ import jax
 from absl import app, flags
 from etils import epath
 
-from laurel import aot, compile_cache, config_lib, hardware, sharding, step
+from laurel import config_lib, sharding, step
+from laurel.run import aot, compile_cache, hardware
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
@@ -58,7 +59,7 @@ _FULL_SEQ_LEN = flags.DEFINE_integer('full_shape_seq_len', 1024, 'Full-shape tok
 _VARIANTS = flags.DEFINE_list('variants', [], 'Baseline-24 once more per <field>=<value>, timed with the rows '
                                '(e.g. model.loss_chunk=0,model.attention=xla); named "baseline_24 <field>=<value>".')
 _PEAK = flags.DEFINE_float('peak_flops', None, "Dense bf16 peak FLOP/s per device for MFU and HFU (default: "
-                           "laurel.hardware's figure for the device; none for CPUs).", lower_bound=1)
+                           "laurel.run.hardware's figure for the device; none for CPUs).", lower_bound=1)
 _PROFILE = flags.DEFINE_string('profile', '', 'Also trace a few steps of the --profile_rows into this folder and '
                                'print their ops by time, grouped: attention, loss, residual (LAuReL), optimizer (step_profile).')
 _PROFILE_ROWS = flags.DEFINE_list('profile_rows', ['baseline_24', 'rw_lr'], 'The rows --profile traces.')
@@ -220,7 +221,7 @@ SLICE_COLUMNS = {'name': 'row', 'params': 'params', 'peak_gb': 'peak GB', 'peak_
 
 def measure_slice(names) -> dict:
   """Every row (or, with --vary, Baseline-24 at every value of one field) compiled by the TPU compiler for
-  --topology on this machine (laurel.aot); nothing runs."""
+  --topology on this machine (laurel.run.aot); nothing runs."""
   accel = hardware.parse_accelerator(_TOPOLOGY.value, flag='--topology')
   topology = f'{accel["generation"]}:{accel["topology"]}'  # v6e-16 -> v6e:4x4
   if _VARY.value:

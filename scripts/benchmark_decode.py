@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from laurel import config_lib, generate, lm, sharding
+from laurel import config_lib, lm, sharding
+from laurel.serve import generate
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'

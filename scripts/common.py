@@ -33,9 +33,10 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-imp
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
-from laurel import config_lib, files, stats  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel import lease  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.hardware import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
+from laurel import config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.run import files, stats
+from laurel.run import lease  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.run.hardware import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 
@@ -136,7 +137,7 @@ def luminance(rgba) -> float:
 
 def write_results(directory, stem: str, result: dict, rows: list[dict], markdown: str, figure) -> list[epath.Path]:
   """<stem>.json (`result`), .csv (`rows`, the keys whose values are not dicts), .md and .png in `directory`, each
-  replaced whole (laurel.files); returns their paths."""
+  replaced whole (laurel.run.files); returns their paths."""
   directory = epath.Path(directory)  # local or gs://
   directory.mkdir(parents=True, exist_ok=True)
   columns = [k for k in dict.fromkeys(k for r in rows for k in r) if not any(isinstance(r.get(k), dict) for r in rows)]

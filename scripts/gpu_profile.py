@@ -13,7 +13,7 @@ Jobs, each in its own process under a time limit (a hang or a crash costs that j
                    A/B: the `gpu` job with one thing changed (AB below), timed only
   gpu_rw_lr_pa     RW+LR+PA at the `gpu` preset, timed and traced: LAuReL's ops beside the baseline's
 The JSON (--out; {device}: the device kind) holds the device and versions, each job's step times, tokens/s, MFU
-(laurel.hardware's peak), compile time, peak memory, and its profile; and each A/B job's step time over the `gpu`
+(laurel.run.hardware's peak), compile time, peak memory, and its profile; and each A/B job's step time over the `gpu`
 job's. A job that fails or runs out of time is recorded with its output's last lines.
 
 Device time on an H200 (estimated): a job starts Python and JAX (~10 s), compiles one step (~20-40 s; the jobs share
@@ -39,7 +39,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/gpu_profile.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
-from laurel import gpu_workarounds  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.run import gpu_workarounds  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 if __name__ == '__main__':  # before JAX starts a backend, here and in every job (they inherit XLA_FLAGS)
   gpu_workarounds.apply()
@@ -50,7 +50,8 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import step_profile  # noqa: E402
-from laurel import compile_cache, config_lib, files, hardware, sharding, step  # noqa: E402
+from laurel import config_lib, sharding, step  # noqa: E402
+from laurel.run import compile_cache, files, hardware
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _OUT = flags.DEFINE_string('out', 'results/gpu_profile_{device}.json', 'The JSON; {device}: the device kind.')

@@ -23,7 +23,8 @@ import common  # puts the repo root on sys.path
 from absl import app, flags
 from etils import epath
 
-from laurel import console, data
+from laurel import data
+from laurel.run import console
 from laurel.config_lib import InputError
 
 _INPUT = flags.DEFINE_string('input', None, "Directory of C4's c4-<split>.NNNNN-of-MMMMM.json.gz files.")

@@ -33,9 +33,10 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from laurel import console, data
+from laurel import data
+from laurel.run import console
 from laurel.config_lib import InputError
-from laurel.files import write_bytes_atomic, write_text_atomic
+from laurel.run.files import write_bytes_atomic, write_text_atomic
 
 PREFIX = 'corpus'  # the loader's data.name for these shards
 SPLITS = ('train', 'validation')

@@ -37,7 +37,7 @@ each one's command, and refuses tables of different corpora.
 --preset=gpu is sized for one H100 (configs/c4_ablation.py says why):
   python scripts/reproduce_c4_ablation.py --preset=gpu --rows=baseline_24,baseline_28,rw_lr_pa --seeds=3
 
---evaluate scores every finished run's last checkpoint on laurel.evaluate's tasks, here (from gs:// too), once per
+--evaluate scores every finished run's last checkpoint on laurel.serve.evaluate's tasks, here (from gs:// too), once per
 run and task (<run>/eval_<task>.json is kept); the tables gain each task's metrics, averaged over seeds, with
 ratios to Baseline-24: bits per byte for text, accuracy, length-normalised accuracy and the correct choice's mean
 log-likelihood for multiple choice.
@@ -52,7 +52,8 @@ from absl import app, flags
 from ablation_table import collect, from_json, markdown, plot
 from etils import epath
 
-from laurel import config_lib, evaluate
+from laurel import config_lib
+from laurel.serve import evaluate
 from laurel.config_lib import InputError
 
 _TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to train.')
@@ -73,7 +74,7 @@ _FROM_JSON = flags.DEFINE_list('from_json', None, "Only recompute a table's stat
                                "every run's test loss) and rewrite it; --out: default the first JSON's folder. "
                                "Several: their seeds merged, row by row (a seed in two: the later table's); "
                                'tables of different corpora are refused.')
-_EVALUATE = flags.DEFINE_multi_string('evaluate', [], "A laurel.evaluate task for every finished run (repeatable).")
+_EVALUATE = flags.DEFINE_multi_string('evaluate', [], "A laurel.serve.evaluate task for every finished run (repeatable).")
 _TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for --evaluate's TFDS tasks.")
 _LAUNCH = common.define_launch_flags()
 

@@ -50,7 +50,7 @@ def cli_args(spec: str, workdir, overrides: dict) -> list[str]:
   return args + [f'--config.{k}={v}' for k, v in overrides.items()]
 
 
-# Variables by which laurel.cluster finds a cluster: the tests simulate their own, not the one they may run in.
+# Variables by which laurel.run.cluster finds a cluster: the tests simulate their own, not the one they may run in.
 CLUSTER_VARIABLES = ('SLURM_', 'OMPI_', 'PMIX_', 'JOB_COMPLETION_INDEX', 'KUBERNETES_SERVICE_HOST', 'JAX_COORDINATOR')
 
 

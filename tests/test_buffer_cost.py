@@ -49,7 +49,8 @@ def test_dca_reads_its_columns_without_a_selection_matmul():
 
 SAMPLE = '''
 import flax.linen as nn, jax, jax.numpy as jnp
-from laurel import designs, generate, lm, sharding
+from laurel import designs, lm, sharding
+from laurel.serve import generate
 from laurel.designs import StreamSpec
 cfg = lm.LMConfig(vocab_size=64, d_model=32, num_heads=4, d_ff=64, num_layers=3, stream=StreamSpec(design='mudd'))
 rules = designs.logical_axis_rules(sharding.LOGICAL_AXIS_RULES)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli, without_this_python
-from laurel import config_lib, console, data
+from laurel import config_lib, data
+from laurel.run import console
 from test_data import lm_data, segments
 
 SPLITS = {'train': ['c4-train.00000-of-01024.json.gz', 'c4-train.00001-of-01024.json.gz',

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, fake_gcs_env, free_port, losses, metrics, run_cli
-from laurel import cluster, lease
+from laurel.run import cluster, lease
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
 
@@ -251,7 +251,7 @@ def test_without_hard_links_a_lease_is_written_and_read_back(tmp_path, monkeypat
 @pytest.mark.slow
 def test_a_lease_on_gs_is_held_refused_and_released(tmp_path):
   """gs:// through the tests' local fake (tests/fake_gcs): no exclusive create, so the lease is read back."""
-  code = ('from etils import epath\nfrom laurel import lease\n'
+  code = ('from etils import epath\nfrom laurel.run import lease\n'
           'workdir = epath.Path("gs://bucket/run")\n'
           'held = lease.Lease(workdir).acquire()\n'
           'try:\n  lease.Lease(workdir).acquire()\nexcept lease.Held as e:\n  print(e)\n'

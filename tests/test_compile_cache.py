@@ -1,4 +1,4 @@
-"""laurel.compile_cache: compiled programs reused across processes, and the pre-flight's kept compiler figures."""
+"""laurel.run.compile_cache: compiled programs reused across processes, and the pre-flight's kept compiler figures."""
 import json
 import os
 import re
@@ -12,7 +12,7 @@ import pytest
 from jax._src import compilation_cache as jax_cache  # pylint: disable=g-importing-member
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, needs_libtpu
-from laurel import aot, compile_cache
+from laurel.run import aot, compile_cache
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 JAX_SETTINGS = ('jax_enable_compilation_cache', 'jax_compilation_cache_dir',
@@ -86,8 +86,8 @@ def test_an_unreadable_entry_is_deleted_and_written_again(tmp_path, restored_jax
 def test_importing_and_setting_up_the_cache_sets_no_jax_variable():
   """The cache is set in JAX's config, not the environment: the processes a command starts choose their own."""
   env = {k: v for k, v in cli_env().items() if not k.startswith(('JAX_COMPILATION', 'JAX_PERSISTENT'))}
-  code = ('import json, os; before = dict(os.environ); import laurel.main, laurel.compile_cache; '
-          'laurel.compile_cache.setup(); '
+  code = ('import json, os; before = dict(os.environ); import laurel.main, laurel.run.compile_cache; '
+          'laurel.run.compile_cache.setup(); '
           'print(json.dumps(sorted(k for k in os.environ.keys() ^ before.keys() if "JAX" in k or "XLA" in k)))')
   r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0 and json.loads(r.stdout) == [], (r.stdout, r.stderr[-2000:])

@@ -17,7 +17,8 @@ import pytest
 from etils import epath
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, metrics, without_this_python
-from laurel import console, train
+from laurel import train
+from laurel.run import console
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 # A line that absl, glog, libtpu or TensorFlow's C++ logging printed: 'E0000 00:00:...', 'I1124 05:02:52...'.
@@ -55,9 +56,9 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
       '  final.json    run/final.json', '  checkpoints   run/checkpoints (the last: step 4)',
       '  metrics       run/metrics.jsonl',
       f'  TensorBoard   {os.path.dirname(sys.executable)}/tensorboard --logdir run/tensorboard', 'next:',
-      f"  {sys.executable} -m laurel.generate --workdir=run --prompt='The ' --max_new_tokens=16 --temperature=0.8 "
+      f"  {sys.executable} -m laurel.serve.generate --workdir=run --prompt='The ' --max_new_tokens=16 --temperature=0.8 "
       '--top_k=40',
-      f'  {sys.executable} -m laurel.evaluate --workdir=run --task=held_out --max_items=10   # the first 10 of '
+      f'  {sys.executable} -m laurel.serve.evaluate --workdir=run --task=held_out --max_items=10   # the first 10 of '
       'its held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']
   assert (workdir / 'checkpoints' / '4').is_dir() and list((workdir / 'tensorboard').iterdir())
   # The next command works as printed, from that shell.
@@ -209,7 +210,7 @@ def test_importing_every_laurel_module_changes_no_environment_variable():
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   seen = json.loads(result.stdout.splitlines()[-1])
-  assert {'laurel.main', 'laurel.train', 'laurel.generate', 'laurel.evaluate'} <= set(seen['modules'])
+  assert {'laurel.main', 'laurel.train', 'laurel.serve.generate', 'laurel.serve.evaluate'} <= set(seen['modules'])
   assert seen['changed'] == []
 
 

@@ -1,4 +1,4 @@
-"""laurel.evaluate: log-likelihoods against the LM's own logits, the metrics' arithmetic, and the CLI."""
+"""laurel.serve.evaluate: log-likelihoods against the LM's own logits, the metrics' arithmetic, and the CLI."""
 
 import json
 import math
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env
-from laurel import data, evaluate, lm
+from laurel import data, lm
+from laurel.serve import evaluate
 from laurel.designs.laurel import LaurelSpec
 
 CFG = lm.LMConfig(vocab_size=258, d_model=16, num_heads=2, d_ff=32, num_layers=2,
@@ -135,7 +136,7 @@ def test_evaluate_cli(trained_run, tmp_path):
   shutil.copytree(trained_run, workdir)  # conftest's; the eval writes its scores beside the checkpoints
   (tmp_path / 'held_out.txt').write_text('def f(x):\n  return x + 1\n' * 20)
   (tmp_path / 'mc.jsonl').write_text(json.dumps({'context': 'def f', 'choices': ['(x):', ' = 3'], 'label': 0}))
-  command = [sys.executable, '-m', 'laurel.evaluate', f'--workdir={workdir}', f'--task=text:{tmp_path}/*.txt',
+  command = [sys.executable, '-m', 'laurel.serve.evaluate', f'--workdir={workdir}', f'--task=text:{tmp_path}/*.txt',
              f'--task={tmp_path}/mc.jsonl']
   out = subprocess.run(command, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]

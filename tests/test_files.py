@@ -1,11 +1,11 @@
-"""laurel.files: a write interrupted half-way leaves the old file whole and no temporary behind."""
+"""laurel.run.files: a write interrupted half-way leaves the old file whole and no temporary behind."""
 import errno
 import os
 import tempfile
 
 import pytest
 
-from laurel import files
+from laurel.run import files
 
 
 def test_write_text_atomic_replaces_the_file(tmp_path):

@@ -10,7 +10,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from helpers import ROOT, SPEC, TINY_LM, load_config
-from laurel import checkpoint, config_lib, console, designs, lm, step, train
+from laurel import config_lib, designs, lm, step, train
+from laurel.run import checkpoint, console
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'
 

@@ -1,4 +1,4 @@
-"""laurel.generate: KV-cache decoding equals recomputing the whole forward pass, for every residual design."""
+"""laurel.serve.generate: KV-cache decoding equals recomputing the whole forward pass, for every residual design."""
 
 import dataclasses
 import functools
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env
-from laurel import designs, generate, lm
+from laurel import designs, lm
+from laurel.serve import generate
 from laurel.designs import StreamSpec
 from laurel.designs.laurel import LaurelSpec
 
@@ -96,7 +97,7 @@ def test_batched_prompts_of_different_lengths_decode_as_alone():
                                   'attnres_block_heads_delta', 'mudd', 'dca_value_residual'])
 @pytest.mark.slow
 def test_a_longer_prefill_and_padding_rows_change_no_row_and_reuse_the_compiled_step(name):
-  """What laurel.harness does to keep one compile per shape: prompts padded to a bucket (prefill_len), the batch
+  """What laurel.serve.harness does to keep one compile per shape: prompts padded to a bucket (prefill_len), the batch
   padded with one-token rows."""
   cfg, params = DESIGNS[name], _params(name)
   plain, plain_logits = _decoded(name)
@@ -125,7 +126,7 @@ def test_sampling_options():
 @pytest.mark.slow
 def test_generate_cli_samples_a_trained_run(trained_run, tmp_path):
   workdir = trained_run  # conftest's: generating reads it only
-  command = [sys.executable, '-m', 'laurel.generate', f'--workdir={workdir}', '--prompt=def ', '--prompt=import',
+  command = [sys.executable, '-m', 'laurel.serve.generate', f'--workdir={workdir}', '--prompt=def ', '--prompt=import',
              '--max_new_tokens=6']
   outs = [subprocess.run(command + extra, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
           for extra in ([], ['--nocache'])]
@@ -140,7 +141,7 @@ def test_generate_cli_samples_a_trained_run(trained_run, tmp_path):
   bad = subprocess.run(command[:4] + ['--prompt=x', '--top_p=0'], env=cli_env(), cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
   assert bad.returncode == 2 and bad.stderr.strip() == 'error: --top_p=0.0: must be in (0, 1]'
-  empty = subprocess.run([sys.executable, '-m', 'laurel.generate', f'--workdir={tmp_path}', '--prompt=x'],
+  empty = subprocess.run([sys.executable, '-m', 'laurel.serve.generate', f'--workdir={tmp_path}', '--prompt=x'],
                          env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert empty.returncode == 2 and 'no config.json' in empty.stderr and len(empty.stderr.strip().splitlines()) == 1
 

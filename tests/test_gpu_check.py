@@ -1,6 +1,6 @@
 """make gpu-check's parts that run without a GPU: scripts/benchmark.py's variants, arguments, JSON layout and MFU
 arithmetic (on CPU at a tiny shape), the peak FLOP/s table, scripts/gpu_check.sh's arguments and its end without a
-GPU, and the flags a known-slow jaxlib gets on a GPU (laurel.gpu_workarounds)."""
+GPU, and the flags a known-slow jaxlib gets on a GPU (laurel.run.gpu_workarounds)."""
 
 import gzip
 import json
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from helpers import ROOT, cli_env, gpu_present
-from laurel import console, gpu_workarounds, hardware
+from laurel.run import console, gpu_workarounds, hardware
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 import step_profile  # noqa: E402  (scripts/step_profile.py)

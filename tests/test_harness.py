@@ -1,4 +1,4 @@
-"""laurel.harness: lm-evaluation-harness scores an LM run as laurel.evaluate, laurel.generate and a direct
+"""laurel.serve.harness: lm-evaluation-harness scores an LM run as laurel.serve.evaluate, laurel.serve.generate and a direct
 computation do, offline, on tasks defined here from local JSONL files."""
 
 import importlib.metadata
@@ -16,7 +16,9 @@ import yaml
 pytest.importorskip('lm_eval', reason="lm-evaluation-harness is an optional extra: pip install -e '.[lm_eval]'")
 
 from helpers import ROOT, TINY_LM, cli_env, run_cli  # pylint: disable=wrong-import-position
-from laurel import checkpoint, data, evaluate, generate, harness  # pylint: disable=wrong-import-position
+from laurel import data  # pylint: disable=wrong-import-position
+from laurel.run import checkpoint
+from laurel.serve import evaluate, generate, harness
 from lm_eval.api import registry  # pylint: disable=wrong-import-position
 from lm_eval.api.instance import Instance  # pylint: disable=wrong-import-position
 from laurel.config_lib import InputError  # pylint: disable=wrong-import-position
@@ -91,7 +93,7 @@ def _stop_after(text: str, until) -> str:
 
 @pytest.mark.slow
 def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation(run, tmp_path):
-  with checkpoint.lm_run_on_mesh(run) as (task, params, _, _):  # laurel.generate as its command line runs it
+  with checkpoint.lm_run_on_mesh(run) as (task, params, _, _):  # laurel.serve.generate as its command line runs it
     tokenizer = data.make_tokenizer(task.config.data)
     eos = tokenizer.eos_id
     new_BxN, _ = generate.generate(task.model_cfg, params, [tokenizer.encode(p) or [eos] for p in PROMPTS], MAX_GEN)
@@ -112,8 +114,8 @@ def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation
   _task(tasks, 'laurel_gen', _jsonl(tmp_path / 'gen.jsonl', [{'prompt': p} for p in PROMPTS]), 'generate_until',
         doc_to_text='{{prompt}}', doc_to_target='{{prompt}}', metric_list=[{'metric': 'exact_match'}],
         generation_kwargs={'until': until, 'max_gen_toks': MAX_GEN, 'do_sample': False})
-  # 8 devices: the batch of 3 is padded to 8 rows sharded over the run's mesh, as laurel.evaluate does.
-  command = [sys.executable, '-m', 'laurel.harness', '--model', 'laurel', '--model_args', f'workdir={run}',
+  # 8 devices: the batch of 3 is padded to 8 rows sharded over the run's mesh, as laurel.serve.evaluate does.
+  command = [sys.executable, '-m', 'laurel.serve.harness', '--model', 'laurel', '--model_args', f'workdir={run}',
              '--tasks', 'laurel_mc,laurel_text,laurel_gen', '--include_path', str(tasks), '--batch_size', '3',
              '--output_path', str(tmp_path / 'out'), '--log_samples']
   out = subprocess.run(command, env=_offline_env(tmp_path, 8), cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -130,7 +132,7 @@ def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation
   mc_logliks = [[float(ll) for ll, _ in s['filtered_resps']] for s in samples['laurel_mc']]
   for got, want in zip(mc_logliks, choice_logliks):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-  [ours] = evaluate.evaluate_run(run, [mc_file], batch_size=3)  # laurel.evaluate on the same items
+  [ours] = evaluate.evaluate_run(run, [mc_file], batch_size=3)  # laurel.serve.evaluate on the same items
   assert results['laurel_mc']['acc,none'] == ours['accuracy']
   assert results['laurel_mc']['acc_bytes,none'] == ours['accuracy_norm']  # both normalise by the choice's bytes
   assert np.mean([ll[item['label']] for ll, item in zip(mc_logliks, MC)]) == pytest.approx(ours['correct_loglik'],
@@ -180,8 +182,8 @@ def test_laurel_lm_from_python_greedy_flags_and_refused_generation_kwargs(run):
 @pytest.mark.slow
 def test_the_shipped_example_task_scores_a_run_offline(run, tmp_path):
   """configs/lm_eval's task by the command in its YAML and docs/evaluation.md, from the repository root: lm_eval's
-  accuracies are laurel.evaluate's on the same JSONL."""
-  command = [sys.executable, '-m', 'laurel.harness', '--model', 'laurel', '--model_args', f'workdir={run}',
+  accuracies are laurel.serve.evaluate's on the same JSONL."""
+  command = [sys.executable, '-m', 'laurel.serve.harness', '--model', 'laurel', '--model_args', f'workdir={run}',
              '--tasks', 'laurel_python_syntax', '--include_path', 'configs/lm_eval', '--output_path', str(tmp_path)]
   out = subprocess.run(command, env=_offline_env(tmp_path, 1), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import load_config, needs_libtpu
-from laurel import aot, cross_entropy, lm, tasks
+from laurel import cross_entropy, lm, tasks
+from laurel.run import aot
 
 VOCAB, D, LEN, BATCH = 37, 8, 12, 3
 # Row 0: two documents, then padding; row 1: one document; row 2: three documents.
@@ -180,7 +181,7 @@ def test_remat_policies_give_the_same_gradients(policy):
 @needs_libtpu
 @pytest.mark.slow
 def test_compiler_costs_count_every_loss_chunk():
-  """XLA counts the chunk loop's body once; laurel.aot adds the other chunks. The chunked loss computes each chunk's
+  """XLA counts the chunk loop's body once; laurel.run.aot adds the other chunks. The chunked loss computes each chunk's
   logits once (its backward only scales saved gradients), so the step costs what the unchunked one does."""
   shape = {**TINY, 'model.num_layers': 2, 'model.scan_layers': True, 'model.dtype': 'bfloat16', 'data.seq_len': 128,
            'batch_size': 8, 'model.vocab_size': 512}

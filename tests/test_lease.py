@@ -15,7 +15,8 @@ import jax
 import pytest
 
 from helpers import ROOT, SPEC, TINY_LM, checkpoint_steps, cli_env, load_config, metrics
-from laurel import checkpoint, config_lib, files, lease, train
+from laurel import config_lib, train
+from laurel.run import checkpoint, files, lease
 
 
 def _holder(workdir, **fields) -> dict:
@@ -49,7 +50,7 @@ def test_an_earlier_incarnation_in_another_pid_namespace_is_watched_then_taken_o
   assert 'watching its heartbeat for up to 0 s' in err and 'its heartbeat did not move in 0 s' in err
 
 
-HOLDER = ('import sys, time\nfrom laurel import lease\n'
+HOLDER = ('import sys, time\nfrom laurel.run import lease\n'
           'held = lease.Lease(sys.argv[1], heartbeat_s=0.02).acquire()\nprint("held", flush=True)\ntime.sleep(600)\n')
 
 
@@ -229,7 +230,7 @@ def test_a_workdir_turned_read_only_does_not_fail_the_release(tmp_path, monkeypa
                                      f'{tmp_path / lease.NAME}; the next run takes it over (this process is gone)\n')
 
 
-FAILING_RUN = ('import errno, sys\nfrom laurel import lease, main, train\nworkdir = sys.argv[1]\n'
+FAILING_RUN = ('import errno, sys\nfrom laurel import main, train\nfrom laurel.run import lease\nworkdir = sys.argv[1]\n'
                'def train_failing(*_, **__):\n'
                '  raise {}\n'
                'train.train = train_failing\n'

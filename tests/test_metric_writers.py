@@ -1,4 +1,4 @@
-"""laurel.metric_writers: TensorBoard without TensorFlow (event files read back by tensorboard's own reader), the
+"""laurel.run.metric_writers: TensorBoard without TensorFlow (event files read back by tensorboard's own reader), the
 profiler, steps_per_sec, W&B offline (its run file read back), and the one-line errors of missing extras."""
 
 import glob
@@ -16,7 +16,9 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
 from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, metrics, run_cli
-from laurel import config_lib, data, evaluate, image_data, metric_writers, train
+from laurel import config_lib, data, image_data, train
+from laurel.run import metric_writers
+from laurel.serve import evaluate
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 
@@ -215,7 +217,7 @@ def test_wandb_offline_gets_the_metrics_config_and_summary_and_a_resume_continue
 @pytest.mark.slow
 def test_tensorboard_on_gcs_uploads_whole_event_files(tmp_path):
   """GCS has no appends (tests/fake_gcs refuses them): the event files are written locally and uploaded whole."""
-  code = ('from laurel import metric_writers\n'
+  code = ('from laurel.run import metric_writers\n'
           'w = metric_writers.TensorBoardWriter("gs://bucket/run/tensorboard")\n'
           'w.write_hparams({"lr": 0.1})\nw.write_scalars(1, {"loss": 2.0})\nw.write_scalars(2, {"loss": 1.5})\n'
           'w.close()\n')

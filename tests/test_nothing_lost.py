@@ -17,7 +17,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, losses
-from laurel import checkpoint, checksums, config_lib, step, train
+from laurel import config_lib, step, train
+from laurel.run import checkpoint, checksums
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 sys.path.insert(0, str(ROOT / 'scripts'))
@@ -362,7 +363,7 @@ def test_attention_scores_larger_than_the_host_are_refused_before_compiling(tmp_
 
 @pytest.mark.slow
 def test_generating_past_the_context_is_refused(two_checkpoints):
-  result = subprocess.run([sys.executable, '-m', 'laurel.generate', f'--workdir={two_checkpoints[0]}',
+  result = subprocess.run([sys.executable, '-m', 'laurel.serve.generate', f'--workdir={two_checkpoints[0]}',
                            '--prompt=ab', '--max_new_tokens=31'], env=cli_env(), cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 2 and result.stderr.strip().splitlines() == [

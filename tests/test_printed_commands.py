@@ -65,7 +65,7 @@ def as_run_here(command: str, python: str) -> str:
   """The command for this checkout: the venv's python and console scripts as this interpreter, a training command
   only checked (--print_config: no training), the fixture's context, TensorBoard's version (no server)."""
   words = shlex.split(command)
-  scripts = {'laurel-train': 'laurel.main', 'laurel-generate': 'laurel.generate', 'laurel-evaluate': 'laurel.evaluate',
+  scripts = {'laurel-train': 'laurel.main', 'laurel-generate': 'laurel.serve.generate', 'laurel-evaluate': 'laurel.serve.evaluate',
              'tensorboard': 'tensorboard.main', '.venv/bin/tensorboard': 'tensorboard.main'}
   if words[0] in scripts:
     words = [python, '-m', scripts[words[0]], *words[1:]]
@@ -84,10 +84,10 @@ def test_every_documented_command_is_run_or_skipped_for_a_stated_reason():
   assert len(commands) > 30 and {'README.md', 'docs/training.md', 'docs/evaluation.md'} <= {f for f, _ in commands}
   run = [c for _, c in commands if skip_reason(c) is None]
   # What is run: the configs and flags of the training commands, sampling and evaluating, the help, TensorBoard.
-  assert any('laurel.generate' in c for c in run) and any('laurel.evaluate' in c for c in run)
+  assert any('laurel.serve.generate' in c for c in run) and any('laurel.serve.evaluate' in c for c in run)
   assert any('--help' in c for c in run) and any('tensorboard' in c for c in run)
-  assert as_run_here("python -m laurel.generate --workdir=runs/demo --prompt='def ' --max_new_tokens=64", 'py') == (
-      "py -m laurel.generate --workdir=runs/demo '--prompt=def ' --max_new_tokens=8")
+  assert as_run_here("python -m laurel.serve.generate --workdir=runs/demo --prompt='def ' --max_new_tokens=64", 'py') == (
+      "py -m laurel.serve.generate --workdir=runs/demo '--prompt=def ' --max_new_tokens=8")
 
 
 @pytest.fixture(scope='module')

@@ -20,7 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, cli_env, fake_gcs_env, load_config, losses, run_cli, run_python,
                      tree_snapshot)
-from laurel import checkpoint, config_lib, data, evaluate, generate, step, train
+from laurel import config_lib, data, step, train
+from laurel.run import checkpoint
+from laurel.serve import evaluate, generate
 
 
 @pytest.fixture
@@ -31,7 +33,7 @@ def run_with_three_checkpoints(trained_run):  # conftest's, trained once per tes
 # 1. A TPU VM trains alone only where its slice provably has one host.
 
 TPU_START = ('import jax, sys\n'
-             'from laurel import cluster, main, train\n'
+             'from laurel import main, train\nfrom laurel.run import cluster\n'
              'def refuse(*a, **k): raise RuntimeError("no coordinator answered")\n'
              'jax.distributed.initialize = refuse\n'
              'cluster.on_tpu_vm = lambda: True\n'
@@ -135,8 +137,8 @@ def test_an_environment_failure_moves_nothing(run_with_three_checkpoints, tmp_pa
 
 ENTRY_POINTS = {  # module: (what to make raise, argv)
     'laurel.main': ('train.train', f'"--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny", "--workdir=w"'),
-    'laurel.generate': ('checkpoint.lm_run_on_mesh', '"--workdir=w", "--prompt=x"'),
-    'laurel.evaluate': ('checkpoint.lm_run_on_mesh', '"--workdir=w", "--task=hellaswag"'),
+    'laurel.serve.generate': ('checkpoint.lm_run_on_mesh', '"--workdir=w", "--prompt=x"'),
+    'laurel.serve.evaluate': ('checkpoint.lm_run_on_mesh', '"--workdir=w", "--task=hellaswag"'),
 }
 
 

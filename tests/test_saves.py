@@ -15,7 +15,8 @@ from etils import epath
 from orbax.checkpoint._src.checkpointers import async_checkpointer
 
 from helpers import ROOT, TINY_LM, checkpoint_steps, cli_env, load_config, losses
-from laurel import checkpoint, checksums, config_lib, train
+from laurel import config_lib, train
+from laurel.run import checkpoint, checksums
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 RUN = {**TINY_LM, 'checkpoint_every': 3}  # checkpoints 3 and 6

@@ -18,7 +18,8 @@ import pytest
 
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, cluster_env, free_port,
                      load_config, losses, metrics, run_cli, tree_snapshot)
-from laurel import config_lib, console, designs, hardware, step, tasks, train
+from laurel import config_lib, designs, step, tasks, train
+from laurel.run import console, hardware
 
 
 def _wait_for(predicate, proc, timeout=240):
@@ -149,7 +150,7 @@ def _outputs(procs, timeout: float) -> list[tuple[str, str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize('launcher', ['flags', 'slurm', 'ompi'])
 def test_two_processes_match_one_process_with_eight_devices(tmp_path, launcher, eight_device_losses):
-  """Joined by flags, or as srun and mpirun start them (their variables, a localhost coordinator): laurel.cluster."""
+  """Joined by flags, or as srun and mpirun start them (their variables, a localhost coordinator): laurel.run.cluster."""
   overrides = {**TINY_LM, 'data_shards': 2, 'mesh.data': 4, 'mesh.fsdp': 2}
   port = free_port()
   flags = lambda i: [f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}']

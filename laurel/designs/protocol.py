@@ -15,7 +15,7 @@ import ml_collections
 
 from laurel import sharding
 from laurel.config_lib import InputError, build, config_dict, require
-from laurel.files import write_text_atomic
+from laurel.run.files import write_text_atomic
 
 ACT = ('act_batch', 'act_len', 'act_embed')
 STREAM_ACT = (None,) + ACT  # a stack of activations: n streams, or DenseFormer's running sums

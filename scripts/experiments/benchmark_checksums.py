@@ -1,5 +1,5 @@
-"""What a checkpoint's content checksums (laurel.checksums) add to its save: the seconds of a save of the full
-train state (laurel.checkpoint.save until every file is written) and of recording its checksums, at each --preset
+"""What a checkpoint's content checksums (laurel.run.checksums) add to its save: the seconds of a save of the full
+train state (laurel.run.checkpoint.save until every file is written) and of recording its checksums, at each --preset
 of a c4_ablation row (its initial state), on the devices here. The train loop records them in a thread while it
 goes on training, so this is their work, not a wait of the loop's.
 
@@ -20,7 +20,8 @@ import jax
 from absl import app, flags
 from etils import epath
 
-from laurel import checkpoint, checksums, config_lib, step, train
+from laurel import config_lib, step, train
+from laurel.run import checkpoint, checksums
 
 _ROW = flags.DEFINE_string('row', 'rw_lr', 'The c4_ablation row.')
 _PRESETS = flags.DEFINE_list('presets', ['tiny', 'paper'], 'Presets of the row to measure.')

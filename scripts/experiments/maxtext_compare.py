@@ -9,7 +9,7 @@ this project's `scripts/benchmark.py --topology=v6e:4x4` rows.
 
 Each setting runs MaxText's `train_compile.main` in a subprocess of MaxText's python (JAX_PLATFORMS=cpu: libtpu's
 compiler on abstract devices, nothing runs) and reads the compiled step's memory_analysis() and cost_analysis().
-FLOPs and bytes are counted as laurel/aot.py counts them: XLA counts a scanned layer body once, so every setting is
+FLOPs and bytes are counted as laurel/run/aot.py counts them: XLA counts a scanned layer body once, so every setting is
 compiled a second time with the layer scan unrolled by 2 and totals = c1 + (layers - 1) * (c2 - c1). MaxText's
 config has no knob for that: its decoder's scan takes an `unroll` argument (NNXDecoder._apply_layers_sequentially)
 that the worker sets for the second compile. Splash (flash) attention is a custom call whose matmuls XLA does not
@@ -49,7 +49,7 @@ SETTINGS = {'minimal_dot_product': ['remat_policy=minimal', 'attention=dot_produ
             'minimal_flash': ['remat_policy=minimal', 'attention=flash'],
             'minimal_flash_seq_minor': ['remat_policy=minimal', 'attention=flash', *SEQ_MINOR],
             'full_flash': ['remat_policy=full', 'attention=flash']}
-# What libtpu's start-up would otherwise ask a TPU VM's metadata server (as laurel/aot.py sets it).
+# What libtpu's start-up would otherwise ask a TPU VM's metadata server (as laurel/run/aot.py sets it).
 TPU_ENV = {'JAX_PLATFORMS': 'cpu', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1', 'TPU_SKIP_MDS_QUERY': '1',
            'TPU_WORKER_HOSTNAMES': 'localhost', 'TPU_ACCELERATOR_TYPE': 'v6e-16'}
 MARK = 'MAXTEXT_COMPARE_RESULT '

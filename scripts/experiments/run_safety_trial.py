@@ -56,7 +56,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # pylint: disable=wrong-import-position  # puts the repo root on sys.path
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from laurel import cluster, files, lease, train  # pylint: disable=wrong-import-position
+from laurel import train  # pylint: disable=wrong-import-position
+from laurel.run import cluster, files, lease
 
 ROOT = common.ROOT
 _OUT = flags.DEFINE_string('out', 'runs/run_safety_trial', 'Folder of the trial\'s runs and its cases_*.jsonl.')
@@ -126,7 +127,7 @@ def error_lines(stderr: str) -> list[str]:
 
 
 class Cases:
-  """OUT/cases_<part>.jsonl: one JSON line per finished case, each file rewritten whole (laurel.files) as a case is
+  """OUT/cases_<part>.jsonl: one JSON line per finished case, each file rewritten whole (laurel.run.files) as a case is
   added; parts may run in separate processes at once (--parts), each writing its own file."""
 
   def __init__(self, folder: pathlib.Path):
@@ -319,7 +320,8 @@ def orbax_tmp(workdir: pathlib.Path) -> None:
 
 
 POISON = """import sys, jax, numpy as np
-from laurel import checkpoint, main, train
+from laurel import main, train
+from laurel.run import checkpoint
 compile_step = train.compile_step
 class Poisoning:  # the step's first call returns a NaN state and the finite loss of the state it was given
   def __init__(self, compiled): self.compiled, self.calls = compiled, 0
@@ -522,7 +524,7 @@ def bad_inputs() -> list[tuple[str, list[str]]]:
       ('rope_base_inf', over('model.rope_base', 'inf')),
       ('steps_1e22', over('steps', 10**22)),
       ('steps_1e22_float', over('steps', '1e22')),
-      ('generate_past_context', ['-m', 'laurel.generate', '--workdir=REFERENCE', '--prompt=ab',
+      ('generate_past_context', ['-m', 'laurel.serve.generate', '--workdir=REFERENCE', '--prompt=ab',
                                  '--max_new_tokens=200']),
       ('prepare_text_empty_input', ['scripts/prepare_text.py', '--input=EMPTY/*.txt', '--output=WORKDIR',
                                     '--text_unit=line', '--validation_fraction=0.3', '--vocab_size=512']),
@@ -652,7 +654,7 @@ if patch.startswith('clock+'):  # this process's clock runs ahead (another host'
 elif patch == 'pid1':  # a container's python is pid 1 in every incarnation
   os.getpid = lambda: 1
 if timing:  # the lease's heartbeat and stale limit, in seconds
-  from laurel import lease
+  from laurel.run import lease
   heartbeat_s, stale_s = map(float, timing.split(','))
   init = lease.Lease.__init__
   def shortened(self, *args, **kwargs):
@@ -1059,7 +1061,7 @@ def next_commands_quote_the_workdir(ref_rows) -> tuple[dict, list[str]]:
   shutil.rmtree(workdir.parent, ignore_errors=True)
   shutil.copytree(OUT / 'reference', workdir)
   result = run(t_command(workdir, f'--config.steps={LONGER}'))
-  generate = [l for l in result['stdout'].splitlines() if '-m laurel.generate' in l]
+  generate = [l for l in result['stdout'].splitlines() if '-m laurel.serve.generate' in l]
   try:
     named = [a.split('=', 1)[1] for a in shlex.split(generate[0]) if a.startswith('--workdir=')] if generate else []
   except ValueError:

@@ -15,7 +15,7 @@ import uuid
 
 from etils import epath
 
-from laurel import files
+from laurel.run import files
 
 NAME = 'lease.json'
 HEARTBEAT_S = 10.0

@@ -15,7 +15,7 @@ import xxhash
 from etils import epath
 
 from laurel.config_lib import io_error_reason
-from laurel.files import is_remote, remove_temporaries, write_text_atomic
+from laurel.run.files import is_remote, remove_temporaries, write_text_atomic
 
 ALGORITHM = 'xxh3_64'
 ALGORITHMS = (ALGORITHM, 'crc32')

@@ -14,7 +14,7 @@ import jax
 from absl import flags
 from jax._src import compilation_cache as jax_cache  # pylint: disable=g-importing-member  # its reader, wrapped below
 
-from laurel import files
+from laurel.run import files
 
 _FLAG = flags.DEFINE_string(
     'compilation_cache', None, 'Directory of the persistent compilation cache, reused by every command (none: off). '
@@ -73,7 +73,7 @@ def directory() -> str | None:
 
 def record(key_parts: list[str], figures) -> dict:
   """`figures()`, kept as JSON under the cache keyed by `key_parts` and read back next time. A compile-only TPU
-  client (laurel.aot) cannot load an executable back from the cache, so it keeps the compiler's figures here."""
+  client (laurel.run.aot) cannot load an executable back from the cache, so it keeps the compiler's figures here."""
   if directory() is None:
     return figures()
   path = pathlib.Path(directory(), 'preflight', hashlib.sha256('\0'.join(key_parts).encode()).hexdigest() + '.json')

@@ -1,4 +1,4 @@
-"""Log-likelihood evaluation of an LM checkpoint (docs/evaluation.md): `python -m laurel.evaluate --workdir=DIR
+"""Log-likelihood evaluation of an LM checkpoint (docs/evaluation.md): `python -m laurel.serve.evaluate --workdir=DIR
 --task=TASK ...` scores the run's own held_out split, text:GLOB, a multiple-choice .jsonl file or a TFDS task into
 DIR/eval_<task>.json."""
 
@@ -17,9 +17,10 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from laurel import checkpoint, compile_cache, config_lib, console, data, sharding
+from laurel import config_lib, data, sharding
+from laurel.run import checkpoint, compile_cache, console
 from laurel.config_lib import InputError
-from laurel.files import write_text_atomic
+from laurel.run.files import write_text_atomic
 
 FLAGS = flags.FLAGS
 HELD_OUT = 'held_out'  # the task of the run's own validation split (held_out_task)

@@ -1,7 +1,7 @@
 """Checkpoints: the orbax manager, resuming past damage, the config guard, a run's parameters for inference. Each
 WORKDIR/checkpoints/<step> holds state, data (the grain iterator), config (all but the fields declared `resumable`,
 which alone a resume may change without --allow_config_change), checksummed (that its run writes checksum lists) and
-checksums.process_<i>.json (laurel.checksums)."""
+checksums.process_<i>.json (laurel.run.checksums)."""
 
 import contextlib
 import dataclasses
@@ -27,9 +27,10 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import checksums, config_lib, designs, sharding, step, tasks
+from laurel import config_lib, designs, sharding, step, tasks
+from laurel.run import checksums
 from laurel.config_lib import InputError
-from laurel.files import is_remote, utc, write_text_atomic
+from laurel.run.files import is_remote, utc, write_text_atomic
 
 PROMISE = 'checksummed'  # the item that says a checkpoint's run writes checksum lists: without one it is unvouched
 VERDICTS = ('verified', 'unchecked', 'unvouched', 'damaged')  # of a checkpoint's files, best first

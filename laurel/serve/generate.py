@@ -1,6 +1,6 @@
 """Sampling from a trained LM, with a KV cache (docs/evaluation.md).
 
-  python -m laurel.generate --workdir=DIR --prompt=TEXT [--prompt=TEXT ...] [--max_new_tokens=N]
+  python -m laurel.serve.generate --workdir=DIR --prompt=TEXT [--prompt=TEXT ...] [--max_new_tokens=N]
       [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] [--nocache]
 """
 
@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from laurel import checkpoint, data, evaluate, hardware, lm
+from laurel import data, lm
+from laurel.run import checkpoint, hardware
+from laurel.serve import evaluate
 from laurel.config_lib import InputError
 
 FLAGS = flags.FLAGS

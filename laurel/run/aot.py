@@ -10,9 +10,10 @@ import sys
 import flax.linen as nn
 import jax
 
-from laurel import compile_cache, console, cost, sharding, step
+from laurel import sharding, step
+from laurel.run import compile_cache, console, cost
 from laurel.config_lib import InputError
-from laurel.hardware import TPUS, TPU, parse_accelerator, xla_costs
+from laurel.run.hardware import TPUS, TPU, parse_accelerator, xla_costs
 
 MEMORY = ('peak_memory_bytes', 'argument_bytes', 'output_bytes', 'alias_bytes', 'temp_bytes')
 
@@ -124,7 +125,7 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
 
 
 def preflight(config, topology: str | None) -> str:
-  """The report before every TPU launch (it fits each chip's HBM, then laurel.cost's estimate), else a one-line
+  """The report before every TPU launch (it fits each chip's HBM, then laurel.run.cost's estimate), else a one-line
   InputError. Without --mfu the estimate takes the roofline, which compiles more."""
   if not topology:
     raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')

@@ -1,5 +1,5 @@
 """lm-evaluation-harness backend `laurel` for an LM run's latest checkpoint (docs/evaluation.md):
-`python -m laurel.harness --model laurel --model_args workdir=RUN --tasks TASK` registers it (lm-eval 0.4.13 reads no
+`python -m laurel.serve.harness --model laurel --model_args workdir=RUN --tasks TASK` registers it (lm-eval 0.4.13 reads no
 plug-in entry points) and runs lm_eval's command line."""
 
 import contextlib
@@ -15,9 +15,11 @@ try:
   from lm_eval.api.model import LM
   from lm_eval.api.registry import register_model
 except ImportError as e:
-  raise ImportError("laurel.harness needs lm-evaluation-harness: pip install -e '.[lm_eval]'") from e
+  raise ImportError("laurel.serve.harness needs lm-evaluation-harness: pip install -e '.[lm_eval]'") from e
 
-from laurel import checkpoint, data, evaluate, generate
+from laurel import data
+from laurel.run import checkpoint
+from laurel.serve import evaluate, generate
 from laurel.config_lib import InputError
 
 AUTO_BATCH_SIZE = 16
@@ -27,7 +29,7 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default for generate_until
 
 @register_model('laurel')
 class LaurelLM(LM):
-  """An LM run's latest checkpoint, scored as laurel.evaluate scores and decoded greedily as laurel.generate does.
+  """An LM run's latest checkpoint, scored as laurel.serve.evaluate scores and decoded greedily as laurel.serve.generate does.
   lm_eval passes its --batch_size ('auto' = 16), --max_batch_size and --device here too."""
 
   def __init__(self, workdir: str | None = None, batch_size=1, max_batch_size=None, device=None, **unknown):

@@ -4,7 +4,7 @@ flag of laurel.main and scripts/launch_tpu.py) or the TPU compiler's roofline st
 from absl import flags
 
 from laurel.config_lib import InputError
-from laurel.console import duration
+from laurel.run.console import duration
 
 _MFU = flags.DEFINE_float(
     'mfu', None, 'With --compile_only (and the launcher\'s pre-flight): the model FLOPs utilisation, in (0, 1], '

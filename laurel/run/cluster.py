@@ -14,7 +14,8 @@ import urllib.request
 import jax
 from absl import logging
 
-from laurel import config_lib, console
+from laurel import config_lib
+from laurel.run import console
 
 JOIN_FAILED = 4  # the launchers' retry policies know it: restart every process together
 JOIN_TIMEOUT_S = 300  # jax's own default

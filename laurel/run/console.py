@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from laurel import gpu_workarounds
+from laurel.run import gpu_workarounds
 
 # Device files of a TPU (/dev/accel* up to v4, /dev/vfio/<n> from v5e) or a GPU (NVIDIA, AMD).
 ACCELERATOR_FILES = ('/dev/accel*', '/dev/vfio/[0-9]*', '/dev/nvidia[0-9]*', '/dev/kfd')
@@ -27,7 +27,7 @@ def has_accelerator() -> bool:
 def quiet_start() -> None:
   """Before JAX starts a backend: the CPU where libtpu is installed but no accelerator is present (not libtpu's
   errors; unless JAX_PLATFORMS says otherwise); TensorFlow's warnings only, with no oneDNN notice; on a GPU, the
-  flags a known-slow jaxlib needs (laurel.gpu_workarounds), in one line."""
+  flags a known-slow jaxlib needs (laurel.run.gpu_workarounds), in one line."""
   gpu_workarounds.apply()
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
