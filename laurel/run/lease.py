@@ -226,8 +226,7 @@ class Lease:
       files.write_text_atomic(self.path, json.dumps(self.record, indent=1))
 
   def check(self, reread: bool = True) -> None:
-    """The fence: raises Lost where another run holds the lease (`reread`: lease.json read now; else only what the
-    heartbeat found). A read that fails proves nothing: the heartbeat reads again."""
+    """fence()'s check on this process. A read that fails proves nothing: the heartbeat reads again."""
     if self.lost is None and reread:
       with contextlib.suppress(OSError):
         self._look()
