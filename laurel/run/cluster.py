@@ -16,7 +16,7 @@ from absl import logging
 
 from laurel import config_lib
 from laurel.run import console, files, process
-from laurel.run.process import PEER_LOST, PREEMPTED  # noqa: F401  # exit statuses
+from laurel.run.process import PEER_LOST, PREEMPTED
 
 JOIN_TIMEOUT_S = 300  # jax's own default
 PEER_TIMEOUT_S = 20.0  # a peer silent this long is lost (jax waits for its 100 s heartbeat timeout, then aborts)

@@ -16,6 +16,7 @@ import uuid
 from etils import epath
 
 from laurel.run import files, process
+from laurel.config_lib import InputError
 
 NAME = 'lease.json'
 HEARTBEAT_S = 10.0
@@ -88,11 +89,6 @@ def _pid_alive(pid) -> bool:
   return True
 
 
-def _input_error(message: str) -> Exception:
-  from laurel.config_lib import InputError  # pylint: disable=import-outside-toplevel  # jax: only where it fails
-  return InputError(message)
-
-
 class Lease:
   """The lease on one workdir, held by this process from acquire() to release()."""
   def __init__(self, workdir, process_id: int = 0, processes: int = 1, heartbeat_s: float = HEARTBEAT_S,
@@ -135,7 +131,7 @@ class Lease:
     try:
       self._acquire()
     except OSError as e:  # a full disk, a read-only mount, no permission, a directory in the lease's place
-      raise _input_error(f'{self.where}: {NAME} cannot be taken: {files.why(e)}'
+      raise InputError(f'{self.where}: {NAME} cannot be taken: {files.why(e)}'
                          + ('; it is a directory: remove it' if self.path.is_dir() else '')) from None
     self._thread = process.start_thread('laurel-lease', self._beat)
     return self
@@ -285,7 +281,7 @@ def held(workdir, process_id: int, processes: int, agree=None, **timing):
   if processes > 1 and (code := int((agree or _broadcast)(code) or 0)) and refusal is None:
     where = f'--workdir={os.fspath(workdir)!r}'
     refusal = (Held(f'{where}: held by another live run, as process 0 found (its log names the holder)') if code == 1
-               else _input_error(f'{where}: process 0 could not take its lease (its log says why)'))
+               else InputError(f'{where}: process 0 could not take its lease (its log says why)'))
   if refusal is not None:
     raise refusal
   try:
