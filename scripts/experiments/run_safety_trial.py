@@ -56,7 +56,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # pylint: disable=wrong-import-position  # puts the repo root on sys.path
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from laurel.run import cluster, files, lease, process
+from laurel.run import files, process
 
 ROOT = common.ROOT
 _OUT = flags.DEFINE_string('out', 'runs/run_safety_trial', 'Folder of the trial\'s runs and its cases_*.jsonl.')
