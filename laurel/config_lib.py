@@ -88,6 +88,18 @@ def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
   return out
 
 
+def to_dict(config) -> dict:
+  """A typed config in JSON's types (tuples as lists), a model's residual design as `stream.design` and that design's
+  section alone: what config.json, a checkpoint's config signature, the config hash and --print_config hold."""
+  plain = lambda v: to_dict(v) if dataclasses.is_dataclass(v) else list(map(plain, v)) if isinstance(
+      v, (tuple, list)) else v
+  out = {}
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    out.update(f.metadata['to_dict'](value) if 'to_dict' in f.metadata else {f.name: plain(value)})
+  return out
+
+
 def build(cls, cfg, prefix: str, skip: Sequence[str] = ()):
   """`cls` from a ConfigDict (or dict) of some of its fields, each checked, then `obj.check(prefix)` across fields;
   InputError('<prefix>.<field>=<value>: why'). A `cls` already built is returned as it is."""

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from laurel import sharding
-from laurel.config_lib import InputError, build, config_dict, require
+from laurel.config_lib import InputError, build, config_dict, require, to_dict
 from laurel.run.files import write_text_atomic
 
 ACT = ('act_batch', 'act_len', 'act_embed')
@@ -71,6 +71,15 @@ class PlainSite(Site):
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
     x, *rest = carry
     return (norm_out(x + fn(x, norm_in(x), None)), *rest)
+
+
+class ResidualSite(Site):
+  """Design 'residual', the plain x + f(x) (He et al., arXiv 1512.03385): in f's dtype where wider (post-norm's f =
+  block(x) − x in float32, which x + f(x) then undoes exactly), rounded to x's once."""
+
+  def __call__(self, x, fn, norm_in, norm_out, chain_l):
+    fx = fn(x, norm_in(x), None)
+    return nn.with_logical_constraint(norm_out((x.astype(jnp.result_type(x, fx)) + fx).astype(x.dtype)), self.axes)
 
 
 class Chain(nn.Module):
@@ -182,22 +191,48 @@ def record_design_file(path, config: ml_collections.ConfigDict) -> None:
 
 
 def read_config_json(text: str, import_design: bool = True) -> dict:
-  """config.json's config; with `import_design` its design's module imported (from the recorded file if need be)."""
+  """config.json's config, upgraded; with `import_design` its design's module imported (from the recorded file if
+  need be)."""
   saved = json.loads(text)
   recorded_file = saved.pop(DESIGN_FILE, None)
   if (module := _outside_module(saved)) and import_design:
     import_module(module, 'model.stream.design', saved['model']['stream']['design'], recorded_file)
-  return saved
+  return upgrade(saved)
+
+
+def upgrade(saved: dict) -> dict:
+  """A saved config (config.json's, a checkpoint's signature) in today's shape, the selected design's section alone.
+  Runs saved before held every design's section; LAuReL was design 'residual' (its variant 'none' the plain
+  residual); before that every design's fields were in `model.stream`."""
+  model = saved.get('model')
+  stream = dict(model.get('stream') or {}) if isinstance(model, dict) else {}
+  name = stream.pop('design', None)
+  if isinstance(name, str) and name == 'residual' and 'laurel' in model:
+    name = 'residual' if model['laurel'].get('variant', 'none') == 'none' else 'laurel'
+  design = REGISTRY.get(name.rpartition(':')[2]) if isinstance(name, str) else None
+  if design is None:  # no design a build would take: left for it to name
+    return saved
+  own = {f.name for f in dataclasses.fields(design.config)}
+  model = {k: v for k, v in model.items() if k not in {d.section for d in REGISTRY.values()} - {design.section}}
+  if stream:
+    model.setdefault(design.section, {k: v for k, v in stream.items() if k in own})
+  return {**saved, 'model': {**model, 'stream': {'design': name}}}
 
 
 def StreamSpec(design: str = 'residual', **fields):  # pylint: disable=invalid-name  # tests/reference.py's name
   return REGISTRY[design].config(**fields)
 
 
+def qualified_name(spec) -> str:
+  """The `model.stream.design` of a design config: 'module:name' for a design from outside the package."""
+  module = REGISTRY[spec.design].site.__module__
+  return spec.design if module.startswith('laurel.') else f'{module}:{spec.design}'
+
+
 def _sections(default, overrides: dict) -> dict:
   """config_lib.config_dict of a model's `stream`: `stream.design` and every section, popped from `overrides`."""
   stream = dict(overrides.pop('stream', {}))
-  name = stream.pop('design', default.design)
+  name = stream.pop('design', qualified_name(default))
   lookup(name)
   if stream:
     raise InputError(f'stream: unknown fields {", ".join(sorted(stream))} (a design reads model.<its section>)')
@@ -215,13 +250,7 @@ def _build(default, values: dict, prefix: str):
   if dataclasses.is_dataclass(stream):  # a config already built
     return stream
   stream = dict(stream or {})
-  name = stream.pop('design', default.design)
-  design = lookup(name, f'{prefix}.stream.design')
-  if stream and set(stream) <= {  # a run saved before each design had its own section: every field in model.stream
-      f.name for d in REGISTRY.values() if d.section != 'laurel' for f in dataclasses.fields(d.config)}:
-    own = {f.name for f in dataclasses.fields(design.config)}
-    values.setdefault(design.section, {k: v for k, v in stream.items() if k in own})
-    stream = {}
+  design = lookup(stream.pop('design', default.design), f'{prefix}.stream.design')
   if stream:
     raise InputError(f'{prefix}.stream.{sorted(stream)[0]}: unknown field (known: design)')
   spec = default if type(default) is design.config else design.config()
@@ -232,9 +261,15 @@ def _build(default, values: dict, prefix: str):
   return spec
 
 
+def _to_dict(spec) -> dict:
+  """config_lib.to_dict of a model's `stream`: `stream.design` and the chosen design's section."""
+  section = {REGISTRY[spec.design].section: to_dict(spec)} if dataclasses.fields(spec) else {}
+  return {'stream': {'design': qualified_name(spec)}, **section}
+
+
 def stream_field(default):
   """A model config's `stream`: the chosen design's config, `default` unless set."""
-  return dataclasses.field(default=default, metadata={'sections': _sections, 'build': _build})
+  return dataclasses.field(default=default, metadata={'sections': _sections, 'build': _build, 'to_dict': _to_dict})
 
 
 def select(model_cfg) -> tuple[Design, Any]:
@@ -272,3 +307,6 @@ def no_decay() -> tuple:
 def logical_axis_rules(base: tuple = sharding.LOGICAL_AXIS_RULES) -> tuple:
   """`base`, then every registered design's rules (flax takes the first rule of a name)."""
   return _union(base, *(d.logical_axes for d in REGISTRY.values()))
+
+
+register(Design('residual', ResidualSite, placement=lambda spec: 'block', post_norm=True, per_bottleneck=True))
