@@ -5,6 +5,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import os
 import pathlib
 import re
 import sys
@@ -286,8 +287,31 @@ def import_designs(argv: Sequence[str]) -> None:
     name, _, value = arg.partition('=')
     module = value.rpartition(':')[0]
     if name.endswith('.stream.design') and module:
-      from laurel.designs import protocol  # pylint: disable=import-outside-toplevel  # it imports this module
-      protocol.import_module(module, name.removeprefix('--config.'), value)
+      import_module_of(module, name.removeprefix('--config.'), value)
+
+
+def import_module_of(module: str, field_name: str, name: str, recorded_file: str | None = None) -> None:
+  """Imports the module of design `name` ('module:name'); where it is not on the Python path, from `recorded_file`
+  (where the run recorded it), with a one-line notice; else a one-line InputError saying what to do."""
+  try:
+    importlib.import_module(module)
+    return
+  except ImportError as e:
+    error = e
+  not_found = error.name is not None and (module + '.').startswith(error.name + '.')  # not its own imports
+  if not_found and recorded_file and os.path.isfile(recorded_file):
+    spec = importlib.util.spec_from_file_location(module, recorded_file)
+    sys.modules[module] = loaded = importlib.util.module_from_spec(spec)
+    try:
+      spec.loader.exec_module(loaded)
+    except ImportError as e:
+      del sys.modules[module]
+      raise InputError(f'{field_name}={name!r}: cannot import {module} from {recorded_file} ({e})') from None
+    print(f'notice: {field_name}={name!r}: {module} is not on the Python path; imported it from {recorded_file}, '
+          'where the run recorded it', file=sys.stderr, flush=True)
+    return
+  hint = f': put the folder holding {module.replace(".", "/")}.py on PYTHONPATH' if not_found else ''
+  raise InputError(f'{field_name}={name!r}: cannot import {module} ({error}){hint}')
 
 
 def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:

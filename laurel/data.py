@@ -18,7 +18,6 @@ import grain
 from grain import experimental as grain_exp
 import numpy as np
 
-from laurel.run import console
 from laurel.config_lib import (NON_NEGATIVE_INT, STRING, InputError, build, field, in_range,
                                io_error_reason, is_int, one_of, optional_import, require)
 
@@ -240,7 +239,7 @@ def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_ind
   return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch) if cfg.prefetch else ds
 
 
-def _check_vocab(cfg: LMDataConfig, vocab_size: int | None, context: str = '') -> None:
+def check_vocab(cfg: LMDataConfig, vocab_size: int | None, context: str = '') -> None:
   """An InputError if the tokenizer's model cannot be read or its vocabulary is larger than `vocab_size`."""
   try:
     tokenizer_vocab = make_tokenizer(cfg).vocab_size
@@ -270,7 +269,7 @@ def validate(data_cfg, vocab_size: int) -> LMDataConfig:
   if cfg.name in SENTENCEPIECE_SOURCES and not cfg.vocab_path:
     fail('vocab_path', f'{cfg.name} needs a SentencePiece model')
   if not (cfg.vocab_path.startswith('gs://') and cfg.name in SENTENCEPIECE_SOURCES):
-    _check_vocab(cfg, vocab_size)  # a gs:// one: check_available, as GCS may only be reachable from the training hosts
+    check_vocab(cfg, vocab_size)  # a gs:// one: laurel.run.preflight, as GCS may only be reachable from the training hosts
   return cfg
 
 
@@ -308,7 +307,7 @@ def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:
   return next((root / v for v in versions if (root / v / 'dataset_info.json').exists()), None)
 
 
-def _default_tfds_c4(cfg) -> epath.Path | None:
+def default_tfds_c4(cfg) -> epath.Path | None:
   """A C4 that TFDS prepared in its default directory, or None (also without the tfds extra)."""
   try:
     return tfds_version_dir('', cfg.tfds_name)
@@ -330,27 +329,3 @@ def check_tfds(cfg, prepare: str) -> None:
   for split in (cfg.train_split, cfg.eval_split):
     require(split in present, 'data.tfds_data_dir', cfg.tfds_data_dir,
             f'{found} has no split {split!r} (it has: {", ".join(sorted(present))})')
-
-
-def check_available(data_cfg, vocab_size: int | None = None) -> None:
-  """An InputError unless the data and vocabulary can be read (gs:// included) and the vocabulary fits."""
-  cfg = build(LMDataConfig, data_cfg, 'data')
-  if cfg.name not in SENTENCEPIECE_SOURCES:
-    return
-  prepare = console.python_command() + (
-      " scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output={}" if cfg.name == 'c4' else
-      " scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
-  if cfg.path:
-    for split in (cfg.train_split, cfg.eval_split):
-      shards = c4_shards(cfg.path, split, cfg.name)
-      require(bool(shards), 'data.path', cfg.path,
-              f'no {cfg.name}-{split}.*{C4_SHARD_SUFFIX} shards; write them with {prepare.format(cfg.path)}')
-      require(num_records(shards) > 0, 'data.path', cfg.path,
-              f'its {cfg.name}-{split} shards hold no documents: nothing to train or evaluate on')
-  elif cfg.name == 'c4' and not cfg.tfds_data_dir and _default_tfds_c4(cfg) is None:  # no C4 chosen, none found
-    require(False, 'data.path', cfg.path, f'no C4 to read: prepare it with {prepare.format("DIR")} (docs/data.md) '
-            'and set --config.data.path=DIR')
-  else:
-    check_tfds(cfg, f'convert C4 with {prepare.format("DIR")} and set --config.data.path=DIR')
-  # validate() leaves a gs:// vocabulary to this check, where GCS is reachable
-  _check_vocab(cfg, vocab_size, f' (data.vocab_path={cfg.vocab_path!r})')

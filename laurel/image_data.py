@@ -9,9 +9,8 @@ import grain
 import numpy as np
 from PIL import Image  # TFDS's own numpy decoder uses pillow too
 
-from laurel import data
 from laurel.config_lib import (BOOL, NON_EMPTY_STRING, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT, STRING, build,
-                               field, in_range, is_int, is_number, one_of, optional_import, require)
+                               field, in_range, is_int, is_number, one_of, optional_import)
 
 MEAN_RGB = np.array([0.485, 0.456, 0.406], np.float32) * 255
 STDDEV_RGB = np.array([0.229, 0.224, 0.225], np.float32) * 255
@@ -37,14 +36,6 @@ class ImageDataConfig:
   read_threads: int = field(4, NON_NEGATIVE_INT)  # threads decoding per process (PIL releases the GIL)
   num_workers: int = field(0, NON_NEGATIVE_INT)  # grain worker processes; 0 reads in the main process
   prefetch: int = field(2, NON_NEGATIVE_INT)  # batches buffered ahead
-
-
-def check_available(data_cfg) -> None:
-  """An InputError unless ImageNet's prepared ArrayRecord files are where the config says."""
-  cfg = build(ImageDataConfig, data_cfg, 'data')
-  if cfg.name == 'imagenet':
-    data.check_tfds(cfg, f'prepare it with tfds build {cfg.tfds_name} --manual_dir=<ILSVRC2012 tars> '
-                    '--file_format=array_record --data_dir=DIR')
 
 
 def normalize(image_HxWx3: np.ndarray) -> np.ndarray:

@@ -15,12 +15,12 @@ run lost (docs/clusters.md); 5 for a workdir another live run holds; 6 for a run
 75 for a hung loop (config.watchdog_*); 1 with a traceback for anything else.
 """
 
-from laurel.run import console  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
+from laurel.run import console, process  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
 
 INTERRUPTED = 'interrupted: exited; nothing was lost (rerun the same command to start or resume)'
 if __name__ == '__main__':  # quiet and interruptible while JAX and TensorFlow load
   console.quiet_start()
-  console.exit_on_interrupt(INTERRUPTED)
+  process.exit_on_interrupt(INTERRUPTED)
 
 import logging as logging_std  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
@@ -38,7 +38,6 @@ _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of processe
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process (multi-process).')
 _JOIN_TIMEOUT = flags.DEFINE_float('join_timeout', cluster.JOIN_TIMEOUT_S, 'Seconds for every process of a '
                                    'multi-process run to join before each exits with status 4 (docs/clusters.md).')
-PREEMPTED = cluster.PREEMPTED  # 42: stopped with a checkpoint before it finished (a scheduler restarts it)
 _PREEMPTED_EXIT = flags.DEFINE_integer('preempted_exit', None, 'Exit status of a run that SIGTERM or Ctrl-C stopped, '
                                       'with a checkpoint, before it finished: by default 42 under a scheduler '
                                       '(Slurm, Kubernetes, Open MPI, a TPU VM), which xpk, JobSet and '
@@ -92,18 +91,18 @@ def main(argv):
     final = train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
                         allow_fresh_start=_ALLOW_FRESH_START.value, hold_lease=True)
   except lease.Held as e:  # another run trains in this workdir
-    config_lib.fail(str(e), code=lease.HELD)
+    config_lib.fail(str(e), code=process.HELD)
   except lease.Lost as e:  # another run took the workdir over: this one stopped before writing again
-    config_lib.fail(str(e), code=lease.LOST)
+    config_lib.fail(str(e), code=process.LOST)
   except OSError as e:  # a full disk, a read-only mount, no permission: one line naming the cause and the path
     if not files.storage_error(e):
       raise
     config_lib.fail(f'a write failed: {files.why(e)}; rerun the same command to resume once it is writable',
-                    code=files.WRITE_FAILED)
+                    code=process.WRITE_FAILED)
   except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
     config_lib.fail(str(e))
   except train.TrainingDiverged as e:
-    config_lib.fail(str(e), code=train.DIVERGED)
+    config_lib.fail(str(e), code=process.DIVERGED)
   except KeyboardInterrupt:  # Ctrl-C before the first step (in the loop it saves a checkpoint)
     config_lib.fail('interrupted before training started; nothing was saved', code=130)
   except Exception:  # a collective that failed as a peer died: one line naming it (laurel.run.cluster), not this
@@ -116,7 +115,7 @@ def main(argv):
 
 def run():
   console.quiet_start()
-  console.exit_on_interrupt(INTERRUPTED)
+  process.exit_on_interrupt(INTERRUPTED)
   if sys.modules['__main__'] is not sys.modules[__name__]:  # the laurel-train console script: --help shows ours
     sys.modules['__main__'].__doc__ = __doc__
     for flag in flags.FLAGS.get_key_flags_for_module(__name__):

@@ -1,5 +1,5 @@
-"""The train step and what it costs: the typed config (TrainConfig, built by validate_config, then `task.config`), the
-optimizer, the step compiled ahead of time, and its FLOPs and bytes."""
+"""The train step: the typed config (TrainConfig, built by validate_config, then `task.config`), the optimizer, and
+the step compiled ahead of time (laurel.run.cost counts its FLOPs and bytes)."""
 
 import dataclasses
 import functools
@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from laurel import config_lib, cross_entropy, designs, sharding, tasks
-from laurel.config_lib import (BOOL, DTYPES, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, STRING, InputError,
+from laurel import config_lib, designs, sharding, tasks
+from laurel.config_lib import (BOOL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, STRING, InputError,
                                field, in_range, is_int, one_of, require)
-from laurel.run.hardware import available_host_bytes, peak_memory_bytes, xla_costs
 
 LOGICAL_AXIS_RULES = designs.logical_axis_rules()  # sharding's and each registered design's
 NO_DECAY = ('scale', 'bias', 'value_mix')  # norms, biases, value residual's mix; each design adds its own
@@ -247,79 +246,4 @@ def lower_step(task, mesh):
   return lowered, init, abstract, state_shardings
 
 
-def check_fits_host(task, compiled=None, num_devices: int = 1) -> None:
-  """On the CPU, whose kernel kills a step too large for the host with no message: an InputError where the step needs
-  more than the host has. Before compiling (`compiled` None, as compiling alone can exhaust the host) an LM's one
-  layer of attention scores; after, the compiled step's per-device peak on `num_devices` devices."""
-  available = available_host_bytes()
-  if jax.devices()[0].platform != 'cpu' or available is None:
-    return
-  config = task.config
-  if compiled is None:
-    rows = config.batch_size // (jax.process_count() * config.optimizer.grad_accum_steps)
-    need, what = task.least_step_bytes(rows), 'one layer\'s attention scores alone need'
-  else:
-    need, what = peak_memory_bytes(compiled) * num_devices, 'the compiled step needs'
-  if need > available:
-    shape = f'batch_size={config.batch_size}' + (f', data.seq_len={config.data.seq_len}' if config.task == 'lm' else '')
-    raise InputError(f'{shape}: {what} {need / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} GiB of '
-                     'memory available on this host; use a smaller batch, sequence or model')
 
-
-def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, float]:
-  """(FLOPs, bytes accessed) of one train step of `task`, from `costs_of(t)`, XLA's costs of the step of a task t
-  (per device of `mesh`). XLA counts a loop's body once, so: one micro-batch per step; a scanned layer stack at
-  scan_unroll 1 and 2, the difference added for every further layer (odd: all unrolled); the loss's chunks after the
-  first compiled alone, their costs by `lowered_costs(lowered)` where given (laurel.run.aot keeps them)."""
-  task = _with(task, scan_unroll=1)
-  totals = costs_of(task)
-  if not any(totals):  # the backend gives no count (a lowered step under the CUDA and TPU plug-ins): nor do we
-    return 0.0, 0.0
-  layers = getattr(task.model_cfg, 'num_layers', 1)
-  if getattr(task.model_cfg, 'scan_layers', False) and layers > 1:
-    if layers % 2:  # one iteration of every layer
-      totals = costs_of(_with(task, scan_unroll=layers))
-    else:
-      twice = costs_of(_with(task, scan_unroll=2))
-      totals = [c + (layers - 1) * (c2 - c) for c, c2 in zip(totals, twice)]
-  if task.config.task == 'lm':
-    totals = [c + extra for c, extra in zip(totals, _uncounted_loss_chunks(task.config, mesh, lowered_costs))]
-  return tuple(totals)
-
-
-def _with(task, scan_unroll: int):
-  """The task with one micro-batch per step and its layer scan (if any) unrolled `scan_unroll` times."""
-  config, model = task.config, task.model_cfg
-  if hasattr(model, 'scan_unroll'):
-    model = dataclasses.replace(model, scan_unroll=scan_unroll)
-  return type(task)(dataclasses.replace(config, model=model,
-                                        optimizer=dataclasses.replace(config.optimizer, grad_accum_steps=1)))
-
-
-def _uncounted_loss_chunks(config, mesh, lowered_costs=None) -> tuple[float, float]:
-  """(FLOPs, bytes) of the loss's chunks after the first, from one chunk compiled alone (`mesh` None: one device)."""
-  model = config.model
-  chunk = min(model.loss_chunk or config.data.seq_len, config.data.seq_len)
-  chunks = -(-config.data.seq_len // chunk)
-  if chunks == 1:
-    return 0.0, 0.0
-  dtype = DTYPES[model.dtype]
-  batch = None if mesh is None else sharding.batch_sharding(mesh)
-  kernel = jax.ShapeDtypeStruct((model.vocab_size, model.d_model), DTYPES[model.param_dtype],
-                                sharding=None if mesh is None else jax.sharding.NamedSharding(mesh, jax.P()))
-  shape = lambda *tail, dtype: jax.ShapeDtypeStruct((config.batch_size, chunk, *tail), dtype, sharding=batch)
-  grads = jax.grad(lambda x, w, t, m: cross_entropy.chunked(x, w, 'vd', t, m, chunk, dtype)[0], (0, 1))
-  lowered = jax.jit(grads).lower(shape(model.d_model, dtype=dtype), kernel, shape(dtype=jnp.int32),
-                                 shape(dtype=jnp.float32))
-  one = (lowered_costs or (lambda l: xla_costs(l.compile())))(lowered)
-  return tuple((chunks - 1) * c for c in one)
-
-
-def step_flops(task) -> float:
-  """FLOPs of one train step on the global batch, lowered for one device."""
-  def lowered_costs(t):
-    with nn.logical_axis_rules(t.config.logical_axis_rules):
-      _, init_state, train_step = make_train_fns(t)
-      abstract = jax.eval_shape(init_state, jax.random.key(0))
-      return xla_costs(jax.jit(train_step).lower(abstract, t.example_batch(t.config.batch_size)))
-  return step_costs(task, lowered_costs)[0]

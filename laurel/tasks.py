@@ -8,13 +8,12 @@ import numpy as np
 import optax
 
 from laurel import attention, cross_entropy, data, designs, image_data, lm, resnet, sharding
-from laurel.run.hardware import xla_flops
 from laurel.config_lib import DTYPES, InputError, build
 
 
 class Task:
   """A model family as laurel.step and laurel.train use it: `config`, typed `model_cfg` and `data_cfg`, `model`, and
-    validate(), check_data()  one-line InputErrors: the sections' cross checks; the data can be read
+    validate()  one-line InputErrors: the sections' cross checks (laurel.run.preflight: whether the data is there)
     unused_fields() -> {field: why}, sharded_sizes() -> {logical axis: (field, size)}, laurel_site_widths(),
     num_params(params), units_per_example(), model_flops(b), example_batch(b), init(rng, batch), least_step_bytes(b),
     dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset,
@@ -60,9 +59,6 @@ class LMTask(Task):
                        f'{seq_len} documents')
     if cfg.attention == 'cudnn' and (reason := attention.cudnn_unsupported(cfg)):
       raise InputError(reason)
-
-  def check_data(self):
-    data.check_available(self.data_cfg, self.model_cfg.vocab_size)
 
   def unused_fields(self) -> dict[str, str]:
     return {**self.model_cfg.unused_fields('model'), **data.unused_fields(self.data_cfg)}
@@ -131,9 +127,6 @@ class ClassificationTask(Task):
   unit = 'images'
   classes = (resnet.ResNetConfig, image_data.ImageDataConfig, resnet.ResNet)
 
-  def check_data(self):
-    image_data.check_available(self.data_cfg)
-
   def unused_fields(self) -> dict[str, str]:
     return self.model_cfg.unused_fields('model')
 
@@ -147,7 +140,9 @@ class ClassificationTask(Task):
     """3× the compiler's FLOPs of the forward pass, as convolutions reuse weights."""
     images = jax.ShapeDtypeStruct(self.example_batch(batch_size)['images'].shape, jnp.float32)
     variables = jax.eval_shape(self.init, jax.random.key(0), self.example_batch(1))
-    return 3 * xla_flops(jax.jit(lambda v, x: self.model.apply(v, x, train=False)).lower(variables, images))
+    cost = jax.jit(lambda v, x: self.model.apply(v, x, train=False)).lower(variables, images).cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}  # none under the CUDA and TPU plug-ins
+    return 3 * float(cost.get('flops', 0.0))
 
   def example_batch(self, batch_size: int) -> dict:
     s = self.data_cfg.image_size

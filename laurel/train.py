@@ -1,39 +1,31 @@
-"""The train loop of every task (laurel.tasks): resumes from WORKDIR/checkpoints, writes metrics.jsonl, tensorboard/
-and final.json; input shards, eval, preemption and a watchdog."""
+"""The train loop of every task (laurel.tasks): resumes from WORKDIR/checkpoints, trains, evaluates and saves, and
+writes metrics.jsonl, tensorboard/ and final.json. What runs it but is not the loop (the lease, checkpoints, the
+watchdog, signals, the metrics log) is in laurel.run."""
 
-import collections
 import contextlib
-import functools
 import hashlib
 import json
 import math
 import os
-import shlex
 import signal
 import socket
-import statistics
-import subprocess
-import sys
-import threading
 import time
-import traceback
 
-import flax
 import flax.linen as nn
 import grain
 import jax
 import numpy as np
-from absl import logging
 from etils import epath
 
-from laurel import config_lib, sharding
-from laurel.run import checkpoint, checksums, console, hardware, lease, metric_writers
-from laurel.run.checkpoint import run_dir
+from laurel import sharding
 from laurel.config_lib import InputError
-from laurel.run.files import is_remote, remove_temporaries, utc, write_text_atomic
+from laurel.run import checkpoint, checksums, console, hardware, lease, metric_writers, process
+from laurel.run.checkpoint import run_dir
+from laurel.run.files import remove_temporaries, utc, write_text_atomic
+from laurel.run.metrics_log import MetricsLog, code_commit, interval_mean, median_step_time, summary
+from laurel.run.preflight import check_fits_host, check_inputs
 from laurel.run.stats import weighted_mean_se
-from laurel.step import (LOGICAL_AXIS_RULES, check_fits_host, compile_step, num_data_shards,  # noqa: F401
-                         step_flops, validate_config)  # LOGICAL_AXIS_RULES: importable from here
+from laurel.step import compile_step, num_data_shards, validate_config
 
 
 class TrainingDiverged(RuntimeError):
@@ -71,170 +63,6 @@ def local_dataset(task, *, train: bool):
   return ShardedBatches([task.dataset(train=train, batch_size=config.batch_size // num_shards, seed=config.seed,
                                       process_index=s, process_count=num_shards)
                          for s in range(pid * num_shards // nproc, (pid + 1) * num_shards // nproc)])
-
-
-class MetricsLog:
-  """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.run.metric_writers. Process 0 writes it: by appends
-  where local, rewritten whole behind '://' (gcsfs overwrites on 'a'; GCS replaces an object atomically)."""
-  def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False,
-               fence=lease.fence(None)):
-    self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
-    self.fence = fence  # before each write: raises where another run took the workdir over
-    self.path, self.lines = workdir / 'metrics.jsonl', []
-    if self.active and self.path.exists():
-      text = self.path.read_text()
-      for number, line in enumerate(text.splitlines(), 1):
-        try:
-          row = json.loads(line) if line else None
-        except ValueError:
-          row = None
-        if isinstance(row, dict) and isinstance(row.get('step'), int):
-          if keep_later_steps or row['step'] <= resume_step:  # not the lines a killed run logged past the checkpoint
-            self.lines.append(line + '\n')
-        elif line:
-          print(f'warning: {self.path}: dropped line {number}, not a JSON object with a step (cut by a kill?): '
-                f'{line[:80]!r}', file=sys.stderr, flush=True)
-      if ''.join(self.lines) != text:
-        fence()
-        write_text_atomic(self.path, ''.join(self.lines))
-    flat = flax.traverse_util.flatten_dict(config.to_dict(), sep='.')
-    self.writer = metric_writers.create(workdir, config, flat, self.active, resumed=resume_step > 0)
-
-  def write(self, step: int, values: dict):
-    values = {k: float(v) if isinstance(v, (float, np.floating, jax.Array)) else v for k, v in values.items()}
-    self.fence()
-    self.writer.write_scalars(step, {k: v for k, v in values.items() if v is not None})
-    if self.active:
-      self.lines.append(json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n')
-      if not is_remote(self.path):
-        with self.path.open('a') as f:
-          f.write(self.lines[-1])
-      else:
-        self.path.write_text(''.join(self.lines))
-      self.info = {}
-
-  def step_times(self) -> list[float]:
-    """The step_time_s of every train line logged, by earlier runs too (process 0 alone reads the log)."""
-    rows = (json.loads(line) for line in self.lines)
-    return [row['step_time_s'] for row in rows if isinstance(row.get('step_time_s'), (int, float))]
-
-
-def check_inputs(task, workdir: epath.Path) -> None:
-  """As one-line InputErrors, what would otherwise fail after compiling: remote paths, data, extras, the workdir."""
-  for name, path in [('--workdir', os.fspath(workdir))] + [(f'data.{k}', getattr(task.data_cfg, k, '') or '')
-                                                           for k in ('path', 'tfds_data_dir')]:  # vocab: check_data
-    try:
-      if is_remote(path):
-        epath.Path(path).exists()
-    except Exception as e:  # pylint: disable=broad-except  # whatever the filesystem raises, as one line
-      raise InputError(f'{name}={path!r}: {config_lib.io_error_reason(e)}') from None
-  task.check_data()
-  metric_writers.check_extras(task.config)
-  probe = workdir / f'.write_test.{jax.process_index()}'
-  try:
-    workdir.mkdir(parents=True, exist_ok=True)
-    probe.write_text('')
-    probe.unlink()
-  except Exception as e:  # pylint: disable=broad-except
-    raise InputError(f'--workdir={os.fspath(workdir)!r}: not writable: {config_lib.io_error_reason(e)}') from None
-
-
-@functools.cache
-def code_commit() -> str | None:
-  """The git commit ('+' if tracked files changed), else the COMMIT file scripts/launch_tpu.py ships, else None."""
-  git = lambda *args: subprocess.run(['git', '-C', str(config_lib.REPO), *args], capture_output=True, text=True,
-                                     check=False)
-  head = git('rev-parse', 'HEAD') if (config_lib.REPO / '.git').exists() else None  # not an enclosing repo's
-  if head is not None and head.returncode == 0:
-    return head.stdout.strip() + ('+' if git('status', '--porcelain', '--untracked-files=no').stdout.strip() else '')
-  commit_file = config_lib.REPO / 'COMMIT'
-  return commit_file.read_text().strip() if commit_file.is_file() else None
-
-
-def _preemption_handler(preempted: list, nproc: int):
-  """SIGTERM and Ctrl-C (SIGINT) ask for a checkpoint and a clean exit; a second Ctrl-C exits at once."""
-  def handle(signum, _):
-    if signum == signal.SIGINT and preempted:
-      print('interrupted again: exiting without a checkpoint', file=sys.stderr, flush=True)
-      os._exit(130)  # pylint: disable=protected-access
-    preempted.append(signum)
-    if signum == signal.SIGINT:
-      print('interrupted: saving a checkpoint, then exiting (Ctrl-C again exits at once)', file=sys.stderr,
-            flush=True)
-    if nproc > 1:  # JAX's preemption service takes SIGTERM, and stops every host at the same step
-      signal.raise_signal(signal.SIGTERM)
-  return handle
-
-
-DIVERGED = 3  # exit status of a loss that is not finite or a failed save: a rerun would repeat it
-WATCHDOG_EXIT = 75  # a hung process: restart it from its last checkpoint (EX_TEMPFAIL)
-
-
-class Watchdog:
-  """Ends a process whose loop stopped making progress (e.g. a collective one host never entered) with WATCHDOG_EXIT,
-  printing every thread's stack, for a supervisor to restart. Call `beat(step)` after each step, `beat()` after other
-  progress. The limit: `limit_s`, and after WARMUP steps (compiling) max(factor × the median step time, min_s).
-  Time the whole process was stopped (SIGSTOP, a suspended job) is no stall: the watchdog's own poll comes back that
-  much late, and the stall is then counted from the resumption."""
-  WARMUP = 3
-
-  def __init__(self, factor: float, min_s: float, limit_s: float, flush=lambda: None):
-    self.factor, self.min_s, self.limit_s, self.flush = factor, min_s, limit_s, flush
-    self.step, self.last, self.steps_seen = None, time.monotonic(), 0
-    self.step_times = collections.deque(maxlen=200)
-    self._stop = threading.Event()
-    self._poll_s = min([1.0] + [x / 10 for x in (limit_s, min_s) if x]) if factor or limit_s else None
-
-  def start(self) -> 'Watchdog':
-    self.last = time.monotonic()
-    if self._poll_s:
-      threading.Thread(target=self._watch, name='laurel-watchdog', daemon=True).start()
-    return self
-
-  def stop(self):
-    self._stop.set()
-
-  def beat(self, step: int | None = None):
-    now = time.monotonic()
-    if step is not None:
-      self.steps_seen += 1
-      if self.steps_seen > self.WARMUP:
-        self.step_times.append(now - self.last)
-      self.step = step
-    self.last = now
-
-  def limit(self) -> float | None:
-    limits = [self.limit_s] if self.limit_s else []
-    if self.factor and len(self.step_times) >= self.WARMUP:
-      limits.append(max(self.factor * statistics.median(self.step_times), self.min_s))
-    return min(limits, default=None)
-
-  def _watch(self):
-    polled = resumed = time.monotonic()
-    while not self._stop.wait(self._poll_s):
-      now = time.monotonic()
-      if now - polled > 2 * self._poll_s + 1.0:  # this thread was stopped too: the whole process was
-        resumed = now
-      polled = now
-      stalled, limit = now - max(self.last, resumed), self.limit()
-      if limit is not None and stalled > limit:
-        return self._fire(stalled, limit)
-
-  def _fire(self, stalled: float, limit: float):
-    after = 'before the first step' if self.step is None else f'after step {self.step}'
-    message = (f'watchdog: no progress for {stalled:.1f}s {after} (limit {limit:.1f}s) on process '
-               f'{jax.process_index()} of {jax.process_count()} on host {socket.gethostname()}; exiting with status '
-               f'{WATCHDOG_EXIT} so that a supervisor restarts the run from its last checkpoint')
-    logging.error(message)
-    print(f'error: {message}', file=sys.stderr, flush=True)
-    for thread_id, frame in sys._current_frames().items():  # pylint: disable=protected-access  # where it hangs
-      print(f'thread {thread_id}:\n{"".join(traceback.format_stack(frame))}', file=sys.stderr)
-    for flush in (self.flush, logging.flush, sys.stdout.flush, sys.stderr.flush):
-      try:
-        flush()
-      except Exception as e:  # pylint: disable=broad-except  # exit regardless
-        print(f'watchdog: flushing failed: {e!r}', file=sys.stderr)
-    os._exit(WATCHDOG_EXIT)  # pylint: disable=protected-access  # the main thread is stuck: no clean exit
 
 
 def train(config, workdir: str, devices=None, allow_config_change: bool = False, allow_fresh_start: bool = False,
@@ -276,14 +104,6 @@ def design_label(spec, name: str) -> str:
   return ' '.join(['laurel', spec.variant, *details, *[f'form={spec.form}'] * (spec.form != 'paper')])
 
 
-def utilisation_flops(task, batch_size: int) -> dict[str, float]:
-  """FLOPs per step behind MFU (the model's count) and HFU (the compiler's, remat included). A count the backend
-  does not give is 0 (XLA's analysis of a lowered program under the CUDA and TPU plug-ins, a ResNet's model FLOPs
-  there too): left out, not logged as 0%."""
-  flops = {'mfu': task.model_flops(batch_size), 'hfu': step_flops(task)}
-  return {name: count for name, count in flops.items() if count > 0}
-
-
 def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
                    started: float, fence=lease.fence(None)) -> dict:
   cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
@@ -313,7 +133,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
                        f'{"s" * (len(quarantined) > 1)} {", ".join(map(str, quarantined))} moved to '
                        f'{workdir / "unreadable_checkpoints"}; pass --allow_fresh_start to train from step 0')
     checkpoint.check_room(mngr, workdir, abstract_state)  # a save would fail: stop before training
-    with console.deferred():  # only now: a refused checkpoint leaves config.json and its history as they were
+    with process.deferred():  # only now: a refused checkpoint leaves config.json and its history as they were
       fence()
       record_config()
     if state is None:
@@ -333,12 +153,14 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     num_params = task.num_params(abstract_state.params)
     peak_memory = hardware.peak_memory_bytes(compiled)
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)
-    flops = utilisation_flops(task, cfg.batch_size) if peak_flops else {}
+    # MFU from the model's FLOPs; 0 where the backend counts none (a ResNet under the CUDA and TPU plug-ins): no MFU.
+    model_flops = task.model_flops(cfg.batch_size) if peak_flops else 0
     keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
-    with console.deferred():  # it rewrites metrics.jsonl
+    with process.deferred():  # it rewrites metrics.jsonl
       log = MetricsLog(workdir, config, start, info, keep_later_steps=keep, fence=fence)
     cleanup.callback(log.writer.close)
-    watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, flush=log.writer.flush)
+    where = f'process {jax.process_index()} of {nproc} on host {socket.gethostname()}'
+    watchdog = process.Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, where, log.writer.flush)
     cleanup.callback(watchdog.stop)
     profiler = metric_writers.Profiler(workdir / 'profile', cfg.profile_steps)
     cleanup.callback(profiler.close)
@@ -389,10 +211,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
 
     # One process: our own flag. Several: only orbax's reached_preemption, which every host agrees on (JAX's
     # preemption service catches SIGTERM), so no host starts a collective save alone.
-    preempted = []
-    handler = _preemption_handler(preempted, nproc)
-    for signum in (signal.SIGTERM, signal.SIGINT) if nproc == 1 else (signal.SIGINT,):
-      cleanup.callback(signal.signal, signum, signal.signal(signum, handler))  # the old handler back at the end
+    preempted = cleanup.enter_context(process.stop_requests(nproc))
     eval_metrics, eval_noise, pending, interval = {}, {}, None, []
     t0, interval_start = time.time(), start
     watchdog.start()
@@ -413,7 +232,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
         row, interval = interval_mean(jax.device_get(interval)), []
         row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
                    peak_memory_bytes=peak_memory, params=num_params,
-                   **{k: f / dt / (peak_flops * jax.device_count()) for k, f in flops.items()})
+                   **({'mfu': model_flops / dt / (peak_flops * jax.device_count())} if model_flops > 0 else {}))
         if 'peak_bytes_in_use' in (stats := jax.local_devices()[0].memory_stats() or {}):
           row['device_peak_bytes'] = stats['peak_bytes_in_use']
         log.write(done, row)
@@ -445,60 +264,10 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     log.writer.write_summary(final)
 
   if jax.process_index() == 0:
-    with console.deferred():
+    with process.deferred():
       fence()
       write_text_atomic(workdir / 'final.json', json.dumps(final, indent=2) + '\n')
     print(summary(cfg, workdir, final, time.perf_counter() - started), flush=True)
   return final
 
 
-def median_step_time(step_times: list[float]) -> dict:
-  """final.json's median_step_time_s over every logged interval of every run of the workdir; null, and why, where
-  none was timed."""
-  if step_times:
-    return {'median_step_time_s': float(np.median(step_times))}
-  return {'median_step_time_s': None, 'median_step_time_why': 'metrics.jsonl holds no timed step of any run'}
-
-
-def interval_mean(rows: list[dict]) -> dict:
-  """Each metric's mean over a logging interval's steps (the learning rate: the last step's), and `mean_of_steps`."""
-  row = {k: statistics.fmean(float(r[k]) for r in rows) for k in rows[-1] if k != 'learning_rate'}
-  if 'learning_rate' in rows[-1]:
-    row['learning_rate'] = float(rows[-1]['learning_rate'])
-  return {**row, 'mean_of_steps': len(rows)}
-
-
-def summary(config, workdir: epath.Path, final: dict, seconds: float) -> str:
-  """The closing lines of a run: its final losses, where its outputs are, and what to run next."""
-  path = workdir / 'metrics.jsonl'
-  logged = [r for r in map(json.loads, path.read_text().splitlines() if path.exists() else []) if 'loss' in r]
-  evals = ', '.join(f'{k} {final[k]:.4f}' for k in sorted((k for k in final if k.startswith('eval_')),
-                                                              key=lambda k: (k != 'eval_loss', k)))
-  train_loss = ''
-  if logged:
-    last, steps = logged[-1], logged[-1].get('mean_of_steps', 1)
-    train_loss = f'; train loss {last["loss"]:.4f} ' + (f'(the mean of steps {last["step"] - steps + 1}-{last["step"]})'
-                                                        if steps > 1 else f'at step {last["step"]}')
-  lines = [f'finished {config.row or config.task} at step {final["step"]} in {console.duration(seconds)}: '
-           f'{evals}{train_loss}',
-           f'  final.json    {console.shown(workdir / "final.json")}',
-           f'  checkpoints   {console.shown(workdir / "checkpoints")} (the last: step {final["step"]})',
-           f'  metrics       {console.shown(path)}']
-  if config.tensorboard:
-    tensorboard = console.script_command('tensorboard', 'tensorboard.main')  # the venv's, which the PATH may lack
-    lines.append(f'  TensorBoard   {tensorboard} --logdir {console.quoted(workdir / "tensorboard")}')
-  if config.task == 'lm':
-    lines += ['next:'] + next_commands(config, workdir)
-  return '\n'.join(lines)
-
-
-def next_commands(config, workdir: epath.Path) -> list[str]:
-  """What to run on a finished LM run, each working as printed: sample it, and score its own held-out documents."""
-  prompt = 'def ' if config.data.name == 'text' and not config.data.path else 'The '
-  new_tokens = min(64, config.data.seq_len // 2)  # prompt and new tokens within the context it trained on
-  python, run = console.python_command(), console.quoted(workdir)  # the venv's python unless it is `python`
-  # Sampled: greedy decoding of a small model repeats itself (`def test the the the`).
-  return [f'  {python} -m laurel.serve.generate --workdir={run} --prompt={shlex.quote(prompt)} '
-          f'--max_new_tokens={new_tokens} --temperature=0.8 --top_k=40',
-          f'  {python} -m laurel.serve.evaluate --workdir={run} --task=held_out --max_items=10   # the first '
-          '10 of its held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']

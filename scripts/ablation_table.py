@@ -255,7 +255,7 @@ def tables_written(paths) -> str:
 
 def provenance_recorder(launcher, configs: dict):
   """before(point) for run_points: <run>/provenance.json (the commit, device and corpus) as a run first starts."""
-  from laurel import train  # pylint: disable=import-outside-toplevel  # jax: only where needed
+  from laurel.run import metrics_log  # pylint: disable=import-outside-toplevel  # jax: only where needed
   corpora = {row: common.corpus_fingerprint(config.data) if not launcher.on_slice else None
              for row, config in configs.items()}
 
@@ -263,7 +263,7 @@ def provenance_recorder(launcher, configs: dict):
     path = point['dir'] / PROVENANCE
     if not path.exists():
       device = launcher.accelerator if launcher.on_slice else common.local_device_kind()
-      files.write_text_atomic(path, json.dumps({'commit': train.code_commit(), 'device': device,
+      files.write_text_atomic(path, json.dumps({'commit': metrics_log.code_commit(), 'device': device,
                                                 'corpus': corpora[point['row']]}) + '\n')
   return record, corpora
 

@@ -38,7 +38,7 @@ from absl import app, flags
 from etils import epath
 
 from laurel import config_lib, sharding, step
-from laurel.run import aot, compile_cache, hardware
+from laurel.run import aot, compile_cache, cost, hardware
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
@@ -161,7 +161,7 @@ def measure(configs, mesh, cpu: bool, profiles: dict) -> list[dict]:
     compiled, init_state, task, facts = compile_row(c, mesh)
     with jax.set_mesh(mesh):
       rows[name] = {'step': compiled, 'state': init_state(jax.random.key(c.seed)), **facts,
-                    'flops_per_step': step.step_flops(task), 'model_flops_per_step': task.model_flops(c.batch_size),
+                    'flops_per_step': cost.step_flops(task), 'model_flops_per_step': task.model_flops(c.batch_size),
                     'xla_flops_compiled': hardware.xla_flops(compiled) * n}
     batch = batch if batch is not None else step_profile.synthetic_batch(task, c, mesh)
     print(f"compiled {name}: {facts['compile_s']:.1f}s, {facts['params']:,} params, peak memory "

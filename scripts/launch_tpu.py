@@ -117,11 +117,11 @@ def setup_command(jax_requirement: str, repo_url: str | None, ref: str, install:
 
 def pack_working_tree(path: str):
   """The files git tracks or would add (not ignored), as they are on disk now, and COMMIT (laurel.train reads it)."""
-  from laurel import train  # pylint: disable=import-outside-toplevel  # (see plan)
+  from laurel.run import metrics_log  # pylint: disable=import-outside-toplevel  # (see plan)
   names = subprocess.run(['git', 'ls-files', '-z', '-co', '--exclude-standard'], cwd=common.ROOT, check=True,
                          capture_output=True).stdout.decode().split('\0')
   with tempfile.NamedTemporaryFile('w', suffix='.commit') as commit, tarfile.open(path, 'w:gz') as tar:
-    commit.write(f'{train.code_commit() or "unknown"}\n')
+    commit.write(f'{metrics_log.code_commit() or "unknown"}\n')
     commit.flush()
     tar.add(commit.name, arcname='COMMIT')
     for name in sorted(n for n in names if n and (common.ROOT / n).is_file()):

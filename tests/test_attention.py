@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY_LM, load_config, on_gpu
-from laurel import attention, lm, step, tasks, train
+from laurel import attention, lm, step, tasks
 from laurel.run import hardware
 
 LEN = 128  # splash attention's key tiles are 128 tokens
@@ -251,7 +251,7 @@ def test_splash_lays_q_k_v_out_sequence_minor():
   assert forward.count((2, 2, 8, LEN)) == 3 and (2, 2, LEN, 8) not in forward
 
 
-def _splash_on_mesh(batch, heads=2, rules=train.LOGICAL_AXIS_RULES, data=2, tensor=2):
+def _splash_on_mesh(batch, heads=2, rules=step.LOGICAL_AXIS_RULES, data=2, tensor=2):
   rng = np.random.default_rng(6)
   q, k, v = _qkv(rng, batch, heads)
   segments_BxL = jnp.asarray(_packed_segment_ids(rng, batch))
@@ -287,7 +287,7 @@ def test_splash_heads_that_do_not_divide_the_mesh_are_an_error():
 
 def test_splash_with_the_sequence_sharded_is_an_error():
   rules = tuple(('act_len', 'tensor') if name == 'act_len' else (name, axes)
-                for name, axes in train.LOGICAL_AXIS_RULES)
+                for name, axes in step.LOGICAL_AXIS_RULES)
   assert _first_line_of_error(rules=rules) == ("model.attention='splash': needs each row's whole sequence on a "
                                                'device, but the logical axis rules shard act_len over tensor (2 ways)')
 

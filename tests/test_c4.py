@@ -15,7 +15,7 @@ import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli, without_this_python
 from laurel import config_lib, data
-from laurel.run import console
+from laurel.run import console, preflight
 from test_data import lm_data, segments
 
 SPLITS = {'train': ['c4-train.00000-of-01024.json.gz', 'c4-train.00001-of-01024.json.gz',
@@ -106,7 +106,7 @@ def test_c4_shards_train_end_to_end(c4_shards, sp_model, tmp_path):
 @pytest.mark.slow
 def test_c4_shards_batches_hold_the_documents(c4_json, c4_shards, sp_model):
   cfg = lm_data('c4', 32, path=str(c4_shards), vocab_path=sp_model)
-  data.check_available(cfg)
+  preflight.check_lm_data(cfg)
   tokenizer = data.make_tokenizer(cfg)
   assert (tokenizer.vocab_size, tokenizer.pad_id, tokenizer.eos_id) == (40, 0, 1)
   assert pickle.loads(pickle.dumps(tokenizer)).encode('abc def') == tokenizer.encode('abc def')
@@ -161,7 +161,7 @@ def tfds_dirs(tmp_path_factory):
 def test_tfds_c4_is_read_at_the_version_found(tfds_dirs, sp_model, data_dir, name, version):
   root, texts = tfds_dirs
   cfg = lm_data('c4', 32, tfds_data_dir=str(root / data_dir), tfds_name=name, vocab_path=sp_model)
-  data.check_available(cfg)
+  preflight.check_lm_data(cfg)
   assert data.tfds_version_dir(cfg.tfds_data_dir, name).name == version
   for train, split in ((True, 'train'), (False, 'validation')):
     records = data._source(config_lib.build(data.LMDataConfig, cfg, 'data'), train)  # pylint: disable=protected-access
@@ -197,7 +197,7 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
                 f"files>' --output={tmp_path / 'empty'}"))
   for fields, message in cases:
     with pytest.raises(ValueError, match=re.escape(message)) as e:
-      data.check_available(lm_data(fields.pop('name', 'c4'), 32, **{'vocab_path': sp_model, **fields}))
+      preflight.check_lm_data(lm_data(fields.pop('name', 'c4'), 32, **{'vocab_path': sp_model, **fields}))
     assert '\n' not in str(e.value) and re.match(r"data\.\w+='", str(e.value)), str(e.value)
 
 

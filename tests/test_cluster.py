@@ -87,7 +87,7 @@ def test_a_process_whose_peer_never_starts_fails_in_one_line(tmp_path, launcher,
   # jax alone would wait its 300 s, then abort with a C++ stack
   result = subprocess.run(cli_args(SPEC, tmp_path / 'run', TINY_LM) + ['--join_timeout=5'], env=env,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode == cluster.JOIN_FAILED, result.stderr[-2000:]
+  assert result.returncode == cluster.PEER_LOST, result.stderr[-2000:]
   errors = [l for l in result.stderr.splitlines() if l.startswith('error:')]
   assert len(errors) == 1 and errors[0].startswith(f'error: {first_words} processes') and reason in errors[0], errors
   assert 'Traceback' not in result.stderr and 'Check failure' not in result.stderr

@@ -18,7 +18,7 @@ from etils import epath
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, metrics, without_this_python
 from laurel import train
-from laurel.run import console
+from laurel.run import console, metrics_log, process
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 # A line that absl, glog, libtpu or TensorFlow's C++ logging printed: 'E0000 00:00:...', 'I1124 05:02:52...'.
@@ -91,7 +91,7 @@ def test_a_logged_row_is_the_mean_of_its_interval_and_says_so():
   step's; the console line and the closing summary name the steps the mean is over."""
   rows = [{'loss': np.float32(l), 'grad_norm': g, 'learning_rate': lr}
           for l, g, lr in zip((4, 2, 3, 7), (1, 1, 2, 4), (1e-3, 2e-3, 3e-3, 4e-3))]
-  row = train.interval_mean(rows)
+  row = metrics_log.interval_mean(rows)
   assert row == {'loss': 4.0, 'grad_norm': 2.0, 'learning_rate': 4e-3, 'mean_of_steps': 4}
   line = console.step_line(8, 10, {**row, 'step_time_s': 0.5, 'tokens_per_s': 100.0}, 'tokens')
   assert line.startswith('step 8/10 (80%) | mean of 4 steps: loss 4.0000 | grad_norm 2.0000 | lr 4.00e-03 | '), line
@@ -104,7 +104,7 @@ def test_the_summary_gives_the_last_interval_mean_train_loss(tmp_path):
   lines = [{'step': 4, 'loss': 5.0, 'mean_of_steps': 4}, {'step': 8, 'loss': 3.25, 'mean_of_steps': 4},
            {'step': 8, 'eval_loss': 3.5}]
   (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
-  first = train.summary(config, epath.Path(tmp_path), {'step': 8, 'eval_loss': 3.5}, 12.0).splitlines()[0]
+  first = metrics_log.summary(config, epath.Path(tmp_path), {'step': 8, 'eval_loss': 3.5}, 12.0).splitlines()[0]
   assert first == 'finished rw_lr at step 8 in 12.0 s: eval_loss 3.5000; train loss 3.2500 (the mean of steps 5-8)'
 
 
@@ -159,9 +159,9 @@ def test_ctrl_c_in_a_deferred_section_exits_when_it_ends(monkeypatch):
   monkeypatch.setattr(console.os, '_exit', exits.append)
   monkeypatch.setattr(console.os, 'write', lambda fd, text: None)
   # None again afterwards: a pending interrupt left behind ends this process at its next deferred section's end.
-  monkeypatch.setitem(console._interrupt, 'pending', None)  # pylint: disable=protected-access
-  with console.deferred():
-    console._exit_interrupted()  # pylint: disable=protected-access  # what the handler and the watcher call
+  monkeypatch.setitem(process._interrupt, 'pending', None)  # pylint: disable=protected-access
+  with process.deferred():
+    process._exit_interrupted()  # pylint: disable=protected-access  # what the handler and the watcher call
     assert not exits  # the file being written is finished first
   assert exits == [130]
 

@@ -11,7 +11,7 @@ from ml_collections import config_flags
 
 from helpers import ROOT, SPEC, TINY_LM, load_config
 from laurel import config_lib, designs, lm, step, train
-from laurel.run import checkpoint, console
+from laurel.run import checkpoint, console, preflight
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'
 
@@ -102,7 +102,7 @@ def test_the_paper_preset_without_c4_says_to_prepare_it_and_set_data_path(tmp_pa
     monkeypatch.setitem(sys.modules, module, None)
   task = step.validate_config(config_lib.load('c4_ablation:rw_lr'), num_devices=1, process_count=1)
   with pytest.raises(config_lib.InputError) as raised:
-    train.check_inputs(task, tmp_path / 'run')
+    preflight.check_inputs(task, tmp_path / 'run')
   assert str(raised.value) == (
       f"data.path='': no C4 to read: prepare it with {console.python_command()} scripts/prepare_c4.py "
       "--input=<folder of C4's c4-*.json.gz> --output=DIR (docs/data.md) and set --config.data.path=DIR")

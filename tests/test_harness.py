@@ -17,7 +17,7 @@ pytest.importorskip('lm_eval', reason="lm-evaluation-harness is an optional extr
 
 from helpers import ROOT, TINY_LM, cli_env, run_cli  # pylint: disable=wrong-import-position
 from laurel import data  # pylint: disable=wrong-import-position
-from laurel.run import checkpoint
+from laurel.serve import loader
 from laurel.serve import evaluate, generate, harness
 from lm_eval.api import registry  # pylint: disable=wrong-import-position
 from lm_eval.api.instance import Instance  # pylint: disable=wrong-import-position
@@ -93,7 +93,7 @@ def _stop_after(text: str, until) -> str:
 
 @pytest.mark.slow
 def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation(run, tmp_path):
-  with checkpoint.lm_run_on_mesh(run) as (task, params, _, _):  # laurel.serve.generate as its command line runs it
+  with loader.lm_run_on_mesh(run) as (task, params, _, _):  # laurel.serve.generate as its command line runs it
     tokenizer = data.make_tokenizer(task.config.data)
     eos = tokenizer.eos_id
     new_BxN, _ = generate.generate(task.model_cfg, params, [tokenizer.encode(p) or [eos] for p in PROMPTS], MAX_GEN)

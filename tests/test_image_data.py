@@ -11,6 +11,7 @@ import tensorflow_datasets as tfds
 
 from configs import imagenet_resnet50
 from laurel import config_lib, image_data
+from laurel.run import preflight
 
 
 def synthetic(**overrides):
@@ -234,14 +235,14 @@ def test_check_available_names_what_is_missing_and_how_to_prepare_it(tmp_path):
   cfg = dict(name='imagenet', tfds_data_dir=str(tmp_path))
   with pytest.raises(ValueError, match=re.escape(f"data.tfds_data_dir='{tmp_path}': no prepared imagenet2012 in "
                                                  f'{tmp_path}; prepare it with tfds build imagenet2012')):
-    image_data.check_available(cfg)
+    preflight.check_image_data(cfg)
   version = tmp_path / 'imagenet2012' / '5.1.0'
   version.mkdir(parents=True)
   info = {'fileFormat': 'array_record', 'splits': [{'name': 'train'}]}
   (version / 'dataset_info.json').write_text(json.dumps(info))
   with pytest.raises(ValueError, match=re.escape(f"{version} has no split 'validation' (it has: train)")):
-    image_data.check_available(cfg)
+    preflight.check_image_data(cfg)
   info['splits'].append({'name': 'validation'})
   (version / 'dataset_info.json').write_text(json.dumps(info))
-  image_data.check_available(cfg)
-  image_data.check_available({'name': 'synthetic', 'tfds_data_dir': '/nowhere'})  # reads nothing
+  preflight.check_image_data(cfg)
+  preflight.check_image_data({'name': 'synthetic', 'tfds_data_dir': '/nowhere'})  # reads nothing

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import ROOT, SPEC, TINY_LM, checkpoint_steps, cli_env, load_config, metrics
 from laurel import config_lib, train
-from laurel.run import checkpoint, files, lease
+from laurel.run import checkpoint, files, lease, metrics_log
 
 
 def _holder(workdir, **fields) -> dict:
@@ -156,13 +156,13 @@ def test_a_run_taken_over_mid_run_logs_and_saves_nothing_more(tmp_path, monkeypa
   workdir = tmp_path / 'run'
   workdir.mkdir()
   (workdir / '.config.json.k1ll3d.tmp').write_text('{"torn": ')
-  write = train.MetricsLog.write
+  write = metrics_log.MetricsLog.write
 
   def write_then_lose(log, step, values):
     write(log, step, values)
     if step == 3:
       _holder(workdir, host='elsewhere', token='later')
-  monkeypatch.setattr(train.MetricsLog, 'write', write_then_lose)
+  monkeypatch.setattr(metrics_log.MetricsLog, 'write', write_then_lose)
   config = load_config(SPEC, {**TINY_LM, 'steps': 6, 'checkpoint_every': 2})
   with pytest.raises(lease.Lost, match='now process 0 of 1 .* on host elsewhere'):
     train.train(config, str(workdir), devices=jax.devices()[:1], hold_lease=True)

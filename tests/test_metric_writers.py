@@ -16,8 +16,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
 from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, metrics, run_cli
-from laurel import config_lib, data, image_data, train
-from laurel.run import metric_writers
+from laurel import config_lib, train
+from laurel.run import metric_writers, metrics_log, preflight
 from laurel.serve import evaluate
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -98,9 +98,9 @@ def test_profiler_traces_the_configured_steps_only(monkeypatch):
 def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
   """laurel.train and every default writer load no TensorFlow, and W&B not unless asked (a separate process: another
   test may load them)."""
-  code = ('import sys\nfrom etils import epath\nfrom laurel import config_lib, main, train\n'
+  code = ('import sys\nfrom etils import epath\nfrom laurel import config_lib, main\nfrom laurel.run import metrics_log\n'
           f'config = config_lib.load({SPEC!r}, ["tensorboard=True"])\n'
-          f'log = train.MetricsLog(epath.Path({str(tmp_path)!r}), config, 0, {{}})\n'
+          f'log = metrics_log.MetricsLog(epath.Path({str(tmp_path)!r}), config, 0, {{}})\n'
           'log.write(1, {"loss": 2.5})\nlog.writer.close()\n'
           'print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "clu", "wandb")))\n')
   result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=cli_env(), cwd=ROOT,
@@ -111,16 +111,16 @@ def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
 
 
 def _open_wandb_run(tmp_path):
-  train.MetricsLog(tmp_path, load_config(SPEC, {**TINY_LM, 'wandb.project': 'laurel'}), 0, {})
+  metrics_log.MetricsLog(tmp_path, load_config(SPEC, {**TINY_LM, 'wandb.project': 'laurel'}), 0, {})
 
 
 def _check_imagenet(tmp_path):
-  image_data.check_available({'name': 'imagenet', 'tfds_data_dir': str(tmp_path)})
+  preflight.check_image_data({'name': 'imagenet', 'tfds_data_dir': str(tmp_path)})
 
 
 @pytest.mark.parametrize('module, run, message', [
     ('wandb', _open_wandb_run, "wandb.project='laurel': needs the optional extra [wandb]: pip install -e '.[wandb]'"),
-    ('tensorflow_datasets', lambda p: data.check_available({'name': 'c4', 'tfds_data_dir': str(p)}),
+    ('tensorflow_datasets', lambda p: preflight.check_lm_data({'name': 'c4', 'tfds_data_dir': str(p)}),
      "data.tfds_data_dir='/': needs the optional extra [tfds]: pip install -e '.[tfds]'"),
     ('tensorflow_datasets', _check_imagenet,
      "data.tfds_data_dir='/': needs the optional extra [tfds]: pip install -e '.[tfds]'"),

@@ -18,7 +18,8 @@ import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, losses
 from laurel import config_lib, step, train
-from laurel.run import checkpoint, checksums
+from laurel.run import checkpoint, checksums, metrics_log, preflight
+from laurel.serve import loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 sys.path.insert(0, str(ROOT / 'scripts'))
@@ -111,7 +112,7 @@ def test_a_kill_inside_the_metrics_rewrite_keeps_every_line(tmp_path, torn_write
   (tmp_path / 'metrics.jsonl').write_text(text)
   torn_writes('metrics.jsonl')
   with pytest.raises(KeyboardInterrupt):  # a resume from checkpoint 2 drops line 3
-    train.MetricsLog(tmp_path, load_config(SPEC, TINY_LM), resume_step=2, info={})
+    metrics_log.MetricsLog(tmp_path, load_config(SPEC, TINY_LM), resume_step=2, info={})
   assert _files(tmp_path) == {'metrics.jsonl': text}
 
 
@@ -345,7 +346,7 @@ def test_a_flag_with_no_value_names_it():
 
 @pytest.mark.slow
 def test_a_step_larger_than_the_host_is_refused_before_it_runs(tmp_path, monkeypatch):
-  monkeypatch.setattr(step, 'available_host_bytes', lambda: 2**20)
+  monkeypatch.setattr(preflight, 'available_host_bytes', lambda: 2**20)
   with pytest.raises(config_lib.InputError, match=r'batch_size=8, data\.seq_len=32: the compiled step needs [\d.]+ '
                      r'GiB, more than the 0\.0 GiB of memory available on this host'):
     train.train(load_config(SPEC, TINY_LM), str(tmp_path / 'run'))
@@ -354,7 +355,7 @@ def test_a_step_larger_than_the_host_is_refused_before_it_runs(tmp_path, monkeyp
 
 def test_attention_scores_larger_than_the_host_are_refused_before_compiling(tmp_path, monkeypatch):
   # At data.seq_len=100000 on CPU the compile alone grew to 10 GB and the kernel killed it with no message.
-  monkeypatch.setattr(step, 'available_host_bytes', lambda: 2**30)
+  monkeypatch.setattr(preflight, 'available_host_bytes', lambda: 2**30)
   monkeypatch.setattr(train, 'compile_step', lambda *args: pytest.fail('compiled'))
   with pytest.raises(config_lib.InputError, match=r"batch_size=8, data\.seq_len=8192: one layer's attention scores "
                      r'alone need 8\.0 GiB, more than the 1\.0 GiB of memory available on this host'):
@@ -438,7 +439,7 @@ def test_a_flipped_byte_in_an_array_file_is_damage(two_checkpoints, tmp_path, ca
   array_file.write_bytes(bytes(data))
   config = load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3})
   with pytest.raises(config_lib.InputError, match=r'checkpoint 6 is damaged \(state/\S+: content checksum mismatch'):
-    with checkpoint.lm_run_on_mesh(workdir):  # what generate and evaluate read
+    with loader.lm_run_on_mesh(workdir):  # what generate and evaluate read
       pass
   train.train(config, str(workdir))
   out = capsys.readouterr()

@@ -15,7 +15,8 @@ import pytest
 from etils import epath
 
 from helpers import ROOT, cli_env, without_this_python
-from laurel import config_lib, step, train
+from laurel import config_lib, step
+from laurel.run import metrics_log
 
 DOCS = ['README.md', *sorted(str(p.relative_to(ROOT)) for p in (ROOT / 'docs').glob('*.md'))]
 # A code block's line is a command when its first word (after NAME=value settings) is one of these; the README's
@@ -117,13 +118,13 @@ def test_the_cheap_documented_commands_work_as_printed(demo_root):
 
 @pytest.mark.slow
 def test_the_commands_a_finished_run_prints_work_as_printed_from_a_folder_with_a_space(trained_run, tmp_path):
-  """train.summary's closing commands (sampling, its held-out documents, TensorBoard), run by a shell in which the
+  """metrics_log.summary's closing commands (sampling, its held-out documents, TensorBoard), run by a shell in which the
   venv is not activated, on a workdir whose path has a space."""
   workdir = tmp_path / 'my runs' / 'demo'
   shutil.copytree(trained_run, workdir)
   config = step.validate_config(config_lib.load(str(workdir))).config  # the run's saved config, typed
   final = json.loads((workdir / 'final.json').read_text())
-  lines = train.summary(dataclasses.replace(config, tensorboard=True), epath.Path(workdir), final, 1.0).splitlines()
+  lines = metrics_log.summary(dataclasses.replace(config, tensorboard=True), epath.Path(workdir), final, 1.0).splitlines()
   commands = [l.strip() for l in lines[lines.index('next:') + 1:]]
   commands.append(next(l for l in lines if l.strip().startswith('TensorBoard')).split(None, 1)[1] + ' --version_tb')
   assert len(commands) == 3

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, cli_env, fake_gcs_env, load_config, losses, run_cli, run_python,
                      tree_snapshot)
 from laurel import config_lib, data, step, train
-from laurel.run import checkpoint
+from laurel.run import checkpoint, metrics_log, preflight, process
+from laurel.serve import loader
 from laurel.serve import evaluate, generate
 
 
@@ -136,9 +137,9 @@ def test_an_environment_failure_moves_nothing(run_with_three_checkpoints, tmp_pa
 # 3. Only bad input is a one-line error (exit 2); any other exception keeps its traceback (exit 1).
 
 ENTRY_POINTS = {  # module: (what to make raise, argv)
-    'laurel.main': ('train.train', f'"--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny", "--workdir=w"'),
-    'laurel.serve.generate': ('checkpoint.lm_run_on_mesh', '"--workdir=w", "--prompt=x"'),
-    'laurel.serve.evaluate': ('checkpoint.lm_run_on_mesh', '"--workdir=w", "--task=hellaswag"'),
+    'laurel.main': ('laurel.train.train', f'"--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny", "--workdir=w"'),
+    'laurel.serve.generate': ('laurel.serve.loader.lm_run_on_mesh', '"--workdir=w", "--prompt=x"'),
+    'laurel.serve.evaluate': ('laurel.serve.loader.lm_run_on_mesh', '"--workdir=w", "--task=hellaswag"'),
 }
 
 
@@ -148,9 +149,9 @@ ENTRY_POINTS = {  # module: (what to make raise, argv)
     ('laurel.main', 'config_lib.InputError', True)])
 def test_only_bad_input_is_a_one_line_error(module, error, bad_input):
   patch, argv = ENTRY_POINTS[module]
-  owner, name = patch.split('.')
-  code = (f'import sys\nfrom absl import app\nfrom laurel import config_lib, train, {module.split(".")[1]} as m\n'
-          f'import laurel.{owner} as owner\n'
+  owner, _, name = patch.rpartition('.')
+  code = (f'import importlib, sys\nfrom absl import app\nfrom laurel import config_lib\n'
+          f'm, owner = importlib.import_module({module!r}), importlib.import_module({owner!r})\n'
           f'def fail(*a, **k): raise {error}("a message from a library")\n'
           f'owner.{name} = fail\nsys.argv = ["x", {argv}]\n'
           f'm.run() if hasattr(m, "run") else app.run(m.main, flags_parser=config_lib.parse_flags)\n')
@@ -183,7 +184,7 @@ def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
   text = ''.join(json.dumps(r) + '\n' for r in rows)
   (tmp_path / 'metrics.jsonl').write_text(text + text.splitlines()[-1][:9])  # killed mid-write of a 4th line
   config = load_config(SPEC, TINY_LM)
-  log = train.MetricsLog(tmp_path, config, resume_step=2, info={})  # what a resume from checkpoint 2 opens
+  log = metrics_log.MetricsLog(tmp_path, config, resume_step=2, info={})  # what a resume from checkpoint 2 opens
   log.write(3, {'loss': 0.25})
   log.writer.close()
   assert 'metrics.jsonl: dropped line 4, not a JSON object with a step' in capsys.readouterr().err
@@ -192,10 +193,10 @@ def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_metrics_log_never_appends_on_gcs(tmp_path):
-  code = ('import json, ml_collections\nfrom etils import epath\nfrom laurel import train\n'
+  code = ('import json, ml_collections\nfrom etils import epath\nfrom laurel.run import metrics_log\n'
           'config = ml_collections.ConfigDict({"tensorboard": False, "wandb": {"project": None}})\n'
           'for resume, steps in ((0, (1, 2)), (2, (3,))):\n'
-          '  log = train.MetricsLog(epath.Path("gs://bucket/run"), config, resume, {})\n'
+          '  log = metrics_log.MetricsLog(epath.Path("gs://bucket/run"), config, resume, {})\n'
           '  for s in steps: log.write(s, {"loss": 1.0 / s})\n'
           '  log.writer.close()\n')
   (tmp_path / 'gcs' / 'bucket' / 'run').mkdir(parents=True)
@@ -277,7 +278,7 @@ def test_vocab_size_is_checked_against_a_gs_tokenizer(sp_model, monkeypatch):
   task = step.validate_config(config, num_devices=1)
   with pytest.raises(config_lib.InputError, match=re.escape(
       f"model.vocab_size=32: smaller than the tokenizer's 40 (data.vocab_path='{gs_vocab}')")):
-    task.check_data()
+    preflight.check_lm_data(task.data_cfg, task.model_cfg.vocab_size)
 
 
 # 6. --config=WORKDIR resumes with the config the run saved; a changed `steps` is printed.
@@ -319,7 +320,7 @@ def run_without_optimizer_state(tmp_path_factory):
 @pytest.mark.slow
 def test_inference_reads_only_the_params_into_their_shardings(run_without_optimizer_state):
   workdir, saved = run_without_optimizer_state
-  with checkpoint.lm_run_on_mesh(workdir) as (_, params, step, mesh):
+  with loader.lm_run_on_mesh(workdir) as (_, params, step, mesh):
     assert step == 3 and dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'tensor': 2}
     embedding = params['embed']['embedding']
     assert embedding.sharding.spec == P('tensor', 'fsdp') and embedding.sharding.mesh.shape == mesh.shape
@@ -344,7 +345,7 @@ def test_no_parameter_is_a_constant_of_the_compiled_programs(run_without_optimiz
   previous = jax.config.read('jax_dump_ir_to')
   jax.config.update('jax_dump_ir_to', str(tmp_path / 'ir'))
   try:
-    with checkpoint.lm_run_on_mesh(workdir) as (task, params, _, mesh):
+    with loader.lm_run_on_mesh(workdir) as (task, params, _, mesh):
       for use_cache in (True, False):
         generate.generate(task.model_cfg, params, [[3, 4, 5], [6]], 3, use_cache=use_cache)
       scorer = evaluate.Scorer(task.model, params, task.config.data.seq_len, 4, 0,
@@ -385,7 +386,7 @@ def test_a_stalled_step_ends_the_process_naming_host_and_step(tmp_path, monkeypa
   config = load_config(SPEC, {**TINY_LM, 'steps': 10, 'watchdog_factor': 10.0, 'watchdog_min_s': 3.0,
                               'watchdog_s': 0.0})
   train.train(config, str(tmp_path), devices=jax.devices()[:1])
-  assert exits == [train.WATCHDOG_EXIT]
+  assert exits == [process.HUNG]
   err = capsys.readouterr().err
   line = next(l for l in err.splitlines() if l.startswith('error: watchdog'))
   assert re.match(r'error: watchdog: no progress for \d+\.\ds after step 7 \(limit 3\.0s\) on process 0 of 1 on '
@@ -395,7 +396,7 @@ def test_a_stalled_step_ends_the_process_naming_host_and_step(tmp_path, monkeypa
 
 def test_the_watchdog_limit_covers_the_first_step_and_the_median():
   fired = []
-  watchdog = train.Watchdog(factor=4.0, min_s=0.0, limit_s=0.3)
+  watchdog = process.Watchdog(factor=4.0, min_s=0.0, limit_s=0.3)
   watchdog._fire = lambda stalled, limit: fired.append((watchdog.step, limit))  # pylint: disable=protected-access
   watchdog.start()
   try:
@@ -403,8 +404,8 @@ def test_the_watchdog_limit_covers_the_first_step_and_the_median():
     assert fired == [(None, 0.3)]
   finally:
     watchdog.stop()
-  watchdog = train.Watchdog(factor=4.0, min_s=0.0, limit_s=0.0)
-  for step in range(1, train.Watchdog.WARMUP + 4):
+  watchdog = process.Watchdog(factor=4.0, min_s=0.0, limit_s=0.0)
+  for step in range(1, process.Watchdog.WARMUP + 4):
     watchdog.beat(step)
     threading.Event().wait(0.02)
   assert 0.02 * 4 <= watchdog.limit() < 1.0  # 4 x the median step time, the warm-up steps left out
@@ -416,7 +417,7 @@ def test_the_watchdog_counts_no_stall_while_the_process_was_stopped(monkeypatch)
   paused = [0.0]
   monkeypatch.setattr(train.time, 'monotonic', lambda real=time.monotonic: real() + paused[0])
   fired = []
-  watchdog = train.Watchdog(factor=0.0, min_s=0.0, limit_s=2.0)  # margins for a loaded machine's thread wake-ups
+  watchdog = process.Watchdog(factor=0.0, min_s=0.0, limit_s=2.0)  # margins for a loaded machine's thread wake-ups
   watchdog._fire = lambda stalled, limit: fired.append(stalled)  # pylint: disable=protected-access
   watchdog.start()
   try:
@@ -453,14 +454,14 @@ def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_an
 @pytest.mark.slow
 def test_sigterm_in_the_final_eval_is_told_and_the_rerun_logs_its_eval_and_timing(tmp_path, monkeypatch, capsys):
   config = load_config(SPEC, {**TINY_LM, 'eval_steps': 3})  # eval and checkpoint at the last step only
-  beat = train.Watchdog.beat
+  beat = process.Watchdog.beat
 
   def terminated_after_an_eval_batch(watchdog, step=None):  # beat() without a step: an eval batch is done
     if step is None:
       signal.raise_signal(signal.SIGTERM)
     beat(watchdog, step)
 
-  monkeypatch.setattr(train.Watchdog, 'beat', terminated_after_an_eval_batch)
+  monkeypatch.setattr(process.Watchdog, 'beat', terminated_after_an_eval_batch)
   assert train.train(config, str(tmp_path), devices=jax.devices()[:1]) == {'step': 6, 'preempted': True}
   out = capsys.readouterr().out
   assert re.search(r'^evaluating on 3 batches: interrupted \(SIGTERM\) after ', out, re.M), out[-1000:]

@@ -16,7 +16,8 @@ from orbax.checkpoint._src.checkpointers import async_checkpointer
 
 from helpers import ROOT, TINY_LM, checkpoint_steps, cli_env, load_config, losses
 from laurel import config_lib, train
-from laurel.run import checkpoint, checksums
+from laurel.run import checkpoint, checksums, process
+from laurel.serve import loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 RUN = {**TINY_LM, 'checkpoint_every': 3}  # checkpoints 3 and 6
@@ -36,7 +37,7 @@ def crashed_run(tmp_path_factory):
   crash waits up to 30 s for it)."""
   workdir = tmp_path_factory.mktemp('crashed') / 'run'
   listing = workdir / 'checkpoints' / '6' / checksums.LISTING.format(0)
-  beat, listed = train.Watchdog.beat, []
+  beat, listed = process.Watchdog.beat, []
 
   def crash_after_the_last_save(watchdog, step=None):
     beat(watchdog, step)
@@ -48,7 +49,7 @@ def crashed_run(tmp_path_factory):
       raise Crash
 
   with pytest.MonkeyPatch.context() as patch, pytest.raises(Crash):
-    patch.setattr(train.Watchdog, 'beat', crash_after_the_last_save)
+    patch.setattr(process.Watchdog, 'beat', crash_after_the_last_save)
     train.train(load_config(SPEC, RUN), str(workdir))
   return workdir, listed
 
@@ -223,7 +224,7 @@ def test_inference_reads_a_checkpoint_whose_list_is_damaged_with_one_warning(cra
   workdir = _copy(crashed_run, tmp_path)
   newest = max(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
   (workdir / 'checkpoints' / str(newest) / checksums.LISTING.format(0)).write_bytes(DAMAGED_LISTS['random bytes'])
-  with checkpoint.lm_run_on_mesh(workdir) as (_, _, number, _):  # what generate and evaluate read
+  with loader.lm_run_on_mesh(workdir) as (_, _, number, _):  # what generate and evaluate read
     assert number == newest
   assert f'warning: checkpoint {newest} is read unchecked: checksums.process_0.json is unreadable' in (
       capsys.readouterr().err)

@@ -18,8 +18,8 @@ import pytest
 
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, cluster_env, free_port,
                      load_config, losses, metrics, run_cli, tree_snapshot)
-from laurel import config_lib, designs, step, tasks, train
-from laurel.run import console, hardware
+from laurel import config_lib, designs, step, train
+from laurel.run import console, cost, hardware, metrics_log, process
 
 
 def _wait_for(predicate, proc, timeout=240):
@@ -72,15 +72,17 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_and_exit_cleanly(tmp_path, signum)
   assert saved and max(saved) >= 3
 
 
-def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
-  exits, preempted = [], []
-  monkeypatch.setattr(train.os, '_exit', exits.append)
-  handler = train._preemption_handler(preempted, nproc=1)  # pylint: disable=protected-access
-  handler(signal.SIGINT, None)
-  assert preempted == [signal.SIGINT] and not exits  # the loop saves a checkpoint at its next step
-  handler(signal.SIGINT, None)
-  assert exits == [130]
+def test_a_second_ctrl_c_exits_at_once_and_the_handlers_before_come_back(monkeypatch, capsys):
+  exits, before = [], signal.getsignal(signal.SIGINT)
+  monkeypatch.setattr(process.os, '_exit', exits.append)
+  with process.stop_requests(processes=1) as requested:
+    handler = signal.getsignal(signal.SIGINT)
+    handler(signal.SIGINT, None)
+    assert requested == [signal.SIGINT] and not exits  # the loop saves a checkpoint at its next step
+    handler(signal.SIGINT, None)
+    assert exits == [130]
   assert 'exiting without a checkpoint' in capsys.readouterr().err
+  assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) is not handler
 
 
 @pytest.mark.slow
@@ -335,15 +337,10 @@ def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
   assert json.loads((tmp_path / 'runs' / 'demo' / 'final.json').read_text())['step'] == 6
 
 
-def test_a_flop_count_the_backend_does_not_give_is_left_out_not_logged_as_zero(monkeypatch):
-  task = tasks.get_task(load_config(SPEC, TINY_LM))
-  monkeypatch.setattr(train, 'step_flops', lambda t: 0.0)  # as under the CUDA plug-in (measured on an H200)
-  assert list(train.utilisation_flops(task, 8)) == ['mfu']
-  monkeypatch.setattr(train, 'step_flops', lambda t: 5e9)
-  assert train.utilisation_flops(task, 8) == {'mfu': task.model_flops(8), 'hfu': 5e9}
-  # No count for the step is no count at all: not the loss chunks' alone (compiled apart, so counted there too).
+def test_a_step_the_backend_counts_no_flops_for_has_no_count_not_the_loss_chunks_alone():
+  # As under the CUDA plug-in (measured on an H200); the loss chunks are compiled apart, so counted there too.
   chunked = step.validate_config(load_config(SPEC, {**TINY_LM, 'model.loss_chunk': 8}), 1, 1)
-  assert step.step_costs(chunked, lambda t: (0.0, 0.0)) == (0.0, 0.0)
+  assert cost.step_costs(chunked, lambda t: (0.0, 0.0)) == (0.0, 0.0)
 
 
 @pytest.mark.slow
@@ -368,7 +365,7 @@ def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, capsys)
   assert final['eval_loss'] == saved['eval_loss']
   assert {k: rows[0][k] for k in ('commit', 'config_hash', 'started_at')} == {
       k: saved[k] for k in ('commit', 'config_hash', 'started_at')}
-  assert saved['commit'] == train.code_commit() and len(saved['config_hash']) == 16
+  assert saved['commit'] == metrics_log.code_commit() and len(saved['config_hash']) == 16
   assert saved['started_at'] <= saved['finished_at'] and 'commit' not in rows[1]
   assert rows[0]['time'] <= rows[-1]['time']
   assert list((tmp_path / 'tensorboard').iterdir())
@@ -406,7 +403,7 @@ def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tm
 
 def _step_flops(**overrides):
   config = load_config(SPEC, {**TINY_LM, 'model.laurel.k': 2, **overrides})
-  return step.step_flops(step.validate_config(config, 1, 1))
+  return cost.step_flops(step.validate_config(config, 1, 1))
 
 
 @pytest.mark.slow

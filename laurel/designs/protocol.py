@@ -1,11 +1,7 @@
 """The residual-design protocol (`Design`, `Site`, `Chain`) and the registry; laurel.designs re-exports it."""
 
 import dataclasses
-import importlib
-import importlib.util
 import json
-import os
-import sys
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -14,8 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from laurel import sharding
-from laurel.config_lib import InputError, build, config_dict, require, to_dict
-from laurel.run.files import write_text_atomic
+from laurel.config_lib import InputError, build, config_dict, import_module_of, require, to_dict
 
 ACT = ('act_batch', 'act_len', 'act_embed')
 STREAM_ACT = (None,) + ACT  # a stack of activations: n streams, or DenseFormer's running sums
@@ -140,34 +135,10 @@ def lookup(name: str, field_name: str = 'model.stream.design') -> Design:
   """A registered design, or 'module:name' whose module (imported here) registers it."""
   module, _, short = name.rpartition(':') if isinstance(name, str) else ('', '', name)
   if module:
-    import_module(module, field_name, name)
+    import_module_of(module, field_name, name)
   require(short in REGISTRY, field_name, name,
           f"must be one of {', '.join(REGISTRY)}, or 'module:name' of a design that module registers")
   return REGISTRY[short]
-
-
-def import_module(module: str, field_name: str, name: str, recorded_file: str | None = None) -> None:
-  """Imports the module of design `name` ('module:name'); where it is not on the Python path, from `recorded_file`
-  (where the run recorded it), with a one-line notice; else a one-line InputError saying what to do."""
-  try:
-    importlib.import_module(module)
-    return
-  except ImportError as e:
-    error = e
-  not_found = error.name is not None and (module + '.').startswith(error.name + '.')  # not its own imports
-  if not_found and recorded_file and os.path.isfile(recorded_file):
-    spec = importlib.util.spec_from_file_location(module, recorded_file)
-    sys.modules[module] = loaded = importlib.util.module_from_spec(spec)
-    try:
-      spec.loader.exec_module(loaded)
-    except ImportError as e:
-      del sys.modules[module]
-      raise InputError(f'{field_name}={name!r}: cannot import {module} from {recorded_file} ({e})') from None
-    print(f'notice: {field_name}={name!r}: {module} is not on the Python path; imported it from {recorded_file}, '
-          'where the run recorded it', file=sys.stderr, flush=True)
-    return
-  hint = f': put the folder holding {module.replace(".", "/")}.py on PYTHONPATH' if not_found else ''
-  raise InputError(f'{field_name}={name!r}: cannot import {module} ({error}){hint}')
 
 
 # A run's config.json records the file of a design from outside the package (not a config field), so that later
@@ -175,19 +146,10 @@ def import_module(module: str, field_name: str, name: str, recorded_file: str | 
 DESIGN_FILE = 'design_file'
 
 
-def _outside_module(config) -> str:
+def outside_module(config) -> str:
   """The module of the design of a config (ConfigDict or dict) named 'module:name', else ''."""
   name = ((config.get('model') or {}).get('stream') or {}).get('design', '')
   return name.rpartition(':')[0] if isinstance(name, str) else ''
-
-
-def record_design_file(path, config: ml_collections.ConfigDict) -> None:
-  """Adds DESIGN_FILE, the file of the module of `config`'s design where outside the package, to config.json at
-  `path` (written from `config`)."""
-  module = sys.modules.get(_outside_module(config))
-  if getattr(module, '__file__', None) is not None:
-    saved = {**json.loads(path.read_text()), DESIGN_FILE: os.path.abspath(module.__file__)}
-    write_text_atomic(path, json.dumps(saved, indent=2))
 
 
 def read_config_json(text: str, import_design: bool = True) -> dict:
@@ -195,8 +157,8 @@ def read_config_json(text: str, import_design: bool = True) -> dict:
   need be)."""
   saved = json.loads(text)
   recorded_file = saved.pop(DESIGN_FILE, None)
-  if (module := _outside_module(saved)) and import_design:
-    import_module(module, 'model.stream.design', saved['model']['stream']['design'], recorded_file)
+  if (module := outside_module(saved)) and import_design:
+    import_module_of(module, 'model.stream.design', saved['model']['stream']['design'], recorded_file)
   return upgrade(saved)
 
 

@@ -100,7 +100,7 @@ def _not_fitting(topology: str, chip: TPU, error: str) -> DoesNotFit:
 
 
 def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
-  """Per chip: parameters and MEMORY; with `costs`, FLOPs and bytes accessed per step (step.step_costs) and the
+  """Per chip: parameters and MEMORY; with `costs`, FLOPs and bytes accessed per step (cost.step_costs) and the
   roofline step time max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)."""
   chip, devices = TPUS[parse_accelerator(topology, flag='topology')['generation']], slice_devices(topology)
   task = step.validate_config(config, len(devices), len({d.process_index for d in devices}))
@@ -118,7 +118,7 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   costs_of = lambda f: (f['flops'], f['bytes_accessed'])
   step_costs = lambda t: costs_of(figures if t.config == task.config else compiled(t)[0])  # the step: compiled once
   loss_costs = lambda lowered: costs_of(_kept(lowered, devices, topology, chip))  # the loss's one-chunk program
-  flops, bytes_accessed = step.step_costs(task, step_costs, mesh, loss_costs)
+  flops, bytes_accessed = cost.step_costs(task, step_costs, mesh, loss_costs)
   compute_s, memory_s = flops / chip.peak_flops, bytes_accessed / chip.hbm_bytes_per_s
   return {**facts, 'flops_per_step': flops, 'bytes_accessed_per_step': bytes_accessed, 'compute_s': compute_s,
           'memory_s': memory_s, 'roofline_step_time_s': max(compute_s, memory_s)}

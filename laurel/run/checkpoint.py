@@ -1,9 +1,8 @@
-"""Checkpoints: the orbax manager, resuming past damage, the config guard, a run's parameters for inference. Each
+"""Checkpoints: the orbax manager, resuming past damage, the config guard. Each
 WORKDIR/checkpoints/<step> holds state, data (the grain iterator), config (all but the fields declared `resumable`,
 which alone a resume may change without --allow_config_change), checksummed (that its run writes checksum lists) and
 checksums.process_<i>.json (laurel.run.checksums)."""
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -16,7 +15,6 @@ import threading
 import time
 
 import flax
-import flax.linen as nn
 import grain
 import jax
 import jax.numpy as jnp
@@ -27,8 +25,8 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import config_lib, designs, sharding, step, tasks
-from laurel.run import checksums
+from laurel import config_lib, designs, step, tasks
+from laurel.run import checksums, process
 from laurel.config_lib import InputError
 from laurel.run.files import is_remote, utc, write_text_atomic
 
@@ -142,7 +140,7 @@ def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, all
     return 'damaged', why
 
 
-def _verdict(step_dir: epath.Path) -> tuple[str, str | None]:
+def verdict(step_dir: epath.Path) -> tuple[str, str | None]:
   """This host's word on a checkpoint's files (VERDICTS) and why: 'unchecked' where its run wrote no checksum lists
   (older code) or its list is damaged (a damaged list says nothing of the data: never a reason to set it aside),
   'unvouched' where its list never came (a crash after the save), 'damaged' where a file differs from its list."""
@@ -204,16 +202,16 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_chan
 
   for number in sorted(mngr.all_steps(), reverse=True):
     # Checksums first: orbax reading a damaged state leaves tensorstore callbacks that print tracebacks later.
-    verdict, why = _on_every_host(functools.partial(_verdict, epath.Path(mngr.directory) / str(number)), VERDICTS,
+    judged, why = _on_every_host(functools.partial(verdict, epath.Path(mngr.directory) / str(number)), VERDICTS,
                                   f'verifying checkpoint {number}')
-    if verdict == 'unvouched':
+    if judged == 'unvouched':
       unvouched.append((number, why))
       continue
-    outcome, result = ('damaged', why) if verdict == 'damaged' else restore(number)
+    outcome, result = ('damaged', why) if judged == 'damaged' else restore(number)
     if outcome == 'ok':
       if why and jax.process_index() == 0:  # unchecked: its list is damaged
         print(f'warning: checkpoint {number} is restored unchecked: {why}', file=sys.stderr, flush=True)
-      trusted = 'is verified' if verdict == 'verified' else 'has a damaged list' if why else 'predates checksum lists'
+      trusted = 'is verified' if judged == 'verified' else 'has a damaged list' if why else 'predates checksum lists'
       for newer, reason in unvouched:
         _move_aside(mngr, workdir, newer, f'has no checksum list that vouches for it ({reason}) and checkpoint '
                     f'{number} {trusted}')
@@ -271,35 +269,6 @@ def run_dir(workdir) -> epath.Path:
   return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
 
 
-@contextlib.contextmanager
-def lm_run_on_mesh(workdir):
-  """(task, params, step, mesh) of an LM run's latest checkpoint, inside its mesh and logical axis rules: the
-  parameters only, each read straight into its sharding of training."""
-  config = read_config(workdir)
-  if config.task != 'lm':
-    raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
-  task = step.validate_config(config, num_devices=len(jax.devices()))
-  rules, mesh = task.config.logical_axis_rules, sharding.make_mesh(task.config.mesh)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), contextlib.closing(
-      ocp.CheckpointManager(run_dir(workdir) / 'checkpoints')) as mngr:
-    boxed = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
-    abstract = jax.eval_shape(nn.unbox, boxed)
-    item = {'params': jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                                   sharding.logical_shardings(boxed, mesh, rules))}
-    number = mngr.latest_step()
-    if number is None:
-      raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
-    verdict, why = _verdict(epath.Path(mngr.directory) / str(number))  # as resuming judges it
-    if verdict == 'damaged':
-      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {number} is damaged ({why}); resuming the run moves '
-                       'it aside and goes on from the one before')
-    if why:  # a damaged list, or none where its run writes them: the data may well be intact
-      print(f'warning: checkpoint {number} is read unchecked: {why}', file=sys.stderr, flush=True)
-    restored = mngr.restore(number, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
-    yield task, restored['state']['params'], number, mesh
-
-
 def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   """Refuses checkpoints trained with a config differing from config.json in a field not resumable, unless
   `allow_change`. Returns `record()`, which writes config.json and a config_history.jsonl line where new or changed;
@@ -334,11 +303,20 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
       if not _recorded(lines, entry):  # not where a kill came between the two writes of the run before
         write_text_atomic(history, lines + json.dumps(entry) + '\n')
       write_text_atomic(path, config.to_json_best_effort(indent=2))
-      designs.record_design_file(path, config)
+      _record_design_file(path, config)
   if number:
     return record
   record()  # no checkpoint that a restore could refuse: written now, before anything compiles
   return lambda: None
+
+
+def _record_design_file(path, config: ml_collections.ConfigDict) -> None:
+  """Adds designs.DESIGN_FILE, the file of the module of `config`'s design where outside the package, to the
+  config.json at `path` (written from `config`)."""
+  module = sys.modules.get(designs.outside_module(config))
+  if getattr(module, '__file__', None) is not None:
+    saved = {**json.loads(path.read_text()), designs.DESIGN_FILE: os.path.abspath(module.__file__)}
+    write_text_atomic(path, json.dumps(saved, indent=2))
 
 
 def _recorded(history: str, entry: dict) -> bool:
@@ -459,9 +437,7 @@ def save(mngr, number: int, state, train_iter, config) -> None:
       raise
     mngr.laurel_saves.failed = (number, e)
     return
-  mngr.laurel_saves.recorder = threading.Thread(target=_record_when_saved, args=(mngr, number),
-                                                name=f'laurel-checksums-{number}')
-  mngr.laurel_saves.recorder.start()
+  mngr.laurel_saves.recorder = process.start_thread(f'laurel-checksums-{number}', _record_when_saved, mngr, number)
 
 
 def check_room(mngr, workdir, abstract_state) -> None:

@@ -1,5 +1,5 @@
 """Joins this process to the rest of its run through JAX's cluster detection (docs/clusters.md). Where the environment
-names several processes and joining fails, the run ends with one line and JOIN_FAILED rather than train alone."""
+names several processes and joining fails, the run ends with one line and PEER_LOST rather than train alone."""
 
 import dataclasses
 import glob
@@ -15,14 +15,12 @@ import jax
 from absl import logging
 
 from laurel import config_lib
-from laurel.run import console
+from laurel.run import console, process
+from laurel.run.process import PEER_LOST, PREEMPTED  # noqa: F401  # exit statuses
 
-JOIN_FAILED = 4  # the launchers' retry policies know it: restart every process together
 JOIN_TIMEOUT_S = 300  # jax's own default
-PEER_LOST = JOIN_FAILED  # a process of the run died: restart every process together
 PEER_TIMEOUT_S = 20.0  # a peer silent this long is lost (jax waits for its 100 s heartbeat timeout, then aborts)
 PEER_BEAT_S = 2.0
-PREEMPTED = 42  # stopped with a checkpoint before it finished: xpk, JobSet and slurm_train.sbatch restart it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +95,7 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
       _initialize(found, timeout_s, **arguments)
   if found.processes is not None and jax.process_count() != found.processes:
     config_lib.fail(f'{found.source}: names {found.processes} processes, but jax joined {jax.process_count()} '
-                    f'(it found another environment); {found.fix}', code=JOIN_FAILED)
+                    f'(it found another environment); {found.fix}', code=PEER_LOST)
   if jax.process_count() > 1:
     from jax._src import distributed  # pylint: disable=import-outside-toplevel  # where jax keeps its client
     PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count()).start()
@@ -120,7 +118,7 @@ def _initialize(found: Environment, timeout_s: float, **arguments):
     print(f'error: {found.source}: {found.name} names {found.processes or "several"} processes, but they did not '
           f'all join within {timeout_s:g} s (coordinator {address}, waited {time.monotonic() - started:.0f} s); '
           f'{found.fix}', file=sys.stderr, flush=True)
-    os._exit(JOIN_FAILED)  # pylint: disable=protected-access  # the main thread is blocked in jax
+    os._exit(PEER_LOST)  # pylint: disable=protected-access  # the main thread is blocked in jax
 
   timer = threading.Timer(timeout_s, give_up)
   timer.daemon = True
@@ -138,9 +136,9 @@ def _initialize(found: Environment, timeout_s: float, **arguments):
       config_lib.fail(f'jax.distributed.initialize() failed ({reason}) on a TPU VM of a slice with '
                       f'{"an unknown number of" if hosts is None else hosts} hosts; not training alone, as every '
                       'host would train into the same workdir on its own. Start every host together, or pass '
-                      '--coordinator_address, --num_processes and --process_id', code=JOIN_FAILED)
+                      '--coordinator_address, --num_processes and --process_id', code=PEER_LOST)
     config_lib.fail(f'{found.source}: {found.name} names {found.processes or "several"} processes, but '
-                    f'jax.distributed.initialize() could not join them ({reason}); {found.fix}', code=JOIN_FAILED)
+                    f'jax.distributed.initialize() could not join them ({reason}); {found.fix}', code=PEER_LOST)
   finally:  # whatever ended the wait, the timer must not end the process later
     timer.cancel()
 
@@ -163,7 +161,7 @@ class PeerWatch:
   def start(self) -> 'PeerWatch':
     self._set('who', f'pid {os.getpid()} on host {socket.gethostname()}')
     PeerWatch.running = self
-    threading.Thread(target=self._watch, daemon=True, name='laurel-peers').start()
+    process.start_thread('laurel-peers', self._watch)
     return self
 
   def finish(self):

@@ -1,5 +1,5 @@
-"""What the command-line programs print, and how Ctrl-C stops them. Standard library only: laurel.main imports it
-before JAX and TensorFlow, so that Ctrl-C is handled while they load."""
+"""What the command-line programs print (laurel.run.process: how Ctrl-C stops them). Standard library only:
+laurel.main imports it before JAX and TensorFlow load."""
 
 import contextlib
 import glob
@@ -7,13 +7,11 @@ import importlib.util
 import os
 import shlex
 import shutil
-import signal
-import socket
 import sys
 import threading
 import time
 
-from laurel.run import gpu_workarounds
+from laurel.run import gpu_workarounds, process
 
 # Device files of a TPU (/dev/accel* up to v4, /dev/vfio/<n> from v5e) or a GPU (NVIDIA, AMD).
 ACCELERATOR_FILES = ('/dev/accel*', '/dev/vfio/[0-9]*', '/dev/nvidia[0-9]*', '/dev/kfd')
@@ -37,60 +35,6 @@ def quiet_start() -> None:
   jax = sys.modules.get('jax')
   if jax is not None and hasattr(jax, 'config') and not jax.config.jax_platforms:  # it read the environment already
     jax.config.update('jax_platforms', 'cpu')
-
-
-_interrupt = {'line': 'interrupted', 'deferred': 0, 'pending': None}
-_interrupt_lock = threading.RLock()  # re-entered when the handler runs in the main thread inside deferred()
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; a scheduler's or `kill`'s stop
-
-
-def _exit_interrupted(signum=signal.SIGINT, _=None):
-  with _interrupt_lock:
-    if _interrupt['deferred']:
-      _interrupt['pending'] = signum
-      return
-    line = _interrupt['line']
-    if signum == signal.SIGTERM:  # the same line, naming the signal
-      line = f'terminated (SIGTERM){line[line.index(":"):] if ":" in line else ""}'
-    os.write(2, f'{line}\n'.encode())  # no buffered stream: the main thread may be inside print()
-    os._exit(128 + signum)  # pylint: disable=protected-access  # no unwinding through XLA's and TensorFlow's threads
-
-
-def _watch_wakeups(reader: socket.socket, writer: socket.socket):
-  del writer  # kept alive with this thread: Python writes each caught signal's number to it
-  while received := reader.recv(64):
-    for signum in STOP_SIGNALS:
-      if signum in received and signal.getsignal(signum) is _exit_interrupted:
-        _exit_interrupted(signum)
-
-
-def exit_on_interrupt(line: str) -> None:
-  """From now on Ctrl-C prints `line` and exits 130 at once (SIGTERM: the line naming it, 143), until another handler
-  replaces this one. A thread woken through signal.set_wakeup_fd exits even during an XLA compile, where Python would
-  wait to run a handler; no KeyboardInterrupt unwinds through JAX (it crashed)."""
-  _interrupt['line'] = line
-  if signal.getsignal(signal.SIGINT) is _exit_interrupted:
-    return
-  for signum in STOP_SIGNALS:
-    signal.signal(signum, _exit_interrupted)
-  reader, writer = socket.socketpair()
-  writer.setblocking(False)
-  signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-  threading.Thread(target=_watch_wakeups, args=(reader, writer), daemon=True, name='laurel-ctrl-c').start()
-
-
-@contextlib.contextmanager
-def deferred():
-  """A Ctrl-C or SIGTERM (exit_on_interrupt) during this section exits when it ends: a file is never half written."""
-  with _interrupt_lock:
-    _interrupt['deferred'] += 1
-  try:
-    yield
-  finally:
-    with _interrupt_lock:
-      _interrupt['deferred'] -= 1
-      if _interrupt['pending'] is not None and not _interrupt['deferred']:
-        _exit_interrupted(_interrupt['pending'])
 
 
 def quiet_unless_first(process_index: int) -> None:
@@ -134,8 +78,7 @@ def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
     while not done.wait(every_s):
       say(f'  still {what} ({duration(time.perf_counter() - start)})')
 
-  thread = threading.Thread(target=heartbeat, daemon=True, name='laurel-heartbeat')
-  thread.start()
+  thread = process.start_thread('laurel-heartbeat', heartbeat)
   try:
     yield progress
   finally:

@@ -1,10 +1,19 @@
-"""What a run will cost, as the pre-flight states it: from the step's model FLOPs and either an assumed MFU (--mfu, a
-flag of laurel.main and scripts/launch_tpu.py) or the TPU compiler's roofline step time."""
+"""What a step and a run cost: a train step's FLOPs and bytes as XLA counts them (step_costs, step_flops), and a
+run's cost as the pre-flight states it, from the step's model FLOPs and either an assumed MFU (--mfu, a flag of
+laurel.main and scripts/launch_tpu.py) or the TPU compiler's roofline step time."""
 
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 from absl import flags
 
-from laurel.config_lib import InputError
+from laurel import cross_entropy, sharding
+from laurel.config_lib import DTYPES, InputError
 from laurel.run.console import duration
+from laurel.run.hardware import xla_costs
+from laurel.step import make_train_fns
 
 _MFU = flags.DEFINE_float(
     'mfu', None, 'With --compile_only (and the launcher\'s pre-flight): the model FLOPs utilisation, in (0, 1], '
@@ -38,3 +47,62 @@ def line(est: dict, unit: str) -> str:
           f"in {duration(est['wall_s'])} on {est['chips']} chip{'s' * (est['chips'] > 1)}: "
           f"{est['chip_hours']:.3g} chip-hours (estimated from {basis}; training steps only: not compiling, "
           'evaluation or checkpoints)')
+
+
+def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, float]:
+  """(FLOPs, bytes accessed) of one train step of `task`, from `costs_of(t)`, XLA's costs of the step of a task t
+  (per device of `mesh`). XLA counts a loop's body once, so: one micro-batch per step; a scanned layer stack at
+  scan_unroll 1 and 2, the difference added for every further layer (odd: all unrolled); the loss's chunks after the
+  first compiled alone, their costs by `lowered_costs(lowered)` where given (laurel.run.aot keeps them)."""
+  task = _with(task, scan_unroll=1)
+  totals = costs_of(task)
+  if not any(totals):  # the backend gives no count (a lowered step under the CUDA and TPU plug-ins): nor do we
+    return 0.0, 0.0
+  layers = getattr(task.model_cfg, 'num_layers', 1)
+  if getattr(task.model_cfg, 'scan_layers', False) and layers > 1:
+    if layers % 2:  # one iteration of every layer
+      totals = costs_of(_with(task, scan_unroll=layers))
+    else:
+      twice = costs_of(_with(task, scan_unroll=2))
+      totals = [c + (layers - 1) * (c2 - c) for c, c2 in zip(totals, twice)]
+  if task.config.task == 'lm':
+    totals = [c + extra for c, extra in zip(totals, _uncounted_loss_chunks(task.config, mesh, lowered_costs))]
+  return tuple(totals)
+
+
+def _with(task, scan_unroll: int):
+  """The task with one micro-batch per step and its layer scan (if any) unrolled `scan_unroll` times."""
+  config, model = task.config, task.model_cfg
+  if hasattr(model, 'scan_unroll'):
+    model = dataclasses.replace(model, scan_unroll=scan_unroll)
+  return type(task)(dataclasses.replace(config, model=model,
+                                        optimizer=dataclasses.replace(config.optimizer, grad_accum_steps=1)))
+
+
+def _uncounted_loss_chunks(config, mesh, lowered_costs=None) -> tuple[float, float]:
+  """(FLOPs, bytes) of the loss's chunks after the first, from one chunk compiled alone (`mesh` None: one device)."""
+  model = config.model
+  chunk = min(model.loss_chunk or config.data.seq_len, config.data.seq_len)
+  chunks = -(-config.data.seq_len // chunk)
+  if chunks == 1:
+    return 0.0, 0.0
+  dtype = DTYPES[model.dtype]
+  batch = None if mesh is None else sharding.batch_sharding(mesh)
+  kernel = jax.ShapeDtypeStruct((model.vocab_size, model.d_model), DTYPES[model.param_dtype],
+                                sharding=None if mesh is None else jax.sharding.NamedSharding(mesh, jax.P()))
+  shape = lambda *tail, dtype: jax.ShapeDtypeStruct((config.batch_size, chunk, *tail), dtype, sharding=batch)
+  grads = jax.grad(lambda x, w, t, m: cross_entropy.chunked(x, w, 'vd', t, m, chunk, dtype)[0], (0, 1))
+  lowered = jax.jit(grads).lower(shape(model.d_model, dtype=dtype), kernel, shape(dtype=jnp.int32),
+                                 shape(dtype=jnp.float32))
+  one = (lowered_costs or (lambda l: xla_costs(l.compile())))(lowered)
+  return tuple((chunks - 1) * c for c in one)
+
+
+def step_flops(task) -> float:
+  """FLOPs of one train step on the global batch, lowered for one device."""
+  def lowered_costs(t):
+    with nn.logical_axis_rules(t.config.logical_axis_rules):
+      _, init_state, train_step = make_train_fns(t)
+      abstract = jax.eval_shape(init_state, jax.random.key(0))
+      return xla_costs(jax.jit(train_step).lower(abstract, t.example_batch(t.config.batch_size)))
+  return step_costs(task, lowered_costs)[0]

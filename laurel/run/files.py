@@ -44,7 +44,6 @@ def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
       os.close(fd)
 
 
-WRITE_FAILED = 74  # exit status of a run whose write the storage refused (EX_IOERR)
 # A write that fails for one of these fails again until someone frees space or remounts: the environment, not a bug.
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 

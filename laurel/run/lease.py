@@ -15,13 +15,12 @@ import uuid
 
 from etils import epath
 
-from laurel.run import files
+from laurel.run import files, process
+from laurel.run.process import HELD, LOST  # noqa: F401  # exit statuses
 
 NAME = 'lease.json'
 HEARTBEAT_S = 10.0
 STALE_S = 60.0
-HELD = 5  # exit status: another live run holds the workdir; a rerun is refused again while it lives
-LOST = 6  # exit status: another run took the workdir over while this one ran; it stopped before writing again
 
 
 class Held(Exception):
@@ -112,7 +111,7 @@ class Lease:
     self.lost = None  # why, once the heartbeat found another holder
     self._writing = threading.Lock()  # one write at a time: a beat's older record never lands after a newer one
     self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._beat, name='laurel-lease', daemon=True)
+    self._thread = None
 
   def read(self) -> tuple[dict | None, str | None]:
     """(record, None); (None, None) where there is no lease; (None, why) where lease.json is no lease a run wrote.
@@ -139,7 +138,7 @@ class Lease:
     except OSError as e:  # a full disk, a read-only mount, no permission, a directory in the lease's place
       raise _input_error(f'{where}: {NAME} cannot be taken: {files.why(e)}'
                          + ('; it is a directory: remove it' if self.path.is_dir() else '')) from None
-    self._thread.start()
+    self._thread = process.start_thread('laurel-lease', self._beat)
     return self
 
   def _acquire(self):
@@ -264,7 +263,7 @@ class Lease:
   def release(self):
     """Ends the heartbeat and removes the lease where it is still this run's; never raises (a read-only workdir)."""
     self._stop.set()
-    if self._thread.is_alive():
+    if self._thread is not None and self._thread.is_alive():
       self._thread.join()
     try:
       if self._mine():

@@ -18,7 +18,8 @@ from absl import app, flags, logging
 from etils import epath
 
 from laurel import config_lib, data, sharding
-from laurel.run import checkpoint, compile_cache, console
+from laurel.run import compile_cache, console, process
+from laurel.serve import loader
 from laurel.config_lib import InputError
 from laurel.run.files import write_text_atomic
 
@@ -207,7 +208,7 @@ def check_task(task: str) -> None:
 
 def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_data_dir: str = ''):
   """Scores the run's latest checkpoint on each task, yielding each result once written to eval_<task name>.json."""
-  with checkpoint.lm_run_on_mesh(workdir) as (task, params, step, mesh):
+  with loader.lm_run_on_mesh(workdir) as (task, params, step, mesh):
     tokenizer = data.make_tokenizer(task.config.data)
     scorer = make_scorer(task, params, mesh, tokenizer, batch_size)
     for spec in tasks:
@@ -219,7 +220,7 @@ def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_
         items = tfds_items(spec, tfds_data_dir, max_items) if spec in TFDS_TASKS else jsonl_items(spec, max_items)
         result = choice_task(scorer, tokenizer, items)
       result = {'task': task_name(spec), 'spec': spec, 'checkpoint': step, **result}
-      with console.deferred():  # Ctrl-C never leaves half a file
+      with process.deferred():  # Ctrl-C never leaves half a file
         write_text_atomic(epath.Path(workdir) / f'eval_{result["task"]}.json', json.dumps(result, indent=2) + '\n')
       yield result
 
@@ -245,7 +246,7 @@ def command(main, required: list[str], interrupted: str):
         config_lib.fail(f'--{name} is required')
     run_main(main)
   console.quiet_start()
-  console.exit_on_interrupt(interrupted)
+  process.exit_on_interrupt(interrupted)
   app.run(checked_main)
 
 

@@ -15,7 +15,8 @@ import numpy as np
 from absl import flags
 
 from laurel import data, lm
-from laurel.run import checkpoint, hardware
+from laurel.run import hardware
+from laurel.serve import loader
 from laurel.serve import evaluate
 from laurel.config_lib import InputError
 
@@ -117,7 +118,7 @@ def main():
                         ('top_p', 0 < FLAGS.top_p <= 1, 'must be in (0, 1]')):
     if not ok:
       raise InputError(f'--{name}={FLAGS[name].value!r}: {why}')
-  with checkpoint.lm_run_on_mesh(FLAGS.workdir) as (task, params, step, _):
+  with loader.lm_run_on_mesh(FLAGS.workdir) as (task, params, step, _):
     tokenizer = data.make_tokenizer(task.config.data)
     longest = max(len(tokenizer.encode(p)) for p in FLAGS.prompt) + FLAGS.max_new_tokens
     if longest > task.config.data.seq_len:  # positions it never trained on: seconds a token, text of no use

@@ -18,7 +18,7 @@ except ImportError as e:
   raise ImportError("laurel.serve.harness needs lm-evaluation-harness: pip install -e '.[lm_eval]'") from e
 
 from laurel import data
-from laurel.run import checkpoint
+from laurel.serve import loader
 from laurel.serve import evaluate, generate
 from laurel.config_lib import InputError
 
@@ -44,7 +44,7 @@ class LaurelLM(LM):
       batch_size = AUTO_BATCH_SIZE
     elif not str(batch_size).isdigit() or int(batch_size) < 1:
       raise InputError(f'--batch_size={batch_size!r}: a positive integer or auto')
-    with checkpoint.lm_run_on_mesh(workdir) as (task, params, step, mesh):
+    with loader.lm_run_on_mesh(workdir) as (task, params, step, mesh):
       self.tokenizer = data.make_tokenizer(task.config.data)
       self._scorer = evaluate.make_scorer(task, params, mesh, self.tokenizer, int(batch_size))
     self.workdir, self.step, self.seq_len, self.batch_size = workdir, step, task.config.data.seq_len, int(batch_size)

@@ -56,8 +56,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # pylint: disable=wrong-import-position  # puts the repo root on sys.path
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from laurel import train  # pylint: disable=wrong-import-position
-from laurel.run import cluster, files, lease
+from laurel.run import cluster, files, lease, process
 
 ROOT = common.ROOT
 _OUT = flags.DEFINE_string('out', 'runs/run_safety_trial', 'Folder of the trial\'s runs and its cases_*.jsonl.')
@@ -89,9 +88,9 @@ NOISE = ('Event loop is closed', 'Traceback')
 BAD_INPUT = 2
 PREEMPTED = cluster.PREEMPTED  # stopped before it finished, under a scheduler
 HELD = lease.HELD  # another live run holds the workdir
-PEER_LOST = cluster.JOIN_FAILED  # a process of the run died (the join's status: restart them all)
+PEER_LOST = cluster.PEER_LOST  # a process of the run died (the join's status: restart them all)
 FENCED = lease.LOST  # the run found its lease taken: it stops before writing
-SAVE_FAILED = train.DIVERGED  # a checkpoint could not be written: a rerun would repeat it
+SAVE_FAILED = process.DIVERGED  # a checkpoint could not be written: a rerun would repeat it
 CLUSTER_VARIABLES = ('SLURM_', 'OMPI_', 'PMIX_', 'JOB_COMPLETION_INDEX', 'KUBERNETES_SERVICE_HOST', 'JAX_COORDINATOR')
 
 
@@ -320,7 +319,7 @@ def orbax_tmp(workdir: pathlib.Path) -> None:
 
 
 POISON = """import sys, jax, numpy as np
-from laurel import main, train
+from laurel import main
 from laurel.run import checkpoint
 compile_step = train.compile_step
 class Poisoning:  # the step's first call returns a NaN state and the finite loss of the state it was given

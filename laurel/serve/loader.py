@@ -1,0 +1,43 @@
+"""A trained LM run for sampling and scoring: its latest checkpoint's parameters, each read straight into its
+sharding of training, judged as resuming judges a checkpoint."""
+
+import contextlib
+import sys
+
+import flax.linen as nn
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from laurel import sharding, step
+from laurel.config_lib import InputError
+from laurel.run import checkpoint
+
+
+@contextlib.contextmanager
+def lm_run_on_mesh(workdir):
+  """(task, params, step, mesh) of an LM run's latest checkpoint, inside its mesh and logical axis rules: the
+  parameters only, each read straight into its sharding of training."""
+  config = checkpoint.read_config(workdir)
+  if config.task != 'lm':
+    raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
+  task = step.validate_config(config, num_devices=len(jax.devices()))
+  rules, mesh = task.config.logical_axis_rules, sharding.make_mesh(task.config.mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), contextlib.closing(
+      ocp.CheckpointManager(checkpoint.run_dir(workdir) / 'checkpoints')) as mngr:
+    boxed = jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params']
+    abstract = jax.eval_shape(nn.unbox, boxed)
+    item = {'params': jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                   sharding.logical_shardings(boxed, mesh, rules))}
+    number = mngr.latest_step()
+    if number is None:
+      raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
+    verdict, why = checkpoint.verdict(epath.Path(mngr.directory) / str(number))  # as resuming judges it
+    if verdict == 'damaged':
+      raise InputError(f'--workdir={str(workdir)!r}: checkpoint {number} is damaged ({why}); resuming the run moves '
+                       'it aside and goes on from the one before')
+    if why:  # a damaged list, or none where its run writes them: the data may well be intact
+      print(f'warning: checkpoint {number} is read unchecked: {why}', file=sys.stderr, flush=True)
+    restored = mngr.restore(number, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+    yield task, restored['state']['params'], number, mesh

@@ -1,0 +1,85 @@
+"""The house's one rule, read from the import graph of laurel/ (every import, lazy ones included): the research core
+at the top, laurel.run (what runs a job) and laurel.serve (what uses a trained run) as its wings."""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'laurel'
+DESIGNS_MAY_IMPORT = ('laurel.designs', 'laurel.config_lib', 'laurel.sharding')
+CORE_WITH_A_DOOR_TO_RUN = ('laurel.train', 'laurel.main')  # the loop and the entry point
+
+
+def module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(PACKAGE.parent).with_suffix('').parts
+  return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob('*.py'))}
+
+
+def imports(path: pathlib.Path) -> set[str]:
+  """The laurel modules a file imports anywhere in it (`from laurel import x` is laurel.x where that is a module)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.startswith('laurel')}
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or '').startswith('laurel'):
+      found |= {f'{node.module}.{a.name}' if f'{node.module}.{a.name}' in MODULES else node.module for a in node.names}
+  return found
+
+
+def in_wing(module: str, wing: str) -> bool:
+  return module == f'laurel.{wing}' or module.startswith(f'laurel.{wing}.')
+
+
+def core(module: str) -> bool:
+  return not in_wing(module, 'run') and not in_wing(module, 'serve')
+
+
+def test_the_graph_is_read():  # the rules below hold for a reason, not because nothing was found
+  assert {'laurel.train', 'laurel.designs.laurel', 'laurel.run.checkpoint', 'laurel.serve.generate'} <= set(MODULES)
+  assert 'laurel.run.checkpoint' in imports(MODULES['laurel.train'])
+  assert 'laurel.designs.protocol' in imports(MODULES['laurel.designs.laurel'])
+
+
+@pytest.mark.parametrize('module', [m for m in MODULES if m.startswith('laurel.designs')])
+def test_a_design_imports_only_designs_the_config_and_sharding(module):
+  outside = {m for m in imports(MODULES[module]) if not m.startswith(DESIGNS_MAY_IMPORT)}
+  assert not outside, f'{module} imports {sorted(outside)}'
+
+
+@pytest.mark.parametrize('module', [m for m in MODULES if core(m) and m not in CORE_WITH_A_DOOR_TO_RUN])
+def test_of_the_core_only_the_loop_and_the_entry_point_import_the_run_wing(module):
+  wings = {m for m in imports(MODULES[module]) if not core(m)}
+  assert not wings, f'{module} imports {sorted(wings)}'
+
+
+@pytest.mark.parametrize('module', [m for m in MODULES if not in_wing(m, 'serve')])
+def test_nothing_in_the_core_or_the_run_wing_imports_the_serve_wing(module):
+  serve = {m for m in imports(MODULES[module]) if in_wing(m, 'serve')}
+  assert not serve, f'{module} imports {sorted(serve)}'
+
+
+def test_no_import_cycle():  # lazy imports included: one inside a function only hides a cycle
+  graph = {m: {i for i in imports(p) if i in MODULES and i != m} for m, p in MODULES.items()}
+  for package in [m for m, p in MODULES.items() if p.name == '__init__.py']:  # a package's modules load it first
+    for member in MODULES:
+      if member.startswith(package + '.'):
+        graph[member].discard(package)
+  cycles, state = [], {}
+
+  def visit(module, path):
+    state[module] = 'open'
+    for imported in sorted(graph[module]):
+      if state.get(imported) == 'open':
+        cycles.append(path[path.index(imported):] + [imported])
+      elif imported not in state:
+        visit(imported, path + [imported])
+    state[module] = 'done'
+
+  for module in sorted(graph):
+    if module not in state:
+      visit(module, [module])
+  assert not cycles, ' ; '.join(' -> '.join(c) for c in cycles)
