@@ -281,7 +281,7 @@ class Block(nn.Module):
     sublayers = self.sublayers(attn_f, lambda x, xn, scale: mlp(xn, scale, pick('mlp_')))
     for t, (name, part) in enumerate(designs.layer_sites(design, spec)):
       f, norm_in, norm_out = sublayers[part]
-      site = (designs.PlainSite if name is None else design.site)(
+      site = (designs.ResidualSite if name is None else design.site)(
           spec, cfg.d_model, t, cfg.sites_per_layer, DTYPES[cfg.param_dtype], decode=self.decode, name=name)
       stream = site(stream, f, norm_in, norm_out, chain_l)
     return (stream, values), None

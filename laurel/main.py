@@ -22,6 +22,7 @@ if __name__ == '__main__':  # quiet and interruptible while JAX and TensorFlow l
   console.quiet_start()
   process.exit_on_interrupt(INTERRUPTED)
 
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging as logging_std  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
@@ -67,17 +68,18 @@ def main(argv):
   if _TOPOLOGY.value and not _COMPILE_ONLY.value:
     config_lib.fail(f'--topology={_TOPOLOGY.value}: only with --compile_only (a run uses the devices it finds)')
   try:
-    for warning in step.check_overrides(_CONFIG.value, config_flags.get_config_filename(flags.FLAGS['config']),
+    config = step.build_config(_CONFIG.value)  # the one conversion: all that follows sees the typed config
+    for warning in step.check_overrides(config, config_flags.get_config_filename(flags.FLAGS['config']),
                                          config_flags.get_override_values(flags.FLAGS['config'])):
       print(warning, file=sys.stderr, flush=True)
-    if _PRINT_CONFIG.value:
-      step.validate_config(_CONFIG.value)
-      print(_CONFIG.value.to_json_best_effort(indent=2, sort_keys=True))
+    if _PRINT_CONFIG.value:  # as config.json holds it: the chosen design's section alone
+      step.validate_config(config)
+      print(json.dumps(config_lib.to_dict(config), indent=2, sort_keys=True))
       return
     compile_cache.setup()  # before anything compiles (--compilation_cache)
     if _COMPILE_ONLY.value:  # before anything starts a backend or touches a workdir
       aot.compile_only_process()
-      print(aot.preflight(_CONFIG.value, _TOPOLOGY.value), flush=True)
+      print(aot.preflight(config, _TOPOLOGY.value), flush=True)
       return
   except config_lib.InputError as e:
     config_lib.fail(str(e))
@@ -88,7 +90,7 @@ def main(argv):
   # Joins the run's other processes where the flags or the environment name them (before any backend starts).
   cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _JOIN_TIMEOUT.value)
   try:  # only bad input is one line (exit 2); anything else keeps its traceback (exit 1)
-    final = train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
+    final = train.train(config, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
                         allow_fresh_start=_ALLOW_FRESH_START.value, hold_lease=True)
   except lease.Held as e:  # another run trains in this workdir
     config_lib.fail(str(e), code=process.HELD)

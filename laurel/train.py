@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from etils import epath
 
-from laurel import sharding
-from laurel.config_lib import InputError
+from laurel import designs, sharding
+from laurel.config_lib import InputError, to_dict
 from laurel.run import checkpoint, checksums, console, hardware, lease, metric_writers, process
 from laurel.run.checkpoint import run_dir
 from laurel.run.files import remove_temporaries, utc, write_text_atomic
@@ -67,7 +67,8 @@ def local_dataset(task, *, train: bool):
 
 def train(config, workdir: str, devices=None, allow_config_change: bool = False, allow_fresh_start: bool = False,
           hold_lease: bool = False) -> dict:
-  """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Bad input is refused before
+  """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. `config` is typed
+  (step.TrainConfig) or a ConfigDict, built here: the loop sees the typed one. Bad input is refused before
   anything compiles. Where every checkpoint was unreadable it starts from step 0 only if `allow_fresh_start`. With
   `hold_lease` process 0 holds WORKDIR/lease.json throughout."""
   started = time.perf_counter()
@@ -80,38 +81,35 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
     if held is not None:  # this run alone writes the workdir: temporaries of writes a kill cut short go
       remove_temporaries(workdir, RUN_FILES)
       checksums.remove_list_temporaries(workdir / 'checkpoints')
-    return _train_checked(config, task, workdir, devices, allow_config_change, allow_fresh_start, started,
+    return _train_checked(task, workdir, devices, allow_config_change, allow_fresh_start, started,
                           lease.fence(held, nproc))
 
 
 RUN_FILES = (lease.NAME, 'config.json', 'config_history.jsonl', 'metrics.jsonl', 'final.json')
 
 
-def config_line(config, cfg, workdir: epath.Path) -> str:
-  """A run's first line: its config.json and what it trains (the ConfigDict `config`, typed `cfg`)."""
-  design = design_label(cfg.model.stream, config.model.stream.design)
-  return (f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, design {design}, '
-          f'preset {cfg.preset or "-"}, {cfg.steps} steps)')
+def config_line(cfg, workdir: epath.Path) -> str:
+  """A run's first line: its config.json and what it trains."""
+  return (f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, design '
+          f'{design_label(cfg.model.stream)}, preset {cfg.preset or "-"}, {cfg.steps} steps)')
 
 
-def design_label(spec, name: str) -> str:
-  """The residual design of a model's `stream` config `spec` (named `name` in the config): 'laurel rw+lr r=8'."""
-  if spec.design != 'residual':
-    return name
-  if spec.variant == 'none':
-    return 'residual'
+def design_label(spec) -> str:
+  """The residual design of a model's `stream` config `spec`: 'laurel rw+lr r=8', 'residual', 'hc'."""
+  if spec.design != 'laurel':
+    return designs.qualified_name(spec)
   details = [f'r={spec.rank}'] * spec.low_rank + [f'k={spec.k}'] * spec.pa
   return ' '.join(['laurel', spec.variant, *details, *[f'form={spec.form}'] * (spec.form != 'paper')])
 
 
-def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
+def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
                    started: float, fence=lease.fence(None)) -> dict:
-  cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
+  cfg = task.config
   check_fits_host(task)  # before anything is written or compiled: compiling alone can exhaust the host
   fence()  # each write of a run file or checkpoint is fenced: it stops where another run took the workdir over
-  record_config = checkpoint.guard_config(config, workdir, allow_config_change)
-  print(config_line(config, cfg, workdir), flush=True)
-  canonical = json.dumps(json.loads(config.to_json_best_effort()), sort_keys=True)
+  record_config = checkpoint.guard_config(cfg, workdir, allow_config_change)
+  print(config_line(cfg, workdir), flush=True)
+  canonical = json.dumps(to_dict(cfg), sort_keys=True)
   info = {'commit': code_commit(), 'config_hash': hashlib.sha256(canonical.encode()).hexdigest()[:16],
           'started_at': utc()}  # what identifies the run
   mesh, nproc = sharding.make_mesh(cfg.mesh, devices), jax.process_count()
@@ -126,7 +124,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
     cleanup.callback(checkpoint.close, mngr)
     with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
-      state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter,
+      state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, cfg, abstract_state, train_iter,
                                                             allow_change=allow_config_change)
     if state is None and (quarantined := checkpoint.quarantined_steps(workdir)) and not allow_fresh_start:
       raise InputError(f'--workdir={os.fspath(workdir)!r}: no readable checkpoint: step'
@@ -157,7 +155,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     model_flops = task.model_flops(cfg.batch_size) if peak_flops else 0
     keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
     with process.deferred():  # it rewrites metrics.jsonl
-      log = MetricsLog(workdir, config, start, info, keep_later_steps=keep, fence=fence)
+      log = MetricsLog(workdir, cfg, start, info, keep_later_steps=keep, fence=fence)
     cleanup.callback(log.writer.close)
     where = f'process {jax.process_index()} of {nproc} on host {socket.gethostname()}'
     watchdog = process.Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, where, log.writer.flush)
@@ -244,7 +242,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       if done % cfg.checkpoint_every == 0 or last or stop:
         check_finite(*pending, saving=state)
         fence(every_process=True)
-        checkpoint.save(mngr, done, state, train_iter, config)
+        checkpoint.save(mngr, done, state, train_iter, cfg)
       stop_if_a_save_failed()
       if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
         t0, interval_start = time.time(), done  # steps only: not the logging, eval and saving

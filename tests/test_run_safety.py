@@ -2,6 +2,7 @@
 moved aside only for damage, bad input told apart from bugs, a resume past a torn log and on a filesystem without
 appends, no-op fields refused, resuming from the saved config, inference that reads only the sharded parameters, and
 a watchdog for hung steps."""
+import dataclasses
 import json
 import pathlib
 import re
@@ -19,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, cli_env, fake_gcs_env, load_config, losses, run_cli, run_python,
-                     tree_snapshot)
+                     tree_snapshot, typed_config)
 from laurel import config_lib, data, step, train
 from laurel.run import checkpoint, metrics_log, preflight, process
 from laurel.serve import loader
@@ -86,7 +87,7 @@ def _restore_args(workdir):
   _, init_state, _ = step.make_train_fns(task)
   abstract = jax.eval_shape(init_state, jax.random.key(0))
   mngr = ocp.CheckpointManager(workdir / 'checkpoints')
-  return mngr, checkpoint.run_dir(workdir), config, abstract, iter(train.local_dataset(task, train=True))
+  return mngr, checkpoint.run_dir(workdir), task.config, abstract, iter(train.local_dataset(task, train=True))
 
 
 def _renamed(abstract):
@@ -183,8 +184,7 @@ def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
   rows = [{'step': s, 'loss': 1.0 / s} for s in (1, 2, 3)]
   text = ''.join(json.dumps(r) + '\n' for r in rows)
   (tmp_path / 'metrics.jsonl').write_text(text + text.splitlines()[-1][:9])  # killed mid-write of a 4th line
-  config = load_config(SPEC, TINY_LM)
-  log = metrics_log.MetricsLog(tmp_path, config, resume_step=2, info={})  # what a resume from checkpoint 2 opens
+  log = metrics_log.MetricsLog(tmp_path, typed_config(SPEC, TINY_LM), resume_step=2, info={})  # a resume from 2
   log.write(3, {'loss': 0.25})
   log.writer.close()
   assert 'metrics.jsonl: dropped line 4, not a JSON object with a step' in capsys.readouterr().err
@@ -193,8 +193,8 @@ def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_metrics_log_never_appends_on_gcs(tmp_path):
-  code = ('import json, ml_collections\nfrom etils import epath\nfrom laurel.run import metrics_log\n'
-          'config = ml_collections.ConfigDict({"tensorboard": False, "wandb": {"project": None}})\n'
+  code = ('import json\nfrom etils import epath\nfrom laurel import step\nfrom laurel.run import metrics_log\n'
+          'config = step.TrainConfig(tensorboard=False)\n'
           'for resume, steps in ((0, (1, 2)), (2, (3,))):\n'
           '  log = metrics_log.MetricsLog(epath.Path("gs://bucket/run"), config, resume, {})\n'
           '  for s in steps: log.write(s, {"loss": 1.0 / s})\n'
@@ -230,12 +230,12 @@ def test_the_metrics_log_never_appends_on_gcs(tmp_path):
     ('c4_ablation:rw,preset=tiny', 'data.vocab_path', '/sp.model', "data.name='text' is byte-level"),
 ])
 def test_overrides_that_change_nothing_are_refused(spec, field, value, why):
-  config = config_lib.load(spec, [f'{field}={value}'])
+  config = step.build_config(config_lib.load(spec, [f'{field}={value}']))
   if why is None:  # a field this row uses
-    assert step.check_overrides(config, config_lib.resolve_spec(spec), [field]) == []
+    assert step.check_overrides(config, config_lib.resolve_spec(spec), {field: value}) == []
     return
   with pytest.raises(config_lib.InputError, match=re.escape(f'{field}={value!r}: changes nothing: {why}')):
-    step.check_overrides(config, config_lib.resolve_spec(spec), [field])
+    step.check_overrides(config, config_lib.resolve_spec(spec), {field: value})
 
 
 @pytest.mark.slow
@@ -294,7 +294,7 @@ def test_resume_from_the_saved_config_in_one_command(run_with_three_checkpoints,
   assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)' in result.stdout
   assert 'resumed from checkpoint 9' in result.stdout and max(losses(workdir)) == 10
   saved = json.loads((workdir / 'config.json').read_text())
-  assert json.loads(config_lib.load(str(workdir / 'config.json')).to_json_best_effort()) == saved
+  assert config_lib.to_dict(step.build_config(config_lib.load(str(workdir / 'config.json')))) == saved
 
 
 # 7. Inference reads the parameters only, into their shardings, and passes them to its programs as arguments.
@@ -434,8 +434,8 @@ def test_the_watchdog_counts_no_stall_while_the_process_was_stopped(monkeypatch)
 def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_another(tmp_path):
   """A field added since a run was saved (absent from its config.json and its checkpoint's signature) trained at
   its default: resuming at the default is no change; at another value it is refused, naming the default."""
-  config = load_config('configs/c4_ablation.py:baseline_24,preset=tiny', TINY_LM)
-  saved = json.loads(config.to_json_best_effort())
+  config = typed_config('configs/c4_ablation.py:baseline_24,preset=tiny', TINY_LM)
+  saved = config_lib.to_dict(config)
   del saved['model']['attention_scores'], saved['optimizer']['min_lr_ratio']
   (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
   (tmp_path / 'config.json').write_text(json.dumps(saved))
@@ -443,7 +443,7 @@ def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_an
   assert checkpoint.config_changes(saved, config) == ({}, [])
 
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  config.model.attention_scores = 'bfloat16'
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_scores='bfloat16'))
   assert checkpoint.config_changes(saved, config)[1] == ['model.attention_scores']
   with pytest.raises(config_lib.InputError, match=r"model\.attention_scores='float32' \(now 'bfloat16'\)"):
     checkpoint.guard_config(config, tmp_path)

@@ -1,7 +1,6 @@
 """The residual-design protocol (`Design`, `Site`, `Chain`) and the registry; laurel.designs re-exports it."""
 
 import dataclasses
-import json
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -60,21 +59,16 @@ class Site(nn.Module):
     return norm_in(q), norm('norm_key', k), norm('norm_value', v)
 
 
-class PlainSite(Site):
-  """x + f(x) around a sublayer the design leaves alone (Gemma 3n's MLP); the rest of the carry passes on."""
+class ResidualSite(Site):
+  """x + f(x) (He et al., arXiv 1512.03385): design 'residual', and the plain residual around a sublayer a design
+  leaves alone (Gemma 3n's MLP; the rest of its carry passes on). In f's dtype where wider (post-norm's f = block(x)
+  − x in float32, which x + f(x) then undoes exactly), rounded to x's once."""
 
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
-    x, *rest = carry
-    return (norm_out(x + fn(x, norm_in(x), None)), *rest)
-
-
-class ResidualSite(Site):
-  """Design 'residual', the plain x + f(x) (He et al., arXiv 1512.03385): in f's dtype where wider (post-norm's f =
-  block(x) − x in float32, which x + f(x) then undoes exactly), rounded to x's once."""
-
-  def __call__(self, x, fn, norm_in, norm_out, chain_l):
+    x, *rest = carry if isinstance(carry, tuple) else (carry,)
     fx = fn(x, norm_in(x), None)
-    return nn.with_logical_constraint(norm_out((x.astype(jnp.result_type(x, fx)) + fx).astype(x.dtype)), self.axes)
+    x = nn.with_logical_constraint(norm_out((x.astype(jnp.result_type(x, fx)) + fx).astype(x.dtype)), self.axes)
+    return (x, *rest) if isinstance(carry, tuple) else x
 
 
 class Chain(nn.Module):
@@ -139,46 +133,6 @@ def lookup(name: str, field_name: str = 'model.stream.design') -> Design:
   require(short in REGISTRY, field_name, name,
           f"must be one of {', '.join(REGISTRY)}, or 'module:name' of a design that module registers")
   return REGISTRY[short]
-
-
-# A run's config.json records the file of a design from outside the package (not a config field), so that later
-# commands (--config=WORKDIR, sampling, evaluating) import it without PYTHONPATH.
-DESIGN_FILE = 'design_file'
-
-
-def outside_module(config) -> str:
-  """The module of the design of a config (ConfigDict or dict) named 'module:name', else ''."""
-  name = ((config.get('model') or {}).get('stream') or {}).get('design', '')
-  return name.rpartition(':')[0] if isinstance(name, str) else ''
-
-
-def read_config_json(text: str, import_design: bool = True) -> dict:
-  """config.json's config, upgraded; with `import_design` its design's module imported (from the recorded file if
-  need be)."""
-  saved = json.loads(text)
-  recorded_file = saved.pop(DESIGN_FILE, None)
-  if (module := outside_module(saved)) and import_design:
-    import_module_of(module, 'model.stream.design', saved['model']['stream']['design'], recorded_file)
-  return upgrade(saved)
-
-
-def upgrade(saved: dict) -> dict:
-  """A saved config (config.json's, a checkpoint's signature) in today's shape, the selected design's section alone.
-  Runs saved before held every design's section; LAuReL was design 'residual' (its variant 'none' the plain
-  residual); before that every design's fields were in `model.stream`."""
-  model = saved.get('model')
-  stream = dict(model.get('stream') or {}) if isinstance(model, dict) else {}
-  name = stream.pop('design', None)
-  if isinstance(name, str) and name == 'residual' and 'laurel' in model:
-    name = 'residual' if model['laurel'].get('variant', 'none') == 'none' else 'laurel'
-  design = REGISTRY.get(name.rpartition(':')[2]) if isinstance(name, str) else None
-  if design is None:  # no design a build would take: left for it to name
-    return saved
-  own = {f.name for f in dataclasses.fields(design.config)}
-  model = {k: v for k, v in model.items() if k not in {d.section for d in REGISTRY.values()} - {design.section}}
-  if stream:
-    model.setdefault(design.section, {k: v for k, v in stream.items() if k in own})
-  return {**saved, 'model': {**model, 'stream': {'design': name}}}
 
 
 def StreamSpec(design: str = 'residual', **fields):  # pylint: disable=invalid-name  # tests/reference.py's name

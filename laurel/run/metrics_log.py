@@ -43,7 +43,7 @@ class MetricsLog:
       if ''.join(self.lines) != text:
         fence()
         write_text_atomic(self.path, ''.join(self.lines))
-    flat = flax.traverse_util.flatten_dict(config.to_dict(), sep='.')
+    flat = flax.traverse_util.flatten_dict(config_lib.to_dict(config), sep='.')  # the typed config, as config.json
     self.writer = metric_writers.create(workdir, config, flat, self.active, resumed=resume_step > 0)
 
   def write(self, step: int, values: dict):
