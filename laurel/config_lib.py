@@ -92,8 +92,8 @@ def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
 def to_dict(config) -> dict:
   """A typed config in JSON's types (tuples as lists), a model's residual design as `stream.design` and that design's
   section alone: what config.json, a checkpoint's config signature, the config hash and --print_config hold."""
-  plain = lambda v: to_dict(v) if dataclasses.is_dataclass(v) else list(map(plain, v)) if isinstance(
-      v, (tuple, list)) else v
+  plain = lambda v: (to_dict(v) if dataclasses.is_dataclass(v) else list(map(plain, v)) if isinstance(v, (tuple, list))
+                     else v)
   out = {}
   for f in dataclasses.fields(config):
     value = getattr(config, f.name)

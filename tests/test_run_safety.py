@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, cli_env, fake_gcs_env, load_config, losses, run_cli, run_python,
                      tree_snapshot, typed_config)
-from laurel import config_lib, data, step, train
-from laurel.run import checkpoint, metrics_log, preflight, process
+from laurel import config_lib, data, designs, step, train
+from laurel.designs import StreamSpec
+from laurel.run import checkpoint, checksums, metrics_log, preflight, process, saved_config
 from laurel.serve import loader
 from laurel.serve import evaluate, generate
 
@@ -295,6 +296,55 @@ def test_resume_from_the_saved_config_in_one_command(run_with_three_checkpoints,
   assert 'resumed from checkpoint 9' in result.stdout and max(losses(workdir)) == 10
   saved = json.loads((workdir / 'config.json').read_text())
   assert config_lib.to_dict(step.build_config(config_lib.load(str(workdir / 'config.json')))) == saved
+
+
+def _in_the_old_shape(saved: dict) -> dict:
+  """A saved config (config.json's, a checkpoint's signature) as code before issue 52 wrote it: every design's section
+  at its defaults, and LAuReL as design 'residual' with `laurel.variant` ('none' for the plain residual)."""
+  model = saved['model']
+  every = {d.section: config_lib.to_dict(d.config()) for d in designs.REGISTRY.values()
+           if dataclasses.fields(d.config)}
+  laurel = model.get('laurel', {**every['laurel'], 'variant': 'none'})
+  return {**saved, 'model': {**model, **every, 'stream': {'design': 'residual'}, 'laurel': laurel}}
+
+
+@pytest.mark.parametrize('row', ['baseline_24', 'rw_lr_pa'])
+def test_a_signature_in_the_old_shape_is_no_change_of_config(row):
+  config = typed_config(f'configs/c4_ablation.py:{row},preset=tiny', TINY_LM)
+  old = _in_the_old_shape(config_lib.to_dict(config))
+  assert {'laurel', 'hc', 'mhc', 'denseformer', 'dca_k'} <= set(old['model'])  # every design's section
+  assert checkpoint.config_changes(old, config) == ({}, [])
+  assert saved_config.upgrade(old) == config_lib.to_dict(config)
+
+
+@pytest.mark.slow
+def test_a_run_saved_in_the_old_shape_loads_for_sampling_and_resumes(run_with_three_checkpoints, tmp_path):
+  """A run saved before LAuReL was a design of its own name (issue 52): config.json and every checkpoint's config
+  signature hold every design's section and design 'residual' with `laurel.variant`. Made here from a run of today's
+  code, rewritten so; its parameter names are LAuReL's as ever. It loads for sampling and --config=WORKDIR, and
+  resumes in one command with no refusal."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(run_with_three_checkpoints, workdir)
+  path = workdir / 'config.json'
+  path.write_text(json.dumps(_in_the_old_shape(json.loads(path.read_text())), indent=2))
+  for step_dir in (workdir / 'checkpoints').iterdir():
+    signature = step_dir / 'config' / 'metadata'
+    signature.write_text(json.dumps(_in_the_old_shape(json.loads(signature.read_text()))))
+    checksums.record(step_dir)  # its list vouches for the rewritten signature, as the old run's did
+  assert json.loads(path.read_text())['model']['hc'] == {'expansion': 4, 'hc_dynamic': False}
+
+  config = step.build_config(config_lib.load(str(workdir)))  # --config=WORKDIR
+  assert config.model.stream == StreamSpec('laurel', variant='rw+lr+pa', rank=8, k=3)
+  with loader.lm_run_on_mesh(workdir) as (task, params, number, _):  # what sampling and scoring read
+    assert number == 9 and task.config == config and 'laurel_rw' in params
+  result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={workdir}', f'--workdir={workdir}',
+                           '--config.steps=10'], env=cli_env(), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)\n' in result.stdout
+  assert 'design laurel rw+lr+pa r=8 k=3' in result.stdout and 'resumed from checkpoint 9' in result.stdout
+  saved = json.loads(path.read_text())  # rewritten as the resumed run's: today's shape
+  assert saved['model']['stream'] == {'design': 'laurel'} and 'hc' not in saved['model'] and max(losses(workdir)) == 10
 
 
 # 7. Inference reads the parameters only, into their shardings, and passes them to its programs as arguments.
