@@ -150,7 +150,7 @@ def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool
 
     num_params = task.num_params(abstract_state.params)
     peak_memory = hardware.peak_memory_bytes(compiled)
-    peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind)
+    peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind, 0) * jax.device_count()
     # MFU from the model's FLOPs; 0 where the backend counts none (a ResNet under the CUDA and TPU plug-ins): no MFU.
     model_flops = task.model_flops(cfg.batch_size) if peak_flops else 0
     keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
@@ -230,7 +230,7 @@ def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool
         row, interval = interval_mean(jax.device_get(interval)), []
         row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
                    peak_memory_bytes=peak_memory, params=num_params,
-                   **({'mfu': model_flops / dt / (peak_flops * jax.device_count())} if model_flops > 0 else {}))
+                   **({'mfu': hardware.utilisation(model_flops, dt, peak_flops)} if model_flops > 0 else {}))
         if 'peak_bytes_in_use' in (stats := jax.local_devices()[0].memory_stats() or {}):
           row['device_peak_bytes'] = stats['peak_bytes_in_use']
         log.write(done, row)

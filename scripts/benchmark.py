@@ -162,7 +162,7 @@ def measure(configs, mesh, cpu: bool, profiles: dict) -> list[dict]:
     with jax.set_mesh(mesh):
       rows[name] = {'step': compiled, 'state': init_state(jax.random.key(c.seed)), **facts,
                     'flops_per_step': cost.step_flops(task), 'model_flops_per_step': task.model_flops(c.batch_size),
-                    'xla_flops_compiled': hardware.xla_flops(compiled) * n}
+                    'xla_flops_compiled': hardware.xla_costs(compiled)[0] * n}
     batch = batch if batch is not None else step_profile.synthetic_batch(task, c, mesh)
     print(f"compiled {name}: {facts['compile_s']:.1f}s, {facts['params']:,} params, peak memory "
           f"{facts['peak_memory_bytes'] / 2**20:,.1f} MiB", flush=True)

@@ -34,8 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
 from laurel import config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.run import files, stats
-from laurel.run import lease  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.run import files, process, stats
 from laurel.run.hardware import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
@@ -330,7 +329,7 @@ def run_points(points: list[dict], log_name: str, command, after=lambda: None, b
     if proc.returncode and not stop:
       if (point_dir / 'final.json').exists():
         print(f'{tag} finished by another process (exit {proc.returncode} here); see {log}', flush=True)
-      elif proc.returncode == lease.HELD:
+      elif proc.returncode == process.HELD:
         print(f'{tag} left to the run that holds it (exit {proc.returncode}); see {log}', flush=True)
       else:
         print(f'{tag} failed (exit {proc.returncode}); see {log}', flush=True)

@@ -302,7 +302,7 @@ def test_attention_flops_are_the_compilers_count_of_the_einsums():
   p = jnp.ones((batch, heads, LEN, LEN))
   forward = lambda q, k, p, v: (jnp.einsum('bhqk,bhsk->bhqs', q, k), jnp.einsum('bhqs,bhsk->bhqk', p, v))
   step = lambda *x: jax.vjp(forward, *x)[1](forward(*x))
-  count = lambda f: hardware.xla_flops(jax.jit(f).lower(q, k, p, v))
+  count = lambda f: hardware.xla_costs(jax.jit(f).lower(q, k, p, v))[0]
   assert attention.attention_flops(batch, LEN, heads, width, causal=False, train=False) == count(forward)
   assert attention.attention_flops(batch, LEN, heads, width, causal=False) == count(step)
 

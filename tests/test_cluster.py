@@ -13,7 +13,7 @@ import time
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, fake_gcs_env, free_port, losses, metrics, run_cli
-from laurel.run import cluster, lease
+from laurel.run import cluster, lease, process
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
 
@@ -323,7 +323,7 @@ def test_a_second_run_on_a_held_workdir_is_refused_and_the_first_ends_unharmed(t
 
   wait_for(lambda: (workdir / lease.NAME).exists())  # taken before compiling
   second = run_cli(SPEC, workdir, {**overrides, 'steps': 99_999})
-  assert second.returncode == lease.HELD, second.stderr[-2000:]
+  assert second.returncode == process.HELD, second.stderr[-2000:]
   assert second.stderr.count('\n') == 1 and second.stderr.startswith('error: --workdir=')
   assert f'held by a live run: process 0 of 1 (pid {first.pid}) on host {socket.gethostname()}' in second.stderr
   assert 'compiling' not in second.stdout + second.stderr

@@ -83,3 +83,23 @@ def test_no_import_cycle():  # lazy imports included: one inside a function only
     if module not in state:
       visit(module, [module])
   assert not cycles, ' ; '.join(' -> '.join(c) for c in cycles)
+
+
+def test_threads_start_only_through_the_process_module_under_a_name_of_its_table():
+  from laurel.run import process  # pylint: disable=import-outside-toplevel
+  started_elsewhere = [name for name, path in MODULES.items() if name != 'laurel.run.process'
+                       and 'threading.Thread(' in path.read_text()]
+  assert not started_elsewhere
+  for name in process.THREADS:
+    assert f'| {name} ' in process.__doc__, name
+  with pytest.raises(ValueError, match='not a thread of laurel.run.process.THREADS'):
+    process.start_thread('laurel-unknown', lambda: None)
+
+
+def test_every_exit_status_is_in_the_process_table_and_in_laurel_mains_help():
+  from laurel import main  # pylint: disable=import-outside-toplevel
+  from laurel.run import process  # pylint: disable=import-outside-toplevel
+  statuses = {v for k, v in vars(process).items() if k.isupper() and isinstance(v, int) and 1 < v < 128}
+  assert statuses == set(process.EXIT_STATUSES) - {130, 143}
+  for status in process.EXIT_STATUSES:
+    assert str(status) in main.__doc__, status

@@ -353,12 +353,12 @@ def test_training_reduces_loss_and_writes_outputs(tmp_path, monkeypatch, capsys)
   logged = [r for r in rows if 'loss' in r]
   assert logged[-1]['loss'] < 0.7 * logged[0]['loss']
   for key in ('step', 'loss', 'learning_rate', 'grad_norm', 'step_time_s', 'tokens_per_s', 'peak_memory_bytes',
-              'mfu', 'hfu', 'time'):
+              'mfu', 'time'):
     assert key in logged[0], key
-  assert 0 < logged[-1]['mfu'] < logged[-1]['hfu']  # remat and the optimizer count only in hfu
+  assert 0 < logged[-1]['mfu'] < 1 and 'hfu' not in logged[-1]  # hfu: the benchmark's, not lowered at every start
   console = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step ')]
   assert len(console) == 8
-  assert all(' | mean of 5 steps: loss ' in l and ', mfu ' in l and '%, hfu ' in l for l in console), console
+  assert all(' | mean of 5 steps: loss ' in l and ', mfu ' in l and 'hfu' not in l for l in console), console
   assert [r['step'] for r in rows if 'eval_loss' in r] == [20, 40]
   # What explains the run: the first line and final.json carry the commit, the config's hash and the times.
   saved = json.loads((tmp_path / 'final.json').read_text())

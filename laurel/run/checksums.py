@@ -18,7 +18,6 @@ from laurel.config_lib import io_error_reason
 from laurel.run.files import is_remote, remove_temporaries, write_text_atomic
 
 ALGORITHM = 'xxh3_64'
-ALGORITHMS = (ALGORITHM, 'crc32')
 LISTING = 'checksums.process_{}.json'  # this host's list, by process index
 CHUNK = 2**24  # a gs:// file is hashed as it streams, 16 MiB at a time
 
@@ -71,28 +70,25 @@ def record(step_dir) -> None:
                     json.dumps({'algorithm': ALGORITHM, 'files': files}, indent=0, sort_keys=True) + '\n')
 
 
-class Unreadable(ValueError):
-  """A checksum list that cannot be read, or that is no checksum list; the message says why as a phrase."""
-
-
 def _read_listing(path: epath.Path) -> tuple[str, dict]:
-  """(algorithm, {file name: [hash, size]}) of the checksum list at `path`; Unreadable where it is none."""
+  """(algorithm, {file name: [hash, size]}) of the checksum list at `path`; a ValueError, its message a phrase, where
+  it cannot be read or is no checksum list."""
   try:
     listing = json.loads(path.read_bytes())  # random bytes: a UnicodeDecodeError, a ValueError as JSON's errors
   except (IsADirectoryError, ValueError) as e:  # another OSError (permissions, storage) is raised: it moves nothing
-    raise Unreadable(f'{path.name} is unreadable ({io_error_reason(e)})') from None
+    raise ValueError(f'{path.name} is unreadable ({io_error_reason(e)})') from None
   if not isinstance(listing, dict):
-    raise Unreadable(f'{path.name} is no checksum list (a JSON {type(listing).__name__})')
+    raise ValueError(f'{path.name} is no checksum list (a JSON {type(listing).__name__})')
   legacy = 'algorithm' not in listing  # written before XXH3: {name: [crc32, size]}
   algorithm, files = ('crc32', listing) if legacy else (listing['algorithm'], listing.get('files'))
-  if algorithm not in ALGORITHMS:
-    raise Unreadable(f'{path.name} is no checksum list (algorithm {algorithm!r})')
+  if algorithm not in (ALGORITHM, 'crc32'):
+    raise ValueError(f'{path.name} is no checksum list (algorithm {algorithm!r})')
   if not isinstance(files, dict) or not files:
-    raise Unreadable(f'{path.name} is no checksum list (it lists no files)')
+    raise ValueError(f'{path.name} is no checksum list (it lists no files)')
   for name, entry in files.items():
     if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int if legacy else str)
             and isinstance(entry[1], int)):
-      raise Unreadable(f'{path.name} is no checksum list (its entry of {name} is {entry!r})')
+      raise ValueError(f'{path.name} is no checksum list (its entry of {name} is {entry!r})')
   return algorithm, {k: [f'{v:08x}', n] for k, (v, n) in files.items()} if legacy else files
 
 
@@ -105,7 +101,7 @@ def verify(step_dir) -> tuple[str, str | None]:
     return 'none', None
   try:
     algorithm, files = _read_listing(listing_path)
-  except Unreadable as e:
+  except ValueError as e:
     return 'unreadable', str(e)
   for name, (saved, size) in files.items():
     path = listing_path.parent / name

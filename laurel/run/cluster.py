@@ -15,8 +15,8 @@ import jax
 from absl import logging
 
 from laurel import config_lib
-from laurel.run import console, process
-from laurel.run.process import PEER_LOST, PREEMPTED  # noqa: F401  # exit statuses
+from laurel.run import console, files, process
+from laurel.run.process import PEER_LOST, PREEMPTED
 
 JOIN_TIMEOUT_S = 300  # jax's own default
 PEER_TIMEOUT_S = 20.0  # a peer silent this long is lost (jax waits for its 100 s heartbeat timeout, then aborts)
@@ -126,7 +126,7 @@ def _initialize(found: Environment, timeout_s: float, **arguments):
   try:
     jax.distributed.initialize(**arguments, initialization_timeout=int(timeout_s) + 60)
   except (RuntimeError, ValueError) as e:
-    reason = f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
+    reason = files.why(e)
     if found.name == 'Cloud TPU VM':
       hosts = _tpu_host_count()
       if hosts == 1:

@@ -90,7 +90,7 @@ def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
 
 # Bookkeeping of a logged row, shown in their own places on the console line (or only in metrics.jsonl).
 _NOT_METRICS = ('mean_of_steps', 'learning_rate', 'step_time_s', 'peak_memory_bytes', 'params', 'device_peak_bytes',
-                'mfu', 'hfu')
+                'mfu')
 
 
 def _metrics(row: dict) -> str:
@@ -107,7 +107,7 @@ def step_line(step: int, steps: int, row: dict, unit: str) -> str:
   if 'learning_rate' in row:
     parts.append(f'lr {row["learning_rate"]:.2e}')
   parts.append(f'{row["step_time_s"]:.3g} s/step, {row[f"{unit}_per_s"]:,.0f} {unit}/s'
-               + ''.join(f', {k} {100 * row[k]:.1f}%' for k in ('mfu', 'hfu') if k in row))
+               + (f', mfu {100 * row["mfu"]:.1f}%' if 'mfu' in row else ''))
   return ' | '.join(parts + [f'ETA {duration(row["step_time_s"] * (steps - step))}'])
 
 

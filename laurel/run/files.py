@@ -44,13 +44,10 @@ def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
       os.close(fd)
 
 
-# A write that fails for one of these fails again until someone frees space or remounts: the environment, not a bug.
-STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
-
-
 def storage_error(error: BaseException) -> bool:
-  """Whether `error` says the storage refuses writes (full, read-only, no permission)."""
-  return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
+  """Whether `error` says the storage refuses writes (full, read-only, no permission): a write that fails so fails
+  again until someone frees space or remounts, the environment, not a bug."""
+  return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
 def why(error: BaseException) -> str:

@@ -33,19 +33,16 @@ def on_nvidia_gpu() -> bool:
   return bool(glob.glob('/dev/nvidia[0-9]*')) and any(importlib.util.find_spec(p) for p in CUDA_PLUGINS)
 
 
-def apply() -> str | None:
+def apply() -> None:
   """Adds FTZ_ATOMICS to XLA_FLAGS on an NVIDIA GPU with an affected jaxlib (unless XLA_FLAGS sets LLVM's options
-  already) and says so in one line on stderr, which it returns; else None. LLVM without NVPTX (the CPU's) would
-  refuse the option."""
+  already) and says so in one line on stderr. LLVM without NVPTX (the CPU's) would refuse the option."""
   try:
     version = importlib.metadata.version('jaxlib')
   except importlib.metadata.PackageNotFoundError:
-    return None
+    return
   xla_flags = os.environ.get('XLA_FLAGS', '')
   if not slow_gpu_scatter(version) or 'xla_backend_extra_options' in xla_flags or not on_nvidia_gpu():
-    return None
+    return
   os.environ['XLA_FLAGS'] = f'{xla_flags} {FTZ_ATOMICS}'.strip()
-  note = (f'note: jaxlib {version} adds float32 scatters slowly on GPUs (openxla/xla#46225, fixed in 0.11.1): '
-          f'XLA_FLAGS gets {FTZ_ATOMICS}')
-  print(note, file=sys.stderr, flush=True)
-  return note
+  print(f'note: jaxlib {version} adds float32 scatters slowly on GPUs (openxla/xla#46225, fixed in 0.11.1): '
+        f'XLA_FLAGS gets {FTZ_ATOMICS}', file=sys.stderr, flush=True)

@@ -109,10 +109,6 @@ def xla_costs(lowered_or_compiled) -> tuple[float, float]:
   return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
 
 
-def xla_flops(lowered_or_compiled) -> float:
-  return xla_costs(lowered_or_compiled)[0]
-
-
 def available_host_bytes() -> int | None:
   """Linux's MemAvailable, or None where it does not say."""
   try:

@@ -16,7 +16,7 @@ import uuid
 from etils import epath
 
 from laurel.run import files, process
-from laurel.run.process import HELD, LOST  # noqa: F401  # exit statuses
+from laurel.config_lib import InputError
 
 NAME = 'lease.json'
 HEARTBEAT_S = 10.0
@@ -89,16 +89,12 @@ def _pid_alive(pid) -> bool:
   return True
 
 
-def _input_error(message: str) -> Exception:
-  from laurel.config_lib import InputError  # pylint: disable=import-outside-toplevel  # jax: only where it fails
-  return InputError(message)
-
-
 class Lease:
   """The lease on one workdir, held by this process from acquire() to release()."""
   def __init__(self, workdir, process_id: int = 0, processes: int = 1, heartbeat_s: float = HEARTBEAT_S,
                stale_s: float = STALE_S):
     self.path = epath.Path(workdir) / NAME
+    self.where = f'--workdir={os.fspath(self.path.parent)!r}'
     self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
     now = time.time()
     self.record = {'host': socket.gethostname(), 'pid': os.getpid(), 'process_id': process_id,
@@ -132,11 +128,10 @@ class Lease:
 
   def acquire(self) -> 'Lease':
     """Takes the lease, or raises Held; InputError (one line) where lease.json cannot be read or written."""
-    where = f'--workdir={os.fspath(self.path.parent)!r}'
     try:
       self._acquire()
     except OSError as e:  # a full disk, a read-only mount, no permission, a directory in the lease's place
-      raise _input_error(f'{where}: {NAME} cannot be taken: {files.why(e)}'
+      raise InputError(f'{self.where}: {NAME} cannot be taken: {files.why(e)}'
                          + ('; it is a directory: remove it' if self.path.is_dir() else '')) from None
     self._thread = process.start_thread('laurel-lease', self._beat)
     return self
@@ -144,11 +139,10 @@ class Lease:
   def _acquire(self):
     for _ in range(3):  # a lease released while this run looked at it: create it again
       holder, damaged = self.read()
-      if holder is None and damaged is None and self._create():
-        return
-      holder, damaged = self.read()
       if holder is None and damaged is None:
-        continue
+        if self._create():
+          return
+        continue  # another run's lease appeared first: judge it
       reason = f'it is damaged ({damaged})' if damaged else self._why_free(holder)
       if reason is None:
         holder = self.read()[0]  # now: another run may have taken it over while this one watched
@@ -162,8 +156,8 @@ class Lease:
       if not self._mine():
         raise Held(self._held_message(self.read()[0] or {}))
       return
-    raise Held(f'--workdir={os.fspath(self.path.parent)!r}: its lease was created and released three times while '
-               'this run tried to take it; another run is starting there')
+    raise Held(f'{self.where}: its lease was created and released three times while this run tried to take it; '
+               'another run is starting there')
 
   def _why_free(self, holder: dict) -> str | None:
     """Why `holder` no longer holds the workdir, or None where it still does; may watch its heartbeat for stale_s."""
@@ -198,14 +192,11 @@ class Lease:
     return f'its heartbeat did not move in {self.stale_s:.0f} s'
 
   def _held_message(self, holder: dict) -> str:
-    if self._sees_process(holder):
-      evidence = 'its process is alive on this host'
-    else:
-      evidence = 'its heartbeat moved while this run watched it'
-    return (f'--workdir={os.fspath(self.path.parent)!r}: held by a live run: {describe(holder)}; {evidence} ({NAME}); '
-            f'wait for it to end or stop it (a run takes its lease over once its heartbeat stops for '
-            f'{self.stale_s:.0f} s, or at once where its process is gone from this host); two runs in one workdir '
-            'overwrite each other')
+    evidence = ('its process is alive on this host' if self._sees_process(holder)
+                else 'its heartbeat moved while this run watched it')
+    return (f'{self.where}: held by a live run: {describe(holder)}; {evidence} ({NAME}); wait for it to end or stop '
+            f'it (a run takes its lease over once its heartbeat stops for {self.stale_s:.0f} s, or at once where its '
+            'process is gone from this host); two runs in one workdir overwrite each other')
 
   def _create(self) -> bool:
     """False where another run's lease appeared first."""
@@ -231,28 +222,29 @@ class Lease:
       files.write_text_atomic(self.path, json.dumps(self.record, indent=1))
 
   def check(self, reread: bool = True) -> None:
-    """The fence: raises Lost where another run holds the lease (`reread`: lease.json read now; else only what the
-    heartbeat found). A read that fails proves nothing: the heartbeat reads again."""
+    """fence()'s check on this process. A read that fails proves nothing: the heartbeat reads again."""
     if self.lost is None and reread:
       with contextlib.suppress(OSError):
-        holder, damaged = self.read()
-        if (holder or {}).get('token') != self.record['token']:
-          self._lose(holder, damaged)
+        self._look()
     if self.lost is not None:
       raise Lost(self.lost)
 
-  def _lose(self, holder: dict | None, damaged: str | None):
+  def _look(self):
+    """Reads lease.json; where another run holds it, sets `lost` to why."""
+    holder, damaged = self.read()
+    if (holder or {}).get('token') == self.record['token']:
+      return
     now = (describe(holder) if holder else f'a damaged lease ({damaged})' if damaged else 'no one (it was removed)')
-    self.lost = (f'--workdir={os.fspath(self.path.parent)!r}: this run no longer holds its lease ({NAME}): now '
-                 f'{now}; stopped before writing again (was this run stopped for longer than {self.stale_s:.0f} s?)')
+    self.lost = (f'{self.where}: this run no longer holds its lease ({NAME}): now {now}; stopped before writing '
+                 f'again (was this run stopped for longer than {self.stale_s:.0f} s?)')
 
   def _beat(self):
     failed = None
     while not self._stop.wait(self.heartbeat_s):
       try:
-        holder, damaged = self.read()
-        if (holder or {}).get('token') != self.record['token']:
-          return self._lose(holder, damaged)  # the loop stops at its next step, saying why
+        self._look()
+        if self.lost is not None:
+          return  # the loop stops at its next step, saying why
         self._write()
         failed = None
       except Exception as e:  # pylint: disable=broad-except  # a storage hiccup: try again at the next beat
@@ -289,7 +281,7 @@ def held(workdir, process_id: int, processes: int, agree=None, **timing):
   if processes > 1 and (code := int((agree or _broadcast)(code) or 0)) and refusal is None:
     where = f'--workdir={os.fspath(workdir)!r}'
     refusal = (Held(f'{where}: held by another live run, as process 0 found (its log names the holder)') if code == 1
-               else _input_error(f'{where}: process 0 could not take its lease (its log says why)'))
+               else InputError(f'{where}: process 0 could not take its lease (its log says why)'))
   if refusal is not None:
     raise refusal
   try:

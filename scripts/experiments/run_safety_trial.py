@@ -56,7 +56,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # pylint: disable=wrong-import-position  # puts the repo root on sys.path
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from laurel.run import cluster, files, lease, process
+from laurel.run import files, process
 
 ROOT = common.ROOT
 _OUT = flags.DEFINE_string('out', 'runs/run_safety_trial', 'Folder of the trial\'s runs and its cases_*.jsonl.')
@@ -86,10 +86,10 @@ NOISE = ('Event loop is closed', 'Traceback')
 
 # The exit statuses issue 54's cases expect, as laurel defines them.
 BAD_INPUT = 2
-PREEMPTED = cluster.PREEMPTED  # stopped before it finished, under a scheduler
-HELD = lease.HELD  # another live run holds the workdir
-PEER_LOST = cluster.PEER_LOST  # a process of the run died (the join's status: restart them all)
-FENCED = lease.LOST  # the run found its lease taken: it stops before writing
+PREEMPTED = process.PREEMPTED  # stopped before it finished, under a scheduler
+HELD = process.HELD  # another live run holds the workdir
+PEER_LOST = process.PEER_LOST  # a process of the run died (the join's status: restart them all)
+FENCED = process.LOST  # the run found its lease taken: it stops before writing
 SAVE_FAILED = process.DIVERGED  # a checkpoint could not be written: a rerun would repeat it
 CLUSTER_VARIABLES = ('SLURM_', 'OMPI_', 'PMIX_', 'JOB_COMPLETION_INDEX', 'KUBERNETES_SERVICE_HOST', 'JAX_COORDINATOR')
 
