@@ -36,7 +36,7 @@ SKIPPED = [
     (r'^(pip|git|cd|export)\b|\bpip install\b', 'installs packages or sets up a shell'),
     (r'^make (train|test|test-fast)\b|^\S*python -m pytest', 'trains for minutes or runs the suite'),
     (r'reproduce_c4_ablation\.py|sweep\.py|benchmark\.py', 'trains or times many runs: minutes to hours'),
-    (r'laurel\.harness|laurel-lm-eval', 'lm-evaluation-harness: tests/test_harness.py scores a trained run with it'),
+    (r'laurel\.serve\.harness|laurel-lm-eval', 'lm-evaluation-harness: tests/test_harness.py scores a trained run with it'),
     (r'\[--', 'shows optional flags in brackets'),
 ]
 # The trained-run fixture's context is 32 tokens: a prompt and 64 new tokens would not fit.
