@@ -17,12 +17,12 @@ import jax
 import numpy as np
 from etils import epath
 
-from laurel import designs, sharding
+from laurel import sharding
 from laurel.config_lib import InputError, to_dict
 from laurel.run import checkpoint, checksums, console, hardware, lease, metric_writers, process
 from laurel.run.checkpoint import run_dir
 from laurel.run.files import remove_temporaries, utc, write_text_atomic
-from laurel.run.metrics_log import MetricsLog, code_commit, interval_mean, median_step_time, summary
+from laurel.run.metrics_log import MetricsLog, code_commit, config_line, interval_mean, median_step_time, summary
 from laurel.run.preflight import check_fits_host, check_inputs
 from laurel.run.stats import weighted_mean_se
 from laurel.step import compile_step, num_data_shards, validate_config
@@ -30,6 +30,7 @@ from laurel.step import compile_step, num_data_shards, validate_config
 
 class TrainingDiverged(RuntimeError):
   """The loss, or a state about to be saved, is not finite."""
+  exit_status = process.DIVERGED
 
 
 class SaveFailed(TrainingDiverged):
@@ -88,20 +89,6 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
 RUN_FILES = (lease.NAME, 'config.json', 'config_history.jsonl', 'metrics.jsonl', 'final.json')
 
 
-def config_line(cfg, workdir: epath.Path) -> str:
-  """A run's first line: its config.json and what it trains."""
-  return (f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, design '
-          f'{design_label(cfg.model.stream)}, preset {cfg.preset or "-"}, {cfg.steps} steps)')
-
-
-def design_label(spec) -> str:
-  """The residual design of a model's `stream` config `spec`: 'laurel rw+lr r=8', 'residual', 'hc'."""
-  if spec.design != 'laurel':
-    return designs.qualified_name(spec)
-  details = [f'r={spec.rank}'] * spec.low_rank + [f'k={spec.k}'] * spec.pa
-  return ' '.join(['laurel', spec.variant, *details, *[f'form={spec.form}'] * (spec.form != 'paper')])
-
-
 def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
                    started: float, fence=lease.fence(None)) -> dict:
   cfg = task.config
@@ -151,7 +138,7 @@ def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool
     num_params = task.num_params(abstract_state.params)
     peak_memory = hardware.peak_memory_bytes(compiled)
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind, 0) * jax.device_count()
-    # MFU from the model's FLOPs; 0 where the backend counts none (a ResNet under the CUDA and TPU plug-ins): no MFU.
+    # 0 where the backend counts no FLOPs (a ResNet under the CUDA and TPU plug-ins): no MFU.
     model_flops = task.model_flops(cfg.batch_size) if peak_flops else 0
     keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
     with process.deferred():  # it rewrites metrics.jsonl

@@ -11,7 +11,7 @@ from ml_collections import config_flags
 
 from helpers import ROOT, SPEC, TINY_LM, load_config, typed_config
 from laurel import config_lib, designs, lm, step, train
-from laurel.run import checkpoint, console, preflight
+from laurel.run import checkpoint, console, metrics_log, preflight
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'
 
@@ -162,7 +162,7 @@ def test_the_config_line_names_the_design(spec, overrides, design):
   try:
     config = config_lib.load(spec, overrides)
     task = step.validate_config(config, num_devices=1, process_count=1)
-    assert f', design {design}, ' in train.config_line(task.config, ROOT / 'runs' / 'x')
+    assert f', design {design}, ' in metrics_log.config_line(task.config, ROOT / 'runs' / 'x')
   finally:
     designs.REGISTRY.pop('gated', None)  # other tests enumerate every design
     sys.modules.pop('tests.gated_design', None)

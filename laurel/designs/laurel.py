@@ -56,6 +56,11 @@ class LaurelSpec:
     require(not self.pa or (is_int(self.k) and 1 <= self.k <= num_sites), f'{prefix}.k', self.k,
             f'must be an integer in [1, number of LAuReL sites={num_sites}]')
 
+  def label(self) -> str:
+    """How a run's first line names it: 'laurel rw+lr r=8'."""
+    details = [f'r={self.rank}'] * self.low_rank + [f'k={self.k}'] * self.pa
+    return ' '.join(['laurel', self.variant, *details, *[f'form={self.form}'] * (self.form != 'paper')])
+
   def unused_fields(self, prefix: str) -> dict[str, str]:
     """{field: why} of the fields that change nothing for this variant, so a sweep over one can be refused."""
     variant = f'{prefix}.variant={self.variant!r}'

@@ -145,6 +145,11 @@ def qualified_name(spec) -> str:
   return spec.design if module.startswith('laurel.') else f'{module}:{spec.design}'
 
 
+def label(spec) -> str:
+  """A design config as a run's first line names it: its `label()` where it has one, else qualified_name."""
+  return spec.label() if hasattr(spec, 'label') else qualified_name(spec)
+
+
 def _sections(default, overrides: dict) -> dict:
   """config_lib.config_dict of a model's `stream`: `stream.design` and every section, popped from `overrides`."""
   stream = dict(overrides.pop('stream', {}))

@@ -16,8 +16,7 @@ from laurel.run import checkpoint, saved_config
 
 @contextlib.contextmanager
 def lm_run_on_mesh(workdir):
-  """(task, params, step, mesh) of an LM run's latest checkpoint, inside its mesh and logical axis rules: the
-  parameters only, each read straight into its sharding of training."""
+  """(task, params, step, mesh) of an LM run's latest checkpoint, inside its mesh and logical axis rules."""
   config = saved_config.read_config(workdir)
   if config.task != 'lm':
     raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
