@@ -170,11 +170,14 @@ def test_a_peer_that_dies_ends_the_other_process_in_one_line_naming_it(tmp_path)
   naming process 1 and status 4 (jax alone: a traceback, then 54-100 s later an abort with a C++ stack)."""
   overrides = {**TINY_LM, 'steps': 100_000, 'checkpoint_every': 100_000, 'eval_every': 100_000, 'data_shards': 2}
   port, outs = free_port(), [tmp_path / f'process_{i}.out' for i in range(2)]
+  # laurel.main where a peer silent for 5 s is lost, not 20 (cluster.PEER_TIMEOUT_S): this test waits that long.
+  quick = ('import sys; from laurel.run import cluster; cluster.PEER_TIMEOUT_S, cluster.PEER_BEAT_S = 5.0, 0.5; '
+           'from laurel.main import run; sys.argv[0] = "laurel.main"; run()')
+  command = [sys.executable, '-c', quick, *cli_args(SPEC, tmp_path / 'run', overrides)[3:]]
   procs = []
   for i, out in enumerate(outs):
     with out.open('w') as f:  # files: a pipe left unread would stall a run
-      procs.append(subprocess.Popen(cli_args(SPEC, tmp_path / 'run', overrides), env=cluster_env('slurm', i, 2, port),
-                                    stdout=f, stderr=subprocess.STDOUT))
+      procs.append(subprocess.Popen(command, env=cluster_env('slurm', i, 2, port), stdout=f, stderr=subprocess.STDOUT))
   try:
     deadline = time.time() + 240
     while 'step 3/' not in outs[0].read_text():

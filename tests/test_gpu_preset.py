@@ -1,4 +1,5 @@
-"""configs/c4_ablation.py's gpu preset: its size, FLOPs and eval set, as its docstring states them."""
+"""configs/c4_ablation.py's gpu preset: its size, FLOPs and eval set, as its docstring states them; and
+scripts/reproduce_c4_ablation.py end to end on it, shrunk."""
 import json
 import sys
 
@@ -57,34 +58,57 @@ SHRUNK = {'model.d_model': 32, 'model.num_heads': 4, 'model.d_ff': 64, 'model.la
 
 
 @pytest.mark.slow
-def test_gpu_command_end_to_end_on_cpu_shrunk_and_resumable(tmp_path):
-  """The one command a GPU session runs, shrunk: two of its rows and two seeds (four runs), the table gets its
-  intervals, and a rerun skips what finished."""
+def test_reproduce_end_to_end_as_the_gpu_command_shrunk_with_evaluations_and_resumable(tmp_path):
+  """scripts/reproduce_c4_ablation.py end to end, as the one command a GPU session runs, shrunk: two of its rows and
+  two seeds (four runs) and laurel.serve.evaluate's tasks on each; the tables get their intervals and eval columns, and
+  a rerun skips what finished and resumes what did not."""
   import subprocess  # pylint: disable=import-outside-toplevel
   from test_scripts import fast_env  # pylint: disable=import-outside-toplevel
   runs, out = tmp_path / 'runs', tmp_path / 'out'
+  (tmp_path / 'held_out').mkdir()
+  (tmp_path / 'held_out' / 'a.txt').write_text('The quick brown fox jumps over the lazy dog. ' * 3)
+  (tmp_path / 'mc.jsonl').write_text('{"context": "One, two,", "choices": [" three", " blue"], "label": 0}\n')
   command = [sys.executable, 'scripts/reproduce_c4_ablation.py', '--preset=gpu',
              '--rows=baseline_24,rw_lr_pa', '--seeds=2', f'--workdir={runs}', f'--out={out}',
+             f'--evaluate=text:{tmp_path}/held_out/*.txt', f'--evaluate={tmp_path}/mc.jsonl',
              *(f'--set={k}={v}' for k, v in SHRUNK.items())]
   run = lambda: subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=fast_env(), timeout=1800)
   r = run()
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-  assert r.stdout.count('laurel.main') == 4
+  assert r.stdout.count('laurel.main') == 4 and r.stdout.count('= evaluate') == 4  # one evaluation per run
+  for suffix in ('md', 'csv', 'json', 'png'):
+    assert (out / f'c4_ablation_gpu.{suffix}').exists() and f'  {out}/c4_ablation_gpu.{suffix}\n' in r.stdout, suffix
+  assert json.loads((runs / 'rw_lr_pa' / 'seed0' / 'provenance.json').read_text())['device'] == 'cpu'
   final = json.loads((runs / 'rw_lr_pa' / 'seed1' / 'final.json').read_text())
   assert final['held_out']['tokens'] <= 3 * 8 * 32 and final['held_out']['batches'] == 3
   assert final['held_out']['loss_se'] > 0
   rows = {r['name']: r for r in json.loads((out / 'c4_ablation_gpu.json').read_text())['rows']}
   assert list(rows) == ['baseline_24', 'rw_lr_pa']
   row, base = rows['rw_lr_pa'], rows['baseline_24']
+  assert row['params_m'] > base['params_m'] and base['test_loss_ratio'] == 1.0 and row['peak_memory_gb'] > 0
   assert row['test_loss_diff_n'] == 2
   assert row['test_loss_diff_low'] < row['test_loss_diff'] < row['test_loss_diff_high']
   pairs = [row['test_losses'][s] - base['test_losses'][s] for s in ('seed0', 'seed1')]
   assert row['test_loss_diff'] == pytest.approx(sum(pairs) / 2)
+  for name, table_row in rows.items():  # the table's eval columns: the mean of the runs' own eval files
+    held_out, mc = ([json.loads((runs / name / s / f'eval_{task}.json').read_text()) for s in ('seed0', 'seed1')]
+                    for task in ('held_out', 'mc'))
+    assert table_row['eval_held_out_bits_per_byte'] == pytest.approx(
+        (held_out[0]['bits_per_byte'] + held_out[1]['bits_per_byte']) / 2) and held_out[0]['bits_per_byte'] > 0
+    assert (table_row['eval_mc_accuracy'], table_row['eval_mc_correct_loglik']) == pytest.approx(
+        ((mc[0]['accuracy'] + mc[1]['accuracy']) / 2, (mc[0]['correct_loglik'] + mc[1]['correct_loglik']) / 2))
+  assert row['eval_mc_correct_loglik_ratio'] == pytest.approx(
+      row['eval_mc_correct_loglik'] / base['eval_mc_correct_loglik'])
   text = (out / 'c4_ablation_gpu.md').read_text()
   assert '| rw_lr_pa | 2 |' in text and 'Eval noise: the eval set is ' in text and '(reference)' in text
-  # Rerun: every run finished, so none trains; one without its final.json resumes at its last checkpoint.
+  assert '| held_out_bits_per_byte | × |' in text
+  # Rerun: every run finished, so none trains; one without its final.json resumes at its last checkpoint, where its
+  # eval files still hold.
   (runs / 'rw_lr_pa' / 'seed0' / 'final.json').unlink()
   r = run()
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert r.stdout.count('finished, skipped') == 3 and r.stdout.count('laurel.main') == 1
   assert 'rw_lr_pa,preset=gpu' in r.stdout and 'resumed from checkpoint 2' in r.stdout
+  assert r.stdout.count('= evaluate') == 0
+  assert json.loads((out / 'c4_ablation_gpu.json').read_text())['rows'][1]['test_loss'] == pytest.approx(
+      row['test_loss'])

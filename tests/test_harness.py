@@ -4,6 +4,7 @@ computation do, offline, on tasks defined here from local JSONL files."""
 import importlib.metadata
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -92,7 +93,11 @@ def _stop_after(text: str, until) -> str:
 
 
 @pytest.mark.slow
-def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation(run, tmp_path):
+def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation_and_the_shipped_task_offline(
+    run, tmp_path):
+  """Our tasks, and configs/lm_eval's shipped task as its YAML and docs/evaluation.md give it (from the repository
+  root: its data_files is relative to it), in one lm_eval command: lm_eval indexes its thousands of tasks at every
+  start. The shipped task's accuracies are laurel.serve.evaluate's on the same JSONL."""
   with loader.lm_run_on_mesh(run) as (task, params, _, _):  # laurel.serve.generate as its command line runs it
     tokenizer = data.make_tokenizer(task.config.data)
     eos = tokenizer.eos_id
@@ -114,13 +119,14 @@ def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation
   _task(tasks, 'laurel_gen', _jsonl(tmp_path / 'gen.jsonl', [{'prompt': p} for p in PROMPTS]), 'generate_until',
         doc_to_text='{{prompt}}', doc_to_target='{{prompt}}', metric_list=[{'metric': 'exact_match'}],
         generation_kwargs={'until': until, 'max_gen_toks': MAX_GEN, 'do_sample': False})
+  shutil.copy(EXAMPLE / 'python_syntax.yaml', tasks)
   # 8 devices: the batch of 3 is padded to 8 rows sharded over the run's mesh, as laurel.serve.evaluate does.
   command = [sys.executable, '-m', 'laurel.serve.harness', '--model', 'laurel', '--model_args', f'workdir={run}',
-             '--tasks', 'laurel_mc,laurel_text,laurel_gen', '--include_path', str(tasks), '--batch_size', '3',
-             '--output_path', str(tmp_path / 'out'), '--log_samples']
+             '--tasks', 'laurel_mc,laurel_text,laurel_gen,laurel_python_syntax', '--include_path', str(tasks),
+             '--batch_size', '3', '--output_path', str(tmp_path / 'out'), '--log_samples']
   out = subprocess.run(command, env=_offline_env(tmp_path, 8), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert '|laurel_mc' in out.stdout  # lm_eval's table
+  assert '|laurel_mc' in out.stdout and '|laurel_python_syntax' in out.stdout  # lm_eval's table
 
   [results_file] = (tmp_path / 'out').glob('*/results_*.json')
   results = json.loads(results_file.read_text())['results']
@@ -140,6 +146,10 @@ def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation
 
   np.testing.assert_allclose([float(s['filtered_resps'][0]) for s in samples['laurel_text']], rolling, rtol=1e-4)
   assert [s['filtered_resps'][0] for s in samples['laurel_gen']] == expected
+  [shipped] = evaluate.evaluate_run(run, [str(EXAMPLE / 'python_syntax.jsonl')], batch_size=4)
+  assert shipped['items'] == 24
+  assert (results['laurel_python_syntax']['acc,none'], results['laurel_python_syntax']['acc_bytes,none']) == (
+      shipped['accuracy'], shipped['accuracy_norm'])
 
   bad = subprocess.run(command[:5] + ['--model_args', f'workdir={tmp_path}'] + command[7:11],
                        env=_offline_env(tmp_path, 1), cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -177,19 +187,3 @@ def test_laurel_lm_from_python_greedy_flags_and_refused_generation_kwargs(run):
     harness.LaurelLM(workdir=str(run), pretrained='x')
   with pytest.raises(InputError, match='--batch_size=.0.: a positive integer or auto'):
     harness.LaurelLM(workdir=str(run), batch_size='0')
-
-
-@pytest.mark.slow
-def test_the_shipped_example_task_scores_a_run_offline(run, tmp_path):
-  """configs/lm_eval's task by the command in its YAML and docs/evaluation.md, from the repository root: lm_eval's
-  accuracies are laurel.serve.evaluate's on the same JSONL."""
-  command = [sys.executable, '-m', 'laurel.serve.harness', '--model', 'laurel', '--model_args', f'workdir={run}',
-             '--tasks', 'laurel_python_syntax', '--include_path', 'configs/lm_eval', '--output_path', str(tmp_path)]
-  out = subprocess.run(command, env=_offline_env(tmp_path, 1), cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert '|laurel_python_syntax' in out.stdout
-  [results_file] = tmp_path.glob('*/results_*.json')
-  results = json.loads(results_file.read_text())['results']['laurel_python_syntax']
-  [ours] = evaluate.evaluate_run(run, [str(EXAMPLE / 'python_syntax.jsonl')], batch_size=4)
-  assert ours['items'] == 24
-  assert (results['acc,none'], results['acc_bytes,none']) == (ours['accuracy'], ours['accuracy_norm'])

@@ -98,7 +98,9 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
                     f'(it found another environment); {found.fix}', code=PEER_LOST)
   if jax.process_count() > 1:
     from jax._src import distributed  # pylint: disable=import-outside-toplevel  # where jax keeps its client
-    PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count()).start()
+    # The timing read now, not at import: a test shortens it (tests/test_cluster.py).
+    PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count(), PEER_TIMEOUT_S,
+              PEER_BEAT_S).start()
   devices = jax.devices()
   print(f'cluster: {found.name} ({found.source}): process {jax.process_index()} of {jax.process_count()} on '
         f'{socket.gethostname()}, {jax.local_device_count()} of {len(devices)} {devices[0].platform} devices',
