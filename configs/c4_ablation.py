@@ -37,9 +37,9 @@ print them), 5,000 steps of 32 × 512 tokens (82M tokens).
 from laurel import config_lib, data, lm, step
 
 ROWS = {
-    # row: (layers at paper preset, laurel overrides)
-    'baseline_24': (24, dict(variant='none')),
-    'baseline_28': (28, dict(variant='none')),
+    # row: (layers at paper preset, LAuReL's fields (design 'laurel'); none: design 'residual', the plain x + f(x))
+    'baseline_24': (24, {}),
+    'baseline_28': (28, {}),
     'rw': (24, dict(variant='rw')),
     'lr': (24, dict(variant='lr')),
     'pa': (24, dict(variant='pa', pa_h='identity')),
@@ -52,13 +52,14 @@ GPU_STEPS = 500  # preset=gpu: 500 steps of 128 x 512 bytes
 def get_config(arg=None):
   row, opts = config_lib.parse_arg(arg, ROWS, 'rw_lr', {'preset': ('paper', ('paper', 'tiny', 'small', 'gpu'))})
   layers, laurel = ROWS[row]
-  return table5_config(row, opts['preset'], layers, laurel=laurel)
+  return table5_config(row, opts['preset'], layers, stream=dict(design='laurel' if laurel else 'residual'),
+                       laurel=laurel)
 
 
 def table5_config(row: str, preset: str, layers: int, **model):
   """Table 5's run at `preset` with `layers` at the paper preset (half of them at small, a quarter at tiny) and
-  the model fields `model` (nested sections are dicts: laurel=dict(variant='rw'); the LAuReL rank and k are the
-  preset's)."""
+  the model fields `model` (nested sections are dicts: stream=dict(design='laurel'), laurel=dict(variant='rw');
+  the LAuReL rank and k are the preset's)."""
   laurel = dict(rank={'paper': 32, 'small': 16, 'gpu': 16, 'tiny': 8}[preset], k=3, **model.pop('laurel', {}))
   if preset == 'paper':
     return step.base_config(

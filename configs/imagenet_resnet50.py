@@ -25,9 +25,9 @@ synthetic learnable images, 10 classes, batch 32, 300 steps. r = 2 keeps the pap
 from laurel import config_lib, image_data, resnet, step
 
 ROWS = {
-    # row: (stage sizes at the paper preset, laurel overrides)
-    'baseline': ((3, 4, 6, 3), dict(variant='none')),
-    'baseline_plus_1': ((3, 4, 7, 3), dict(variant='none')),
+    # row: (stage sizes at the paper preset, LAuReL's fields (design 'laurel'); none: design 'residual', x + f(x))
+    'baseline': ((3, 4, 6, 3), {}),
+    'baseline_plus_1': ((3, 4, 7, 3), {}),
     'rw': ((3, 4, 6, 3), dict(variant='rw')),
     'rw_lr': ((3, 4, 6, 3), dict(variant='rw+lr', rank=16)),
     'rw_lr_pa': ((3, 4, 6, 3), dict(variant='rw+lr+pa', rank=16, k=3)),
@@ -38,7 +38,9 @@ IMAGENET_TRAIN_EXAMPLES = 1_281_167
 def get_config(arg=None):
   row, opts = config_lib.parse_arg(arg, ROWS, 'baseline', {'preset': ('paper', ('paper', 'tiny'))})
   stage_sizes, laurel = ROWS[row]
-  model = lambda **kw: config_lib.config_dict(resnet.ResNetConfig, **kw)
+  design = dict(design='laurel' if laurel else 'residual')
+  laurel = {'a_init': 'xavier', **laurel}  # as the paper's ResNet (§3.3)
+  model = lambda **kw: config_lib.config_dict(resnet.ResNetConfig, stream=design, **kw)
   images = lambda **kw: config_lib.config_dict(image_data.ImageDataConfig, **kw)
   if opts['preset'] == 'paper':
     epoch = IMAGENET_TRAIN_EXAMPLES // 1024  # 1251 steps

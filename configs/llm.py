@@ -21,19 +21,21 @@ def get_config(arg=None):
   row, opts = config_lib.parse_arg(arg, SHAPES, '1b', {'preset': ('paper', ('paper', 'tiny')),
                                                        'laurel': ('rw+lr', ('rw+lr', 'none'))})
   layers, d_model, heads, d_ff, mlp, rank = SHAPES[row]
-  model = lambda **kw: config_lib.config_dict(lm.LMConfig, mlp=mlp, **kw)
+  model = lambda rank, **kw: config_lib.config_dict(  # laurel=none: design 'residual', the plain x + f(x)
+      lm.LMConfig, mlp=mlp, stream=dict(design='residual' if opts['laurel'] == 'none' else 'laurel'),
+      laurel=dict(variant='rw+lr', rank=rank), **kw)
   if opts['preset'] == 'paper':
     return step.base_config(
         task='lm', row=row, preset='paper', batch_size=512, steps=100_000, log_every=100, eval_every=5000,
         eval_steps=50, checkpoint_every=2000, optimizer=dict(learning_rate=3e-4, warmup_steps=2000),
         mesh=dict(data=1, fsdp=-1),
         model=model(vocab_size=32768, d_model=d_model, num_heads=heads, d_ff=d_ff, num_layers=layers,
-                    dtype='bfloat16', remat='dots_no_batch', laurel=dict(variant=opts['laurel'], rank=rank)),
+                    dtype='bfloat16', remat='dots_no_batch', rank=rank),
         data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=2048, vocab_path=data.C4_VOCAB_PATH),
     ).lock()
   return step.base_config(
       task='lm', row=row, preset='tiny', steps=300, data_shards=1,
       model=model(vocab_size=264, d_model=128, num_heads=4, d_ff=384 if mlp == 'gelu' else 256,
-                  num_layers=max(layers // 6, 2), laurel=dict(variant=opts['laurel'], rank=min(rank, 8))),
+                  num_layers=max(layers // 6, 2), rank=min(rank, 8)),
       data=config_lib.config_dict(data.LMDataConfig, name='text', seq_len=256),
   ).lock()

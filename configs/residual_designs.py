@@ -36,8 +36,8 @@ ROWS = {
     # row: (layers at paper preset, model overrides); sharing's rank R is filled in per preset
     'baseline_24': (24, {}),
     'baseline_28': (28, {}),
-    'laurel_rw_lr': (24, dict(laurel=dict(variant='rw+lr'))),
-    'laurel_rw_lr_pa': (24, dict(laurel=dict(variant='rw+lr+pa'))),
+    'laurel_rw_lr': (24, _design('laurel', variant='rw+lr')),
+    'laurel_rw_lr_pa': (24, _design('laurel', variant='rw+lr+pa')),
     'rezero': (24, _design('rezero')),
     'layerscale': (24, _design('layerscale')),
     'hc': (24, _design('hc')),
@@ -58,10 +58,10 @@ ROWS = {
     'dca': (24, _design('dca')),  # DeepCrossAttention: GRN sums as q, k, v inputs
     'dca_8': (24, _design('dca_k')),  # 8-DCA (its Table 6): the last 8 layers apart
     'value_residual': (24, dict(value_residual=True)),
-    'laurel_rw_lr_value_residual': (24, dict(laurel=dict(variant='rw+lr'), value_residual=True)),
-    'gemma3n_laurel': (24, dict(laurel=dict(variant='lr', form='gemma3n', site='attention'))),
+    'laurel_rw_lr_value_residual': (24, dict(_design('laurel', variant='rw+lr'), value_residual=True)),
+    'gemma3n_laurel': (24, _design('laurel', variant='lr', form='gemma3n', site='attention')),
     'residual_transformer': (24, dict(share=dict(group_size=3))),
-    'residual_transformer_laurel': (24, dict(share=dict(group_size=3), laurel=dict(variant='rw+lr'))),
+    'residual_transformer_laurel': (24, dict(_design('laurel', variant='rw+lr'), share=dict(group_size=3))),
 }
 
 

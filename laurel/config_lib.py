@@ -61,6 +61,7 @@ def field(default, check=None, resumable=False, **kwargs):  # resumable: a resum
 class InputError(ValueError):
   """Bad input (a config field, a flag, a path, a workdir): what the user can fix. Only this becomes a one-line
   `error: ...` with exit 2; any other exception is a bug or an environment failure and keeps its traceback."""
+  exit_status = 2  # laurel.run.process.BAD_INPUT
 
 
 def require(ok: bool, field_name: str, value, why: str) -> None:
@@ -86,6 +87,18 @@ def config_dict(schema, **overrides) -> ml_collections.ConfigDict:
     out[f.name] = value
   if overrides:
     raise InputError(f'{type(base).__name__}: unknown fields {", ".join(sorted(overrides))}')
+  return out
+
+
+def to_dict(config) -> dict:
+  """A typed config in JSON's types (tuples as lists), a model's residual design as `stream.design` and that design's
+  section alone: what config.json, a checkpoint's config signature, the config hash and --print_config hold."""
+  plain = lambda v: (to_dict(v) if dataclasses.is_dataclass(v) else list(map(plain, v)) if isinstance(v, (tuple, list))
+                     else v)
+  out = {}
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    out.update(f.metadata['to_dict'](value) if 'to_dict' in f.metadata else {f.name: plain(value)})
   return out
 
 

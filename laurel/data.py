@@ -6,7 +6,6 @@ import functools
 import glob
 import hashlib
 import itertools
-import json
 import os
 import pathlib
 import re
@@ -269,7 +268,7 @@ def validate(data_cfg, vocab_size: int) -> LMDataConfig:
   if cfg.name in SENTENCEPIECE_SOURCES and not cfg.vocab_path:
     fail('vocab_path', f'{cfg.name} needs a SentencePiece model')
   if not (cfg.vocab_path.startswith('gs://') and cfg.name in SENTENCEPIECE_SOURCES):
-    check_vocab(cfg, vocab_size)  # a gs:// one: laurel.run.preflight, as GCS may only be reachable from the training hosts
+    check_vocab(cfg, vocab_size)  # gs://: preflight checks it, on the training hosts
   return cfg
 
 
@@ -313,19 +312,3 @@ def default_tfds_c4(cfg) -> epath.Path | None:
     return tfds_version_dir('', cfg.tfds_name)
   except InputError:  # no tfds: no C4 of its own either
     return None
-
-
-def check_tfds(cfg, prepare: str) -> None:
-  """An InputError unless `cfg`'s TFDS dataset and splits are prepared in ArrayRecord files."""
-  found = tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
-  require(found is not None, 'data.tfds_data_dir', cfg.tfds_data_dir, f'no prepared {cfg.tfds_name} in '
-          f'{cfg.tfds_data_dir or "$TFDS_DATA_DIR or ~/tensorflow_datasets"}; {prepare}')
-  info = json.loads((found / 'dataset_info.json').read_text())
-  formats = {info.get('fileFormat', 'tfrecord'), *info.get('alternativeFileFormats', [])}
-  require('array_record' in formats, 'data.tfds_data_dir', cfg.tfds_data_dir,
-          f'{found} holds {"/".join(sorted(formats))} files, and random access needs ArrayRecord: tfds '
-          f'convert_format --dataset_version_dir={found} --out_file_format=array_record')
-  present = {s['name'] for s in info.get('splits', [])}
-  for split in (cfg.train_split, cfg.eval_split):
-    require(split in present, 'data.tfds_data_dir', cfg.tfds_data_dir,
-            f'{found} has no split {split!r} (it has: {", ".join(sorted(present))})')

@@ -16,7 +16,6 @@ from jax.ad_checkpoint import checkpoint_name
 from laurel import designs
 from laurel.attention import ATTENTION, attend
 from laurel.designs.buffer import stack_rebuilding_buffer
-from laurel.designs.laurel import LaurelSpec
 from laurel.config_lib import BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number, one_of, require
 
 # What the backward pass keeps of a layer (`model.remat`), by checkpoint_name's names below; the rest is recomputed.
@@ -65,7 +64,7 @@ class LMConfig:
   # Most documents the loader packs into a row, 0 = as many as fit; cudnn attention needs a bound (state per document).
   max_segments: int = field(0, NON_NEGATIVE_INT)
   embed_lookup: str = field('gather', one_of('gather', 'one_hot'), resumable=True)  # the token lookup's form: lookup()
-  stream: Any = designs.stream_field(LaurelSpec())  # the residual design's config (laurel.designs)
+  stream: Any = designs.stream_field(designs.StreamSpec('residual'))  # the residual design's config (laurel.designs)
   value_residual: bool = field(False, BOOL)  # ResFormer (arXiv 2410.17897)
   share: ShareSpec = ShareSpec()
 
@@ -282,7 +281,7 @@ class Block(nn.Module):
     sublayers = self.sublayers(attn_f, lambda x, xn, scale: mlp(xn, scale, pick('mlp_')))
     for t, (name, part) in enumerate(designs.layer_sites(design, spec)):
       f, norm_in, norm_out = sublayers[part]
-      site = (designs.PlainSite if name is None else design.site)(
+      site = (designs.ResidualSite if name is None else design.site)(
           spec, cfg.d_model, t, cfg.sites_per_layer, DTYPES[cfg.param_dtype], decode=self.decode, name=name)
       stream = site(stream, f, norm_in, norm_out, chain_l)
     return (stream, values), None

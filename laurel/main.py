@@ -22,6 +22,7 @@ if __name__ == '__main__':  # quiet and interruptible while JAX and TensorFlow l
   console.quiet_start()
   process.exit_on_interrupt(INTERRUPTED)
 
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging as logging_std  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
@@ -29,7 +30,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from laurel import config_lib, step, train
-from laurel.run import aot, cluster, compile_cache, cost, files, lease
+from laurel.run import aot, cluster, compile_cache, cost
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -67,17 +68,18 @@ def main(argv):
   if _TOPOLOGY.value and not _COMPILE_ONLY.value:
     config_lib.fail(f'--topology={_TOPOLOGY.value}: only with --compile_only (a run uses the devices it finds)')
   try:
-    for warning in step.check_overrides(_CONFIG.value, config_flags.get_config_filename(flags.FLAGS['config']),
+    config = step.build_config(_CONFIG.value)  # the one conversion: all that follows sees the typed config
+    for warning in step.check_overrides(config, config_flags.get_config_filename(flags.FLAGS['config']),
                                          config_flags.get_override_values(flags.FLAGS['config'])):
       print(warning, file=sys.stderr, flush=True)
-    if _PRINT_CONFIG.value:
-      step.validate_config(_CONFIG.value)
-      print(_CONFIG.value.to_json_best_effort(indent=2, sort_keys=True))
+    if _PRINT_CONFIG.value:  # as config.json holds it: the chosen design's section alone
+      step.validate_config(config)
+      print(json.dumps(config_lib.to_dict(config), indent=2, sort_keys=True))
       return
     compile_cache.setup()  # before anything compiles (--compilation_cache)
     if _COMPILE_ONLY.value:  # before anything starts a backend or touches a workdir
       aot.compile_only_process()
-      print(aot.preflight(_CONFIG.value, _TOPOLOGY.value), flush=True)
+      print(aot.preflight(config, _TOPOLOGY.value), flush=True)
       return
   except config_lib.InputError as e:
     config_lib.fail(str(e))
@@ -87,24 +89,10 @@ def main(argv):
   logging.get_absl_handler().addFilter(lambda record: record.levelno >= logging_std.WARNING)  # we print progress
   # Joins the run's other processes where the flags or the environment name them (before any backend starts).
   cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _JOIN_TIMEOUT.value)
-  try:  # only bad input is one line (exit 2); anything else keeps its traceback (exit 1)
-    final = train.train(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
-                        allow_fresh_start=_ALLOW_FRESH_START.value, hold_lease=True)
-  except lease.Held as e:  # another run trains in this workdir
-    config_lib.fail(str(e), code=process.HELD)
-  except lease.Lost as e:  # another run took the workdir over: this one stopped before writing again
-    config_lib.fail(str(e), code=process.LOST)
-  except OSError as e:  # a full disk, a read-only mount, no permission: one line naming the cause and the path
-    if not files.storage_error(e):
-      raise
-    config_lib.fail(f'a write failed: {files.why(e)}; rerun the same command to resume once it is writable',
-                    code=process.WRITE_FAILED)
-  except config_lib.InputError as e:  # a bad config, or e.g. a workdir holding another model's checkpoints
-    config_lib.fail(str(e))
-  except train.TrainingDiverged as e:
-    config_lib.fail(str(e), code=process.DIVERGED)
-  except KeyboardInterrupt:  # Ctrl-C before the first step (in the loop it saves a checkpoint)
-    config_lib.fail('interrupted before training started; nothing was saved', code=130)
+  try:  # an error an operator can act on is one line with its exit status; anything else keeps its traceback
+    with process.errors_in_one_line(config_lib.fail):
+      final = train.train(config, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value,
+                          allow_fresh_start=_ALLOW_FRESH_START.value, hold_lease=True)
   except Exception:  # a collective that failed as a peer died: one line naming it (laurel.run.cluster), not this
     cluster.await_lost_peer()
     raise

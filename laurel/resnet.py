@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from laurel import designs
-from laurel.designs.laurel import LaurelSpec
 from laurel.config_lib import BOOL, DTYPES, POSITIVE, POSITIVE_INT, build, field, in_range, is_int, one_of, require
 
 EXPANSION = 4  # bottleneck output channels = 4·f
@@ -33,7 +32,7 @@ class ResNetConfig:
   bn_momentum: float = field(0.9, in_range(0, 1, closed=(True, False)))
   bn_epsilon: float = field(1e-5, POSITIVE)
   zero_init_last_bn: bool = field(True, BOOL)  # each block starts as its shortcut (Goyal et al. 2017)
-  stream: Any = designs.stream_field(LaurelSpec(a_init='xavier'))  # the residual design's config (laurel.designs)
+  stream: Any = designs.stream_field(designs.StreamSpec('residual'))  # the residual design's config (laurel.designs)
 
   def __post_init__(self):
     object.__setattr__(self, 'stage_sizes', tuple(self.stage_sizes))
@@ -47,7 +46,7 @@ class ResNetConfig:
     design, spec = designs.select(self)
     require(design.per_bottleneck, f'{prefix}.stream.design', design.name, 'the ResNet takes one of ' + ', '.join(
         d.name for d in designs.REGISTRY.values() if d.per_bottleneck) + ' (a carry of x per bottleneck block)')
-    if design.name == 'residual':
+    if design.name == 'laurel':
       require(spec.site == 'block', f'{prefix}.laurel.site', spec.site,
               "the ResNet has one LAuReL site per bottleneck block; only 'block' is supported")
       require(spec.form != 'gemma3n', f'{prefix}.laurel.form', spec.form,

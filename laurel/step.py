@@ -1,5 +1,5 @@
-"""The train step: the typed config (TrainConfig, built by validate_config, then `task.config`), the optimizer, and
-the step compiled ahead of time (laurel.run.cost counts its FLOPs and bytes)."""
+"""The train step: the typed config (TrainConfig, built once at the edge by build_config), the optimizer, and the
+step compiled ahead of time (laurel.run.cost counts its FLOPs and bytes)."""
 
 import dataclasses
 import functools
@@ -115,16 +115,20 @@ def num_data_shards(config, process_count: int | None = None) -> int:
   return math.lcm(shards, jax.process_count() if process_count is None else process_count)
 
 
+def build_config(config) -> TrainConfig:
+  """The typed config of a ConfigDict (a TrainConfig as it is), each field checked: the one conversion, at the edge."""
+  if isinstance(config, TrainConfig):
+    return config
+  train_cfg, task = config_lib.build(TrainConfig, config, '', skip=('model', 'data')), tasks.get_task(config)
+  return dataclasses.replace(train_cfg, model=task.model_cfg, data=task.data_cfg,  # a design imported later too
+                             logical_axis_rules=designs.logical_axis_rules(train_cfg.logical_axis_rules))
+
+
 def validate_config(config, num_devices: int | None = None, process_count: int | None = None) -> tasks.Task:
   """Every check that needs no tracing, as one-line errors naming field and value; the task of the typed config."""
-  train_cfg = config_lib.build(TrainConfig, config, '', skip=('model', 'data'))
-  task = tasks.get_task(config)
-  train_cfg = dataclasses.replace(train_cfg, model=task.model_cfg, data=task.data_cfg,  # a design imported later too
-                                  logical_axis_rules=designs.logical_axis_rules(train_cfg.logical_axis_rules))
-  task = tasks.get_task(train_cfg)  # the same sections, already built
+  task = tasks.get_task(train_cfg := build_config(config))
   task.validate()
   num_devices = jax.device_count() if num_devices is None else num_devices
-  process_count = jax.process_count() if process_count is None else process_count
   mesh_sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(train_cfg.mesh, num_devices)))
   data, fsdp = mesh_sizes['data'], mesh_sizes['fsdp']
   rules = {}
@@ -148,19 +152,16 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
   return task
 
 
-def check_overrides(config, spec: str, overridden) -> list[str]:
-  """An InputError for an override of an unused field (a sweep would train one model many times) that differs from
-  the config file's (`spec`) value; warnings for those that only repeat it."""
+def check_overrides(config: TrainConfig, spec: str, overrides: dict) -> list[str]:
+  """An InputError for an override ({field: value}) of a field the typed `config` leaves unused (a sweep would train
+  one model many times) unlike the config file's (`spec`); a warning for one that only repeats the file's value."""
   unused = tasks.get_task(config).unused_fields()
-  overridden = [name for name in overridden if name in unused]
+  overridden = {name: value for name, value in overrides.items() if name in unused}
   base = config_lib.load(spec) if overridden else None
-  get = lambda config, dotted: functools.reduce(lambda node, part: node[part], dotted.split('.'), config)
-  warnings = []
-  for name in overridden:
-    if (value := get(config, name)) != get(base, name):
+  for name, value in overridden.items():
+    if value != functools.reduce(lambda node, part: node[part], name.split('.'), base):
       raise InputError(f'{name}={value!r}: changes nothing: {unused[name]}')
-    warnings.append(f'warning: {name}={value!r} changes nothing ({unused[name]})')
-  return warnings
+  return [f'warning: {name}={value!r} changes nothing ({unused[name]})' for name, value in overridden.items()]
 
 
 def make_optimizer(o, steps):

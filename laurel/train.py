@@ -18,11 +18,11 @@ import numpy as np
 from etils import epath
 
 from laurel import sharding
-from laurel.config_lib import InputError
+from laurel.config_lib import InputError, to_dict
 from laurel.run import checkpoint, checksums, console, hardware, lease, metric_writers, process
 from laurel.run.checkpoint import run_dir
 from laurel.run.files import remove_temporaries, utc, write_text_atomic
-from laurel.run.metrics_log import MetricsLog, code_commit, interval_mean, median_step_time, summary
+from laurel.run.metrics_log import MetricsLog, code_commit, config_line, interval_mean, median_step_time, summary
 from laurel.run.preflight import check_fits_host, check_inputs
 from laurel.run.stats import weighted_mean_se
 from laurel.step import compile_step, num_data_shards, validate_config
@@ -30,6 +30,7 @@ from laurel.step import compile_step, num_data_shards, validate_config
 
 class TrainingDiverged(RuntimeError):
   """The loss, or a state about to be saved, is not finite."""
+  exit_status = process.DIVERGED
 
 
 class SaveFailed(TrainingDiverged):
@@ -67,7 +68,8 @@ def local_dataset(task, *, train: bool):
 
 def train(config, workdir: str, devices=None, allow_config_change: bool = False, allow_fresh_start: bool = False,
           hold_lease: bool = False) -> dict:
-  """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. Bad input is refused before
+  """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json. `config` is typed
+  (step.TrainConfig) or a ConfigDict, built here: the loop sees the typed one. Bad input is refused before
   anything compiles. Where every checkpoint was unreadable it starts from step 0 only if `allow_fresh_start`. With
   `hold_lease` process 0 holds WORKDIR/lease.json throughout."""
   started = time.perf_counter()
@@ -80,38 +82,21 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
     if held is not None:  # this run alone writes the workdir: temporaries of writes a kill cut short go
       remove_temporaries(workdir, RUN_FILES)
       checksums.remove_list_temporaries(workdir / 'checkpoints')
-    return _train_checked(config, task, workdir, devices, allow_config_change, allow_fresh_start, started,
+    return _train_checked(task, workdir, devices, allow_config_change, allow_fresh_start, started,
                           lease.fence(held, nproc))
 
 
 RUN_FILES = (lease.NAME, 'config.json', 'config_history.jsonl', 'metrics.jsonl', 'final.json')
 
 
-def config_line(config, cfg, workdir: epath.Path) -> str:
-  """A run's first line: its config.json and what it trains (the ConfigDict `config`, typed `cfg`)."""
-  design = design_label(cfg.model.stream, config.model.stream.design)
-  return (f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, design {design}, '
-          f'preset {cfg.preset or "-"}, {cfg.steps} steps)')
-
-
-def design_label(spec, name: str) -> str:
-  """The residual design of a model's `stream` config `spec` (named `name` in the config): 'laurel rw+lr r=8'."""
-  if spec.design != 'residual':
-    return name
-  if spec.variant == 'none':
-    return 'residual'
-  details = [f'r={spec.rank}'] * spec.low_rank + [f'k={spec.k}'] * spec.pa
-  return ' '.join(['laurel', spec.variant, *details, *[f'form={spec.form}'] * (spec.form != 'paper')])
-
-
-def _train_checked(config, task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
+def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool, allow_fresh_start: bool,
                    started: float, fence=lease.fence(None)) -> dict:
-  cfg = task.config  # typed; the ConfigDict `config` is only written (config.json, hashes, checkpoint signatures)
+  cfg = task.config
   check_fits_host(task)  # before anything is written or compiled: compiling alone can exhaust the host
   fence()  # each write of a run file or checkpoint is fenced: it stops where another run took the workdir over
-  record_config = checkpoint.guard_config(config, workdir, allow_config_change)
-  print(config_line(config, cfg, workdir), flush=True)
-  canonical = json.dumps(json.loads(config.to_json_best_effort()), sort_keys=True)
+  record_config = checkpoint.guard_config(cfg, workdir, allow_config_change)
+  print(config_line(cfg, workdir), flush=True)
+  canonical = json.dumps(to_dict(cfg), sort_keys=True)
   info = {'commit': code_commit(), 'config_hash': hashlib.sha256(canonical.encode()).hexdigest()[:16],
           'started_at': utc()}  # what identifies the run
   mesh, nproc = sharding.make_mesh(cfg.mesh, devices), jax.process_count()
@@ -126,7 +111,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
     cleanup.callback(checkpoint.close, mngr)
     with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
-      state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, config, abstract_state, train_iter,
+      state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, cfg, abstract_state, train_iter,
                                                             allow_change=allow_config_change)
     if state is None and (quarantined := checkpoint.quarantined_steps(workdir)) and not allow_fresh_start:
       raise InputError(f'--workdir={os.fspath(workdir)!r}: no readable checkpoint: step'
@@ -153,11 +138,11 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
     num_params = task.num_params(abstract_state.params)
     peak_memory = hardware.peak_memory_bytes(compiled)
     peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind, 0) * jax.device_count()
-    # MFU from the model's FLOPs; 0 where the backend counts none (a ResNet under the CUDA and TPU plug-ins): no MFU.
+    # 0 where the backend counts no FLOPs (a ResNet under the CUDA and TPU plug-ins): no MFU.
     model_flops = task.model_flops(cfg.batch_size) if peak_flops else 0
     keep = 'moved_aside' in info or 'fresh_start_after' in info  # lines past `start` stay: the log says why
     with process.deferred():  # it rewrites metrics.jsonl
-      log = MetricsLog(workdir, config, start, info, keep_later_steps=keep, fence=fence)
+      log = MetricsLog(workdir, cfg, start, info, keep_later_steps=keep, fence=fence)
     cleanup.callback(log.writer.close)
     where = f'process {jax.process_index()} of {nproc} on host {socket.gethostname()}'
     watchdog = process.Watchdog(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_s, where, log.writer.flush)
@@ -244,7 +229,7 @@ def _train_checked(config, task, workdir: epath.Path, devices, allow_config_chan
       if done % cfg.checkpoint_every == 0 or last or stop:
         check_finite(*pending, saving=state)
         fence(every_process=True)
-        checkpoint.save(mngr, done, state, train_iter, config)
+        checkpoint.save(mngr, done, state, train_iter, cfg)
       stop_if_a_save_failed()
       if done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done % cfg.checkpoint_every == 0:
         t0, interval_start = time.time(), done  # steps only: not the logging, eval and saving

@@ -87,6 +87,12 @@ def override_field(override: str) -> str:
   return override.split('=', 1)[0].removeprefix('--').removeprefix('config.')
 
 
+def override_values(config, overrides) -> dict:
+  """{field: its value in the ConfigDict `config`} of <field>=<value> overrides, as step.check_overrides reads them."""
+  get = lambda dotted: functools.reduce(lambda node, part: node[part], dotted.split('.'), config)
+  return {f: get(f) for f in map(override_field, overrides)}
+
+
 def sets_that_apply(spec: str, sets) -> list[str]:
   """The --set overrides that change something in `spec`'s run: a table-wide --set (e.g. model.laurel.rank) means
   nothing to the rows without that part, which train without it (said on stderr)."""
@@ -454,8 +460,8 @@ class Launcher:
     InputError, as laurel.main)."""
     from laurel import step  # pylint: disable=import-outside-toplevel  # jax, optax, orbax: only where needed
     config = config_lib.load(spec, overrides)
-    step.validate_config(config, *self.slice)
-    for warning in step.check_overrides(config, spec, map(override_field, overrides)):
+    typed = step.validate_config(config, *self.slice).config
+    for warning in step.check_overrides(typed, spec, override_values(config, overrides)):
       print(warning, file=sys.stderr, flush=True)
     return config
 

@@ -193,8 +193,8 @@ def plan() -> list[tuple[str, list[str] | str]]:
                                   f'of {accel["name"]} must share the workdir: use gs://BUCKET/...')
     spec = common.repo_spec(_CONFIG.value)
     config = config_lib.load(spec, _OVERRIDES)
-    step.validate_config(config, accel['chips'], accel['hosts'])
-    for warning in step.check_overrides(config, spec, map(common.override_field, _OVERRIDES)):  # as laurel.main
+    typed = step.validate_config(config, accel['chips'], accel['hosts']).config
+    for warning in step.check_overrides(typed, spec, common.override_values(config, _OVERRIDES)):  # as laurel.main
       print(warning, file=sys.stderr, flush=True)
     if _PREFLIGHT.value:  # before any gcloud command: a step that does not fit fails here, not on the slice
       from laurel.run import aot  # pylint: disable=import-outside-toplevel

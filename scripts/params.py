@@ -38,8 +38,8 @@ def count(config) -> dict:
             if jax.tree_util.keystr(p).startswith(("['layers", "['shared']"))]
   state = [(p, x) for k, v in variables.items() if k != 'params' for p, x in jax.tree_util.tree_leaves_with_path(v)]
   widths = task.laurel_site_widths()
-  spec = task.model_cfg.stream  # LAuReL's config where the design is 'residual'
-  laurel_sites = spec.design == 'residual' and bool(spec.components)
+  spec = task.model_cfg.stream
+  laurel_sites = spec.design == 'laurel'
   total = task.num_params([x for _, x in params])
   return {'total_params': total, 'layer_params': size(layers), 'padded_params': size(params) - total,
           'laurel_params': size(laurel),

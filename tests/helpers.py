@@ -44,6 +44,12 @@ def load_config(spec: str, overrides: dict | None = None):
   return config
 
 
+def typed_config(spec: str, overrides: dict | None = None):
+  """load_config's config, typed (step.build_config), as laurel.main hands it on."""
+  from laurel import step  # pylint: disable=import-outside-toplevel  # jax: only where needed
+  return step.build_config(load_config(spec, overrides))
+
+
 def cli_args(spec: str, workdir, overrides: dict) -> list[str]:
   args = [sys.executable, '-m', 'laurel.main', f'--config={ROOT / spec.split(":")[0]}:{spec.split(":")[1]}',
           f'--workdir={workdir}']

@@ -1,6 +1,7 @@
 """NumPy references of every residual design, written from the papers, not from laurel/designs, and the registry
 of what each design is tested against (`REFERENCES`: cases, its chain in float64, its init claim).
 
+  residual     x + f(x) (arXiv 1512.03385; LAuReL's eq. 1)
   LAuReL       arXiv 2411.07501, §2, eqs. 2–6, and Gemma 3n's LAuReL block
   ReZero       eq. 1 (arXiv 2003.04887); LayerScale: CaiT §2 (2103.17239)
   HC           eqs. 3–5, 10–14 and Algorithm 2 (2409.19606); mHC: eqs. 3, 7–9 (2512.24880), DeepSeek-V4's read-out
@@ -67,10 +68,7 @@ def np_reference(spec, params, fx, x, history, xn):
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), nn.unbox(params))
   fx, x, xn = (np.asarray(a, np.float64) for a in (fx, x, xn))
   xs = [x] + [np.asarray(h, np.float64) for h in history]  # xs[j] = x_{i-j}
-  comps = set() if spec.variant == 'none' else set(spec.variant.split('+'))
-
-  if not comps:  # eq. 1
-    return fx + x
+  comps = set(spec.variant.split('+'))
 
   # §2.1: α, β = rw_scale·softmax(w) or rw_scale·σ(w), rw_scale·σ(−w); §2.4: D-vectors if per-dim.
   alpha, beta = np_rw(spec, p['rw_w']) if 'rw' in comps else (1.0, 1.0)
@@ -486,8 +484,10 @@ STREAM_CASES = {
 _streams = lambda *designs: {k: s for k, s in STREAM_CASES.items() if s.design in designs}
 
 REFERENCES = {
-    'residual': Reference({  # every variant of §2, eqs. 3–6, §2.4's per-dimension RW and the Gemma 3n form
-        'none': _laurel('none'), 'rw_softmax': _laurel('rw'), 'rw_sigmoid': _laurel('rw', rw_norm='sigmoid'),
+    'residual': Reference({'plain': StreamSpec('residual')}, lambda spec, params, x, ws: np_plain(x, ws),  # eq. 1
+                          lambda spec, x, ws, params: (plain(x, ws), True), scan=('plain',)),
+    'laurel': Reference({  # every variant of §2, eqs. 3–6, §2.4's per-dimension RW and the Gemma 3n form
+        'rw_softmax': _laurel('rw'), 'rw_sigmoid': _laurel('rw', rw_norm='sigmoid'),
         'rw_softmax_per_dim': _laurel('rw', rw_per_dim=True),
         'rw_sigmoid_per_dim': _laurel('rw', rw_norm='sigmoid', rw_per_dim=True),
         'lr': _laurel('lr'), 'lr_xavier': _laurel('lr', a_init='xavier'), 'lr_rank1': _laurel('lr', rank=1),

@@ -14,7 +14,6 @@ import pytest
 from helpers import ROOT, cli_env
 from laurel import lm
 from laurel.designs import StreamSpec
-from laurel.designs.laurel import LaurelSpec
 
 
 def _grad_hlo(stream):
@@ -34,7 +33,7 @@ def _dots(hlo, name):
 def test_mudd_backward_recomputes_no_more_projections_than_baselines():
   # MUDDFormer's weights A are computed from the layer's output: without it saved (mudd_out, taken from the next
   # layer's input), save_qkv's backward recomputed the MLP's down projection, 7% of the step at the paper shape.
-  base, mudd = _grad_hlo(LaurelSpec()), _grad_hlo(StreamSpec(design='mudd'))
+  base, mudd = _grad_hlo(StreamSpec()), _grad_hlo(StreamSpec(design='mudd'))
   for name in ('mlp/down', 'mlp/up', 'attn/out', 'attn/query'):
     assert _dots(mudd, name) == _dots(base, name), name
 

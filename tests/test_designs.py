@@ -719,7 +719,7 @@ def test_dca_8_params_at_the_paper_shape_are_its_equations():
      "model.mudd.mudd_streams='qkv': must be one of qkvr, r"),
     (dict(stream=dict(design='dca'), norm_position='post'),
      "model.norm_position='post': stream design 'dca' is defined on pre-norm sublayers"),
-    (dict(stream=dict(design='lstm')), "model.stream.design='lstm': must be one of residual, rezero"),
+    (dict(stream=dict(design='lstm')), "model.stream.design='lstm': must be one of residual, laurel, rezero"),
     (dict(laurel=dict(site='mlp')), "model.laurel.site='mlp': must be one of block, sublayer, attention"),
     (dict(value_residual=1), 'model.value_residual=1: must be a bool'),
 ])

@@ -9,9 +9,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from helpers import ROOT, SPEC, TINY_LM, load_config
+from helpers import ROOT, SPEC, TINY_LM, load_config, typed_config
 from laurel import config_lib, designs, lm, step, train
-from laurel.run import checkpoint, console, preflight
+from laurel.run import checkpoint, console, metrics_log, preflight
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'
 
@@ -61,7 +61,7 @@ def test_a_workdir_of_another_model_is_refused_before_compiling(tmp_path, monkey
   """Its config.json says so: the checkpoint's own record is read only after compiling (7.5 s on 2 cores)."""
   workdir = tmp_path / 'run'
   workdir.mkdir()
-  checkpoint.guard_config(load_config(SPEC, TINY_LM), workdir)  # no checkpoint yet: writes config.json
+  checkpoint.guard_config(typed_config(SPEC, TINY_LM), workdir)  # no checkpoint yet: writes config.json
   (workdir / 'checkpoints' / '3').mkdir(parents=True)
   monkeypatch.setattr(train, 'compile_step', lambda *_: pytest.fail('compiled'))
   with pytest.raises(config_lib.InputError, match=r"^--workdir='.+': holds checkpoints of a different task/model "
@@ -131,16 +131,16 @@ def test_a_run_of_an_outside_design_is_read_back_from_the_file_it_recorded(tanh_
   config = config_lib.load('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tanh_gate:tanh_gate'])
   workdir = tmp_path / 'run'
   workdir.mkdir()
-  checkpoint.guard_config(config, workdir)  # writes config.json, as a run does before compiling
+  checkpoint.guard_config(step.build_config(config), workdir)  # writes config.json, as a run does before compiling
   assert json.loads((workdir / 'config.json').read_text())['design_file'] == str(tanh_gate)
   sys.path.remove(str(tanh_gate.parent))  # a later command, without PYTHONPATH
   forget_tanh_gate()
-  saved = config_lib.load(str(workdir))  # --config=WORKDIR (sampling reads checkpoint.read_config too)
+  saved = config_lib.load(str(workdir))  # --config=WORKDIR (sampling reads saved_config.read_config too)
   assert capsys.readouterr().err == (f"notice: model.stream.design='tanh_gate:tanh_gate': tanh_gate is not on the "
                                      f'Python path; imported it from {tanh_gate}, where the run recorded it\n')
   assert lm.LMConfig.from_config(saved.model).stream.design == 'tanh_gate'
   (workdir / 'checkpoints' / '3').mkdir(parents=True)
-  checkpoint.guard_config(saved, workdir)  # the record is no change of config: a resume goes on
+  checkpoint.guard_config(step.build_config(saved), workdir)  # the record is no change of config: a resume goes on
 
 
 def test_an_outside_design_that_cannot_be_imported_says_what_to_set(tanh_gate, tmp_path):
@@ -162,7 +162,7 @@ def test_the_config_line_names_the_design(spec, overrides, design):
   try:
     config = config_lib.load(spec, overrides)
     task = step.validate_config(config, num_devices=1, process_count=1)
-    assert f', design {design}, ' in train.config_line(config, task.config, ROOT / 'runs' / 'x')
+    assert f', design {design}, ' in metrics_log.config_line(task.config, ROOT / 'runs' / 'x')
   finally:
     designs.REGISTRY.pop('gated', None)  # other tests enumerate every design
     sys.modules.pop('tests.gated_design', None)

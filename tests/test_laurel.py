@@ -203,7 +203,6 @@ def test_xavier_init_scale_DxR(variant, a_name):
 
 PARAM_COUNTS = [
     # (id, spec, extra params per site)
-    ('none', _spec('none'), 0),
     ('rw_softmax', _spec('rw'), 2),
     ('rw_sigmoid', _spec('rw', rw_norm='sigmoid'), 1),
     ('rw_softmax_per_dim', _spec('rw', rw_per_dim=True), 32),  # 2D
@@ -232,10 +231,10 @@ def test_param_count_matches_closed_form(spec, expected):
   assert _num_params(_init(spec)) == expected
 
 
-@pytest.mark.parametrize('case', list(REFERENCES['residual'].cases))
+@pytest.mark.parametrize('case', list(REFERENCES['laurel'].cases))
 def test_chain_param_count_is_the_closed_form_per_site(case):
-  spec = REFERENCES['residual'].cases[case]
-  params = design_chain.init('residual', spec)
+  spec = REFERENCES['laurel'].cases[case]
+  params = design_chain.init('laurel', spec)
   assert _num_params(params) == design_chain.LAYERS * design_chain.T * closed_form_params(spec, design_chain.D)
 
 
@@ -272,6 +271,7 @@ BAD_SPECS = [
     ('variant_duplicate', dict(variant='rw+rw'), 'variant', "'rw+rw'"),
     ('variant_empty', dict(variant=''), 'variant', "''"),
     ('variant_trailing_plus', dict(variant='lr+'), 'variant', "'lr+'"),
+    ('variant_none', dict(variant='none'), 'variant', "'none'"),  # design 'residual' is the plain residual
     ('rw_norm', dict(variant='rw', rw_norm='tanh'), 'rw_norm', "'tanh'"),
     ('rw_scale_0', dict(variant='rw', rw_scale=0.0), 'rw_scale', '0.0'),
     ('a_init', dict(variant='lr', a_init='orthogonal'), 'a_init', "'orthogonal'"),

@@ -14,7 +14,7 @@ import time
 import jax
 import pytest
 
-from helpers import ROOT, SPEC, TINY_LM, checkpoint_steps, cli_env, load_config, metrics
+from helpers import ROOT, SPEC, TINY_LM, checkpoint_steps, cli_env, load_config, metrics, typed_config
 from laurel import config_lib, train
 from laurel.run import checkpoint, files, lease, metrics_log
 
@@ -256,7 +256,7 @@ def test_a_lost_lease_and_a_refused_write_exit_with_their_status_and_one_line(tm
 # 6. A kill inside the first config.json write records its history entry once.
 
 def test_a_kill_between_the_history_and_config_writes_records_the_entry_once(tmp_path, monkeypatch):
-  config = load_config(SPEC, TINY_LM)
+  config = typed_config(SPEC, TINY_LM)
   write = checkpoint.write_text_atomic
 
   def killed_at_config(path, text):

@@ -14,6 +14,7 @@ import pytest
 
 from configs import c4_ablation
 from laurel import attention, step
+from laurel.designs import StreamSpec
 from laurel.lm import LM, LMConfig
 from laurel.designs.laurel import LaurelSite, LaurelSpec, closed_form_params
 from scripts import paper
@@ -23,13 +24,13 @@ VOCAB, D, HEADS, FF, LAYERS, LEN, BATCH, RANK = 32, 16, 2, 32, 2, 8, 4, 4
 
 
 
-def _cfg(variant='none', site='block', k=2, laurel=None, **model):
-  """A tiny LMConfig; `laurel` holds extra LaurelSpec fields.
+def _cfg(variant=None, site='block', k=2, laurel=None, **model):
+  """A tiny LMConfig of LAuReL's `variant` (None: design 'residual'); `laurel` holds extra LaurelSpec fields.
 
   Layers are unrolled unless a test asks for scan: on CPU the op-by-op path reuses compiled ops across
   tests, while every scanned or jitted model compiles from scratch (seconds each on 2 cores).
   """
-  spec = LaurelSpec(variant=variant, rank=RANK, k=k, site=site, **(laurel or {}))
+  spec = LaurelSpec(variant=variant, rank=RANK, k=k, site=site, **(laurel or {})) if variant else StreamSpec()
   fields = dict(vocab_size=VOCAB, d_model=D, num_heads=HEADS, d_ff=FF, num_layers=LAYERS, max_len=16,
                 scan_layers=False)
   fields.update(model)
@@ -40,7 +41,7 @@ def _cfg(variant='none', site='block', k=2, laurel=None, **model):
 
 # (id, LMConfig): the residual variants the LM-level tests sweep. Block sites: k ≤ 2 = layers.
 LM_VARIANTS = [
-    ('baseline', _cfg('none')),
+    ('baseline', _cfg()),
     ('rw', _cfg('rw')),
     ('rw_sigmoid_per_dim', _cfg('rw', laurel=dict(rw_norm='sigmoid', rw_per_dim=True))),
     ('lr', _cfg('lr')),
@@ -309,7 +310,7 @@ PAPER_FORM_CASES += [(n, 'post') for n in ('rw', 'rw_lr_pa_block', 'rw_lr_pa_sub
 def test_paper_form_lm_starts_as_baseline_BxLxV(name, norm_position):
   # LAuReL parameters at their init, every other weight shared with the baseline: the same logits.
   cfg = dataclasses.replace(BY_ID[name], norm_position=norm_position)
-  base_cfg = dataclasses.replace(cfg, stream=LaurelSpec())
+  base_cfg = dataclasses.replace(cfg, stream=StreamSpec())
   base = _random_params(base_cfg, 7)
   init = nn.unbox(LM(cfg).init(jax.random.key(0), _tokens(8))['params'])
   graft = lambda b, i: {k: graft(b[k], v) if k in b and isinstance(v, dict) else b.get(k, v) for k, v in i.items()}
@@ -372,7 +373,7 @@ def test_pa_keeps_no_extra_activation_per_scanned_layer():
   # The paper's form of PA reads x_{i−1}, x_{i−2} at layer i, so a layer scan would keep two more (B, L, D)
   # activations per layer; the push form keeps only small (B, L, r) ones. One activation here: 2·64·32·4 bytes.
   activation = 2 * 64 * 32 * 4
-  base = _scan_bytes_per_layer('none')
+  base = _scan_bytes_per_layer(None)
   assert base > 3 * activation  # the measure sees activations at all
   assert _scan_bytes_per_layer('rw+lr+pa') - base < activation / 2
 
@@ -464,7 +465,7 @@ def test_lm_laurel_param_count_is_sites_times_closed_form(cfg, expected, scan_la
   shapes = nn.unbox(_boxed_shapes(cfg))
   assert cfg.num_sites * closed_form_params(cfg.stream, cfg.d_model) == expected
   assert _count(_laurel_leaves(shapes)) == expected
-  base = nn.unbox(_boxed_shapes(dataclasses.replace(cfg, stream=LaurelSpec())))
+  base = nn.unbox(_boxed_shapes(dataclasses.replace(cfg, stream=StreamSpec())))
   assert _count(shapes) - _count(base) == expected
 
 
@@ -517,10 +518,11 @@ def _model_cfg(row='rw_lr', laurel=None, **model):
 
 
 def test_c4_ablation_rows_parse():
-  for row, (layers, overrides) in c4_ablation.ROWS.items():
+  for row, (layers, laurel) in c4_ablation.ROWS.items():
     for preset in ('paper', 'tiny'):
       cfg = LMConfig.from_config(c4_ablation.get_config(f'{row},preset={preset}').model)
-      assert cfg.stream.variant == overrides['variant']
+      assert cfg.stream.design == ('laurel' if laurel else 'residual')
+      assert getattr(cfg.stream, 'variant', None) == laurel.get('variant')
       assert cfg.num_layers == (layers if preset == 'paper' else layers // 4)
   cfg = LMConfig.from_config(_model_cfg(laurel=dict(variant='pa', k=12, site='sublayer')))
   assert cfg.num_sites == 12 and cfg.stream.k == 12
@@ -536,6 +538,7 @@ BAD_LAUREL = [
     ('k_above_sublayer_sites', dict(variant='pa', k=13, site='sublayer'), 'model.laurel.k=13'),
     ('variant_rw_xx', dict(variant='rw+xx'), "model.laurel.variant='rw+xx'"),
     ('variant_foo', dict(variant='foo'), "model.laurel.variant='foo'"),
+    ('variant_none', dict(variant='none'), "model.laurel.variant='none'"),  # design 'residual' is the plain one
     ('rw_norm', dict(rw_norm='relu'), "model.laurel.rw_norm='relu'"),
     ('a_init', dict(a_init='he'), "model.laurel.a_init='he'"),
     ('pa_h', dict(variant='pa', pa_h='conv'), "model.laurel.pa_h='conv'"),

@@ -15,7 +15,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, metrics, run_cli
+from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, metrics, run_cli, typed_config
 from laurel import config_lib, train
 from laurel.run import metric_writers, metrics_log, preflight
 from laurel.serve import evaluate
@@ -98,8 +98,9 @@ def test_profiler_traces_the_configured_steps_only(monkeypatch):
 def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
   """laurel.train and every default writer load no TensorFlow, and W&B not unless asked (a separate process: another
   test may load them)."""
-  code = ('import sys\nfrom etils import epath\nfrom laurel import config_lib, main\nfrom laurel.run import metrics_log\n'
-          f'config = config_lib.load({SPEC!r}, ["tensorboard=True"])\n'
+  code = ('import sys\nfrom etils import epath\nfrom laurel import config_lib, main, step\n'
+          'from laurel.run import metrics_log\n'
+          f'config = step.build_config(config_lib.load({SPEC!r}, ["tensorboard=True"]))\n'
           f'log = metrics_log.MetricsLog(epath.Path({str(tmp_path)!r}), config, 0, {{}})\n'
           'log.write(1, {"loss": 2.5})\nlog.writer.close()\n'
           'print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "clu", "wandb")))\n')
@@ -111,7 +112,7 @@ def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
 
 
 def _open_wandb_run(tmp_path):
-  metrics_log.MetricsLog(tmp_path, load_config(SPEC, {**TINY_LM, 'wandb.project': 'laurel'}), 0, {})
+  metrics_log.MetricsLog(tmp_path, typed_config(SPEC, {**TINY_LM, 'wandb.project': 'laurel'}), 0, {})
 
 
 def _check_imagenet(tmp_path):

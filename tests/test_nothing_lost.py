@@ -2,6 +2,7 @@
 finite checkpoints called good, no silent restart from zero, the config signature in every checkpoint, the bad
 inputs refused before compiling, interrupted sweeps that keep their point, and checksummed array files."""
 import builtins
+import dataclasses
 import json
 import os
 import re
@@ -16,9 +17,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, load_config, losses
+from helpers import ROOT, TINY_LM, cli_env, load_config, losses, typed_config
 from laurel import config_lib, step, train
-from laurel.run import checkpoint, checksums, metrics_log, preflight
+from laurel.run import checkpoint, checksums, metrics_log, preflight, saved_config
 from laurel.serve import loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -68,11 +69,11 @@ def _files(folder) -> dict:
 # 1. Every file the project rewrites is written atomically; SIGTERM before the loop is one line and a status.
 
 def test_a_kill_inside_the_config_writes_keeps_both_files(tmp_path, torn_writes):
-  config = load_config(SPEC, TINY_LM)
+  config = typed_config(SPEC, TINY_LM)
   checkpoint.guard_config(config, tmp_path)()  # checked, then written (once the checkpoint is restored)
   (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
   before = _files(tmp_path)
-  config.steps = 12  # a longer run: config.json and its history are rewritten
+  config = dataclasses.replace(config, steps=12)  # a longer run: config.json and its history are rewritten
   for name in ('config_history.jsonl', 'config.json'):
     torn_writes(name)
     with pytest.raises(KeyboardInterrupt):
@@ -85,13 +86,13 @@ def test_a_kill_inside_the_config_writes_keeps_both_files(tmp_path, torn_writes)
 
 def test_a_torn_config_json_is_rewritten_and_refused_in_one_line_where_it_is_read(tmp_path, capsys):
   # A torn copy (written by other means than this project's atomic writes) no longer ends every rerun in a traceback.
-  config = load_config(SPEC, TINY_LM)
+  config = typed_config(SPEC, TINY_LM)
   checkpoint.guard_config(config, tmp_path)()
   (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
   whole = (tmp_path / 'config.json').read_text()
   (tmp_path / 'config.json').write_text(whole[:len(whole) // 2])
   with pytest.raises(config_lib.InputError, match=r"config.json is not JSON \("):
-    checkpoint.read_config(tmp_path)  # what generate, evaluate and --config=WORKDIR read
+    saved_config.read_config(tmp_path)  # what generate, evaluate and --config=WORKDIR read
   checkpoint.guard_config(config, tmp_path)()  # the checkpoint's own signature is checked on restore instead
   assert 'config.json is not JSON; it is rewritten' in capsys.readouterr().err
   assert json.loads((tmp_path / 'config.json').read_text()) == json.loads(whole)
@@ -112,7 +113,7 @@ def test_a_kill_inside_the_metrics_rewrite_keeps_every_line(tmp_path, torn_write
   (tmp_path / 'metrics.jsonl').write_text(text)
   torn_writes('metrics.jsonl')
   with pytest.raises(KeyboardInterrupt):  # a resume from checkpoint 2 drops line 3
-    metrics_log.MetricsLog(tmp_path, load_config(SPEC, TINY_LM), resume_step=2, info={})
+    metrics_log.MetricsLog(tmp_path, typed_config(SPEC, TINY_LM), resume_step=2, info={})
   assert _files(tmp_path) == {'metrics.jsonl': text}
 
 

@@ -363,7 +363,8 @@ def test_stages_match_numpy_paper_equations_at_random_params(name):
     (('laurel', 'form'), 'gemma3n', "model.laurel.form='gemma3n'"),
     (('laurel', 'rank'), 33, 'model.laurel.rank=33'),  # tiny: the narrowest block has D = 32
     (('laurel', 'variant'), 'rw+xx', "model.laurel.variant='rw+xx'"),
-    (('stream', 'design'), 'hc', "model.stream.design='hc': the ResNet takes one of residual, rezero, layerscale"),
+    (('stream', 'design'), 'hc',
+     "model.stream.design='hc': the ResNet takes one of residual, laurel, rezero, layerscale"),
     (('stage_sizes',), (), 'model.stage_sizes=()'),
     (('stage_sizes',), (2, 0), 'model.stage_sizes=(2, 0)'),
     (('base_width',), 0, 'model.base_width=0'),

@@ -2,6 +2,7 @@
 moved aside only for damage, bad input told apart from bugs, a resume past a torn log and on a filesystem without
 appends, no-op fields refused, resuming from the saved config, inference that reads only the sharded parameters, and
 a watchdog for hung steps."""
+import dataclasses
 import json
 import pathlib
 import re
@@ -19,9 +20,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, cli_env, fake_gcs_env, load_config, losses, run_cli, run_python,
-                     tree_snapshot)
-from laurel import config_lib, data, step, train
-from laurel.run import checkpoint, metrics_log, preflight, process
+                     tree_snapshot, typed_config)
+from laurel import config_lib, data, designs, step, train
+from laurel.designs import StreamSpec
+from laurel.run import checkpoint, checksums, metrics_log, preflight, process, saved_config
 from laurel.serve import loader
 from laurel.serve import evaluate, generate
 
@@ -86,7 +88,7 @@ def _restore_args(workdir):
   _, init_state, _ = step.make_train_fns(task)
   abstract = jax.eval_shape(init_state, jax.random.key(0))
   mngr = ocp.CheckpointManager(workdir / 'checkpoints')
-  return mngr, checkpoint.run_dir(workdir), config, abstract, iter(train.local_dataset(task, train=True))
+  return mngr, checkpoint.run_dir(workdir), task.config, abstract, iter(train.local_dataset(task, train=True))
 
 
 def _renamed(abstract):
@@ -183,8 +185,7 @@ def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
   rows = [{'step': s, 'loss': 1.0 / s} for s in (1, 2, 3)]
   text = ''.join(json.dumps(r) + '\n' for r in rows)
   (tmp_path / 'metrics.jsonl').write_text(text + text.splitlines()[-1][:9])  # killed mid-write of a 4th line
-  config = load_config(SPEC, TINY_LM)
-  log = metrics_log.MetricsLog(tmp_path, config, resume_step=2, info={})  # what a resume from checkpoint 2 opens
+  log = metrics_log.MetricsLog(tmp_path, typed_config(SPEC, TINY_LM), resume_step=2, info={})  # a resume from 2
   log.write(3, {'loss': 0.25})
   log.writer.close()
   assert 'metrics.jsonl: dropped line 4, not a JSON object with a step' in capsys.readouterr().err
@@ -193,8 +194,8 @@ def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_metrics_log_never_appends_on_gcs(tmp_path):
-  code = ('import json, ml_collections\nfrom etils import epath\nfrom laurel.run import metrics_log\n'
-          'config = ml_collections.ConfigDict({"tensorboard": False, "wandb": {"project": None}})\n'
+  code = ('import json\nfrom etils import epath\nfrom laurel import step\nfrom laurel.run import metrics_log\n'
+          'config = step.TrainConfig(tensorboard=False)\n'
           'for resume, steps in ((0, (1, 2)), (2, (3,))):\n'
           '  log = metrics_log.MetricsLog(epath.Path("gs://bucket/run"), config, resume, {})\n'
           '  for s in steps: log.write(s, {"loss": 1.0 / s})\n'
@@ -221,19 +222,21 @@ def test_the_metrics_log_never_appends_on_gcs(tmp_path):
     ('residual_designs:mhc_lite,preset=tiny', 'model.mhc.sinkhorn_iters', 5,
      "only design 'mhc' reads it, not model.stream.design='mhc_lite'"),
     ('residual_designs:hc,preset=tiny', 'model.laurel.variant', 'rw',
-     "only design 'residual' reads it, not model.stream.design='hc'"),
+     "only design 'laurel' reads it, not model.stream.design='hc'"),
+    ('c4_ablation:baseline_24,preset=tiny', 'model.laurel.rank', 16,
+     "only design 'laurel' reads it, not model.stream.design='residual'"),
     ('c4_ablation:rw_lr,preset=tiny', 'model.laurel.rank', 16, None),
     ('residual_designs:mhc,preset=tiny', 'model.mhc.sinkhorn_iters', 5, None),
     ('residual_designs:baseline_24,preset=tiny', 'model.share.rank', 2, 'model.share.group_size=1 shares nothing'),
     ('c4_ablation:rw,preset=tiny', 'data.vocab_path', '/sp.model', "data.name='text' is byte-level"),
 ])
 def test_overrides_that_change_nothing_are_refused(spec, field, value, why):
-  config = config_lib.load(spec, [f'{field}={value}'])
+  config = step.build_config(config_lib.load(spec, [f'{field}={value}']))
   if why is None:  # a field this row uses
-    assert step.check_overrides(config, config_lib.resolve_spec(spec), [field]) == []
+    assert step.check_overrides(config, config_lib.resolve_spec(spec), {field: value}) == []
     return
   with pytest.raises(config_lib.InputError, match=re.escape(f'{field}={value!r}: changes nothing: {why}')):
-    step.check_overrides(config, config_lib.resolve_spec(spec), [field])
+    step.check_overrides(config, config_lib.resolve_spec(spec), {field: value})
 
 
 @pytest.mark.slow
@@ -292,7 +295,56 @@ def test_resume_from_the_saved_config_in_one_command(run_with_three_checkpoints,
   assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)' in result.stdout
   assert 'resumed from checkpoint 9' in result.stdout and max(losses(workdir)) == 10
   saved = json.loads((workdir / 'config.json').read_text())
-  assert json.loads(config_lib.load(str(workdir / 'config.json')).to_json_best_effort()) == saved
+  assert config_lib.to_dict(step.build_config(config_lib.load(str(workdir / 'config.json')))) == saved
+
+
+def _in_the_old_shape(saved: dict) -> dict:
+  """A saved config (config.json's, a checkpoint's signature) as code before issue 52 wrote it: every design's section
+  at its defaults, and LAuReL as design 'residual' with `laurel.variant` ('none' for the plain residual)."""
+  model = saved['model']
+  every = {d.section: config_lib.to_dict(d.config()) for d in designs.REGISTRY.values()
+           if dataclasses.fields(d.config)}
+  laurel = model.get('laurel', {**every['laurel'], 'variant': 'none'})
+  return {**saved, 'model': {**model, **every, 'stream': {'design': 'residual'}, 'laurel': laurel}}
+
+
+@pytest.mark.parametrize('row', ['baseline_24', 'rw_lr_pa'])
+def test_a_signature_in_the_old_shape_is_no_change_of_config(row):
+  config = typed_config(f'configs/c4_ablation.py:{row},preset=tiny', TINY_LM)
+  old = _in_the_old_shape(config_lib.to_dict(config))
+  assert {'laurel', 'hc', 'mhc', 'denseformer', 'dca_k'} <= set(old['model'])  # every design's section
+  assert checkpoint.config_changes(old, config) == ({}, [])
+  assert saved_config.upgrade(old) == config_lib.to_dict(config)
+
+
+@pytest.mark.slow
+def test_a_run_saved_in_the_old_shape_loads_for_sampling_and_resumes(run_with_three_checkpoints, tmp_path):
+  """A run saved before LAuReL was a design of its own name (issue 52): config.json and every checkpoint's config
+  signature hold every design's section and design 'residual' with `laurel.variant`. Made here from a run of today's
+  code, rewritten so; its parameter names are LAuReL's as ever. It loads for sampling and --config=WORKDIR, and
+  resumes in one command with no refusal."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(run_with_three_checkpoints, workdir)
+  path = workdir / 'config.json'
+  path.write_text(json.dumps(_in_the_old_shape(json.loads(path.read_text())), indent=2))
+  for step_dir in (workdir / 'checkpoints').iterdir():
+    signature = step_dir / 'config' / 'metadata'
+    signature.write_text(json.dumps(_in_the_old_shape(json.loads(signature.read_text()))))
+    checksums.record(step_dir)  # its list vouches for the rewritten signature, as the old run's did
+  assert json.loads(path.read_text())['model']['hc'] == {'expansion': 4, 'hc_dynamic': False}
+
+  config = step.build_config(config_lib.load(str(workdir)))  # --config=WORKDIR
+  assert config.model.stream == StreamSpec('laurel', variant='rw+lr+pa', rank=8, k=3)
+  with loader.lm_run_on_mesh(workdir) as (task, params, number, _):  # what sampling and scoring read
+    assert number == 9 and task.config == config and 'laurel_rw' in params
+  result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={workdir}', f'--workdir={workdir}',
+                           '--config.steps=10'], env=cli_env(), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)\n' in result.stdout
+  assert 'design laurel rw+lr+pa r=8 k=3' in result.stdout and 'resumed from checkpoint 9' in result.stdout
+  saved = json.loads(path.read_text())  # rewritten as the resumed run's: today's shape
+  assert saved['model']['stream'] == {'design': 'laurel'} and 'hc' not in saved['model'] and max(losses(workdir)) == 10
 
 
 # 7. Inference reads the parameters only, into their shardings, and passes them to its programs as arguments.
@@ -432,8 +484,8 @@ def test_the_watchdog_counts_no_stall_while_the_process_was_stopped(monkeypatch)
 def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_another(tmp_path):
   """A field added since a run was saved (absent from its config.json and its checkpoint's signature) trained at
   its default: resuming at the default is no change; at another value it is refused, naming the default."""
-  config = load_config('configs/c4_ablation.py:baseline_24,preset=tiny', TINY_LM)
-  saved = json.loads(config.to_json_best_effort())
+  config = typed_config('configs/c4_ablation.py:baseline_24,preset=tiny', TINY_LM)
+  saved = config_lib.to_dict(config)
   del saved['model']['attention_scores'], saved['optimizer']['min_lr_ratio']
   (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
   (tmp_path / 'config.json').write_text(json.dumps(saved))
@@ -441,7 +493,7 @@ def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_an
   assert checkpoint.config_changes(saved, config) == ({}, [])
 
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  config.model.attention_scores = 'bfloat16'
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_scores='bfloat16'))
   assert checkpoint.config_changes(saved, config)[1] == ['model.attention_scores']
   with pytest.raises(config_lib.InputError, match=r"model\.attention_scores='float32' \(now 'bfloat16'\)"):
     checkpoint.guard_config(config, tmp_path)

@@ -13,8 +13,9 @@ import pytest
 
 from design_chain import BATCH, D, LAYERS, LEN, T, Net, inputs, randomize, rms, stacked, toy_fn
 from design_chain import init as chain_init
-from laurel import lm
+from laurel import designs, lm
 from laurel.designs import StreamSpec
+from laurel.run import saved_config
 from laurel.designs.hyper import MHCSite, sinkhorn
 from reference import STREAM_CASES, np_sigmoid, np_sinkhorn
 
@@ -172,18 +173,41 @@ def test_spec_rejects_unknown_field(sections, message):
 
 @pytest.mark.parametrize('design,sections', [
     ('residual', {}), ('residual', dict(denseformer=dict(dwa_period=100))), ('hc', dict(hc=dict(expansion=1))),
+    ('laurel', dict(laurel=dict(variant='pa', k=3))),
     ('denseformer', dict(denseformer=dict(dwa_dilation=LAYERS, dwa_period=LAYERS)))],
-                         ids=['defaults', 'dwa_unused', 'hc_n1', 'dwa_equal_layers'])
+                         ids=['defaults', 'dwa_unused', 'hc_n1', 'laurel_pa', 'dwa_equal_layers'])
 def test_spec_accepts(design, sections):
   assert _build(design, **sections) == StreamSpec(design, **sections.get(design, {}))
+
+
+def _saved(**model):
+  """The design config an LM builds from a saved config of `model`, upgraded as a resume and --config=WORKDIR read
+  it."""
+  return _build(**saved_config.upgrade({'model': model})['model'])
 
 
 def test_a_config_saved_with_every_field_in_model_stream_still_builds():
   old = {'design': 'mhc', 'expansion': 3, 'hc_dynamic': False, 'sinkhorn_iters': 5, 'mhc_readout': 'authors',
          'mhc_lite_init': 'plain', 'fractions': 2, 'layerscale_init': 1e-5, 'dwa_dilation': 1, 'dwa_period': 1,
          'attnres_block': 2, 'attnres_heads': 1, 'attnres_delta': False, 'mudd_streams': 'qkvr', 'dca_k': 8}
-  assert _build(stream=old) == StreamSpec('mhc', expansion=3, sinkhorn_iters=5)
-  assert _build(stream={**old, 'design': 'residual'}, laurel={'variant': 'rw'}) == StreamSpec(variant='rw')
+  laurel = {'variant': 'none', 'rank': 4}
+  assert _saved(stream=old, laurel=laurel) == StreamSpec('mhc', expansion=3, sinkhorn_iters=5)
+  assert _saved(stream={**old, 'design': 'residual'}, laurel={**laurel, 'variant': 'rw'}) == StreamSpec(
+      'laurel', variant='rw', rank=4)
+  assert _saved(stream={**old, 'design': 'residual'}, laurel=laurel) == StreamSpec('residual')
+
+
+def test_a_config_saved_with_every_section_and_laurel_as_design_residual_still_builds():
+  """Runs saved before LAuReL was a design of its own name: design 'residual' with `laurel.variant` ('none': the
+  plain residual), beside every other design's section."""
+  every = {d.section: {} for d in designs.REGISTRY.values() if d.name != 'residual'}
+  old = lambda **laurel: {**every, 'stream': {'design': 'residual'}, 'laurel': {'variant': 'none', 'k': 2, **laurel}}
+  assert _saved(**old()) == StreamSpec('residual')
+  assert _saved(**old(variant='rw+pa')) == StreamSpec('laurel', variant='rw+pa', k=2)
+  assert saved_config.upgrade({'model': old(variant='lr')})['model'] == {
+      'stream': {'design': 'laurel'}, 'laurel': {'variant': 'lr', 'k': 2}}
+  assert saved_config.upgrade({'model': {**every, 'stream': {'design': 'hc'}, 'hc': {'expansion': 2}}})['model'] == {
+      'stream': {'design': 'hc'}, 'hc': {'expansion': 2}}
 
 
 def test_unused_sections_are_every_other_designs_fields():

@@ -20,13 +20,13 @@ COMPONENTS = ('rw', 'lr', 'pa')
 
 def _is_variant(v) -> bool:
   parts = v.split('+') if isinstance(v, str) else [None]
-  return v == 'none' or (all(p in COMPONENTS for p in parts) and len(set(parts)) == len(parts))
+  return all(p in COMPONENTS for p in parts) and len(set(parts)) == len(parts)
 
 
 @dataclasses.dataclass(frozen=True)
 class LaurelSpec:
-  """`model.laurel`, the config of design 'residual' (variant 'none': the plain residual)."""
-  variant: str = field('none', (_is_variant, f"must be 'none' or a '+'-joined subset of {', '.join(COMPONENTS)}"))
+  """`model.laurel`, the config of design 'laurel'."""
+  variant: str = field('rw+lr', (_is_variant, f"must be a '+'-joined subset of {', '.join(COMPONENTS)}"))
   rank: int = 32  # r, for LR and low-rank PA; checked against d_model in check_sizes
   k: int = 3  # number of previous activations for PA (x_i counts as one)
   rw_norm: str = field('softmax', one_of('softmax', 'sigmoid'))  # over (α, β), or one parameter
@@ -39,7 +39,7 @@ class LaurelSpec:
   # LM: one site per block, per sublayer, or on attention only with a plain residual around the MLP (Gemma 3n)
   site: str = field('block', one_of('block', 'sublayer', 'attention'))
 
-  components = property(lambda self: frozenset() if self.variant == 'none' else frozenset(self.variant.split('+')))
+  components = property(lambda self: frozenset(self.variant.split('+')))
   rw = property(lambda self: 'rw' in self.components)
   lr = property(lambda self: 'lr' in self.components)
   pa = property(lambda self: 'pa' in self.components)
@@ -56,12 +56,14 @@ class LaurelSpec:
     require(not self.pa or (is_int(self.k) and 1 <= self.k <= num_sites), f'{prefix}.k', self.k,
             f'must be an integer in [1, number of LAuReL sites={num_sites}]')
 
+  def label(self) -> str:
+    """How a run's first line names it: 'laurel rw+lr r=8'."""
+    details = [f'r={self.rank}'] * self.low_rank + [f'k={self.k}'] * self.pa
+    return ' '.join(['laurel', self.variant, *details, *[f'form={self.form}'] * (self.form != 'paper')])
+
   def unused_fields(self, prefix: str) -> dict[str, str]:
     """{field: why} of the fields that change nothing for this variant, so a sweep over one can be refused."""
     variant = f'{prefix}.variant={self.variant!r}'
-    if not self.components:
-      return {f'{prefix}.{f.name}': f'{variant} has no LAuReL site' for f in dataclasses.fields(self)
-              if f.name != 'variant'}
     checks = {'k': (not self.pa, f'{variant} has no pa'),
               'pa_h': (not self.pa or self.lr, f"{variant}: h is used by pa without lr (with lr, eq. 6's pairs)"),
               'rank': (not self.low_rank, f"{variant} has no low-rank part (lr, or pa with pa_h='low_rank')"),
@@ -228,7 +230,7 @@ class LaurelSite(Site):
     return nn.with_logical_constraint(out.astype(x.dtype), self.axes)
 
 
-register(Design('residual', LaurelSite, config=LaurelSpec, section='laurel', placement=lambda spec: spec.site,
+register(Design('laurel', LaurelSite, config=LaurelSpec, placement=lambda spec: spec.site,
                 chain=ChainRW, post_norm=True, per_bottleneck=True,
                 check=lambda spec, prefix, num_layers, width, sites: spec.check_sizes(width, sites, prefix),
                 start=lambda spec, x, num_layers: (x, tuple(jnp.zeros_like(x) for _ in range(spec.history_len))),

@@ -1,7 +1,6 @@
 """The residual-design protocol (`Design`, `Site`, `Chain`) and the registry; laurel.designs re-exports it."""
 
 import dataclasses
-import json
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from laurel import sharding
-from laurel.config_lib import InputError, build, config_dict, import_module_of, require
+from laurel.config_lib import InputError, build, config_dict, import_module_of, require, to_dict
 
 ACT = ('act_batch', 'act_len', 'act_embed')
 STREAM_ACT = (None,) + ACT  # a stack of activations: n streams, or DenseFormer's running sums
@@ -60,12 +59,16 @@ class Site(nn.Module):
     return norm_in(q), norm('norm_key', k), norm('norm_value', v)
 
 
-class PlainSite(Site):
-  """x + f(x) around a sublayer the design leaves alone (Gemma 3n's MLP); the rest of the carry passes on."""
+class ResidualSite(Site):
+  """x + f(x) (He et al., arXiv 1512.03385): design 'residual', and the plain residual around a sublayer a design
+  leaves alone (Gemma 3n's MLP; the rest of its carry passes on). In f's dtype where wider (post-norm's f = block(x)
+  − x in float32, which x + f(x) then undoes exactly), rounded to x's once."""
 
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
-    x, *rest = carry
-    return (norm_out(x + fn(x, norm_in(x), None)), *rest)
+    x, *rest = carry if isinstance(carry, tuple) else (carry,)
+    fx = fn(x, norm_in(x), None)
+    x = nn.with_logical_constraint(norm_out((x.astype(jnp.result_type(x, fx)) + fx).astype(x.dtype)), self.axes)
+    return (x, *rest) if isinstance(carry, tuple) else x
 
 
 class Chain(nn.Module):
@@ -132,34 +135,25 @@ def lookup(name: str, field_name: str = 'model.stream.design') -> Design:
   return REGISTRY[short]
 
 
-# A run's config.json records the file of a design from outside the package (not a config field), so that later
-# commands (--config=WORKDIR, sampling, evaluating) import it without PYTHONPATH.
-DESIGN_FILE = 'design_file'
-
-
-def outside_module(config) -> str:
-  """The module of the design of a config (ConfigDict or dict) named 'module:name', else ''."""
-  name = ((config.get('model') or {}).get('stream') or {}).get('design', '')
-  return name.rpartition(':')[0] if isinstance(name, str) else ''
-
-
-def read_config_json(text: str, import_design: bool = True) -> dict:
-  """config.json's config; with `import_design` its design's module imported (from the recorded file if need be)."""
-  saved = json.loads(text)
-  recorded_file = saved.pop(DESIGN_FILE, None)
-  if (module := outside_module(saved)) and import_design:
-    import_module_of(module, 'model.stream.design', saved['model']['stream']['design'], recorded_file)
-  return saved
-
-
 def StreamSpec(design: str = 'residual', **fields):  # pylint: disable=invalid-name  # tests/reference.py's name
   return REGISTRY[design].config(**fields)
+
+
+def qualified_name(spec) -> str:
+  """The `model.stream.design` of a design config: 'module:name' for a design from outside the package."""
+  module = REGISTRY[spec.design].site.__module__
+  return spec.design if module.startswith('laurel.') else f'{module}:{spec.design}'
+
+
+def label(spec) -> str:
+  """A design config as a run's first line names it: its `label()` where it has one, else qualified_name."""
+  return spec.label() if hasattr(spec, 'label') else qualified_name(spec)
 
 
 def _sections(default, overrides: dict) -> dict:
   """config_lib.config_dict of a model's `stream`: `stream.design` and every section, popped from `overrides`."""
   stream = dict(overrides.pop('stream', {}))
-  name = stream.pop('design', default.design)
+  name = stream.pop('design', qualified_name(default))
   lookup(name)
   if stream:
     raise InputError(f'stream: unknown fields {", ".join(sorted(stream))} (a design reads model.<its section>)')
@@ -177,13 +171,7 @@ def _build(default, values: dict, prefix: str):
   if dataclasses.is_dataclass(stream):  # a config already built
     return stream
   stream = dict(stream or {})
-  name = stream.pop('design', default.design)
-  design = lookup(name, f'{prefix}.stream.design')
-  if stream and set(stream) <= {  # a run saved before each design had its own section: every field in model.stream
-      f.name for d in REGISTRY.values() if d.section != 'laurel' for f in dataclasses.fields(d.config)}:
-    own = {f.name for f in dataclasses.fields(design.config)}
-    values.setdefault(design.section, {k: v for k, v in stream.items() if k in own})
-    stream = {}
+  design = lookup(stream.pop('design', default.design), f'{prefix}.stream.design')
   if stream:
     raise InputError(f'{prefix}.stream.{sorted(stream)[0]}: unknown field (known: design)')
   spec = default if type(default) is design.config else design.config()
@@ -194,9 +182,15 @@ def _build(default, values: dict, prefix: str):
   return spec
 
 
+def _to_dict(spec) -> dict:
+  """config_lib.to_dict of a model's `stream`: `stream.design` and the chosen design's section."""
+  section = {REGISTRY[spec.design].section: to_dict(spec)} if dataclasses.fields(spec) else {}
+  return {'stream': {'design': qualified_name(spec)}, **section}
+
+
 def stream_field(default):
   """A model config's `stream`: the chosen design's config, `default` unless set."""
-  return dataclasses.field(default=default, metadata={'sections': _sections, 'build': _build})
+  return dataclasses.field(default=default, metadata={'sections': _sections, 'build': _build, 'to_dict': _to_dict})
 
 
 def select(model_cfg) -> tuple[Design, Any]:
@@ -234,3 +228,6 @@ def no_decay() -> tuple:
 def logical_axis_rules(base: tuple = sharding.LOGICAL_AXIS_RULES) -> tuple:
   """`base`, then every registered design's rules (flax takes the first rule of a name)."""
   return _union(base, *(d.logical_axes for d in REGISTRY.values()))
+
+
+register(Design('residual', ResidualSite, placement=lambda spec: 'block', post_norm=True, per_bottleneck=True))

@@ -18,15 +18,14 @@ import flax
 import grain
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import config_lib, designs, step, tasks
-from laurel.run import checksums, process
+from laurel import config_lib, step
+from laurel.run import checksums, process, saved_config
 from laurel.config_lib import InputError
 from laurel.run.files import is_remote, utc, write_text_atomic
 
@@ -35,10 +34,8 @@ VERDICTS = ('verified', 'unchecked', 'unvouched', 'damaged')  # of a checkpoint'
 
 
 def _flat(config) -> dict:
-  """A config (ConfigDict, JSON text or dict) as {'a.b': value}."""
-  tree = json.loads(config if isinstance(config, str) else json.dumps(config) if isinstance(config, dict)
-                    else config.to_json_best_effort())
-  return flax.traverse_util.flatten_dict(tree, sep='.')
+  """A typed config, or a saved one (a dict), as {'a.b': value}."""
+  return flax.traverse_util.flatten_dict(config if isinstance(config, dict) else config_lib.to_dict(config), sep='.')
 
 
 def _resumable(schema, prefix: str = '') -> list[str]:
@@ -53,10 +50,10 @@ def _resumable(schema, prefix: str = '') -> list[str]:
 
 
 def _schema(config) -> tuple[dict, list[str]]:
-  """The flat defaults of `config`'s task, and its fields declared `resumable`."""
-  task = tasks.get_task(config)
-  model, data = type(task.model_cfg), type(task.data_cfg)
-  defaults = _flat(step.base_config(model=config_lib.config_dict(model), data=config_lib.config_dict(data)))
+  """The flat defaults of a typed config's task (its design's section at its defaults), and its fields declared
+  `resumable`."""
+  model, data = type(config.model), type(config.data)
+  defaults = _flat(step.TrainConfig(model=model(stream=type(config.model.stream)()), data=data()))
   return defaults, _resumable(step.TrainConfig) + _resumable(model, 'model.') + _resumable(data, 'data.')
 
 
@@ -64,11 +61,12 @@ def _is_resumable(key: str, resumable) -> bool:
   return any(key == f or key.startswith(f + '.') for f in resumable)
 
 
-def config_changes(saved, config) -> tuple[dict, list[str]]:
-  """({field: (saved, now)} where a saved config and `config` differ, those a resume may not change). A field the
-  saved config lacks counts at its default: the run was saved before it existed."""
+def config_changes(saved: dict, config) -> tuple[dict, list[str]]:
+  """({field: (saved, now)} where a saved config (upgraded: saved_config.upgrade) and the typed `config` differ,
+  those a resume may not change). A field the saved config lacks counts at its default: the run was saved before it
+  existed."""
   defaults, resumable = _schema(config)
-  saved, now = _flat(saved), _flat(config)
+  saved, now = _flat(saved_config.upgrade(saved)), _flat(config)
   if 'seed' not in saved:  # a checkpoint of older code recorded the task and model only
     now = {k: v for k, v in now.items() if k == 'task' or k.startswith('model.')}
   saved = {**{k: defaults[k] for k in now if k in defaults}, **saved}
@@ -248,36 +246,19 @@ def quarantined_steps(workdir) -> list[int]:
                 if aside.is_dir() else ())
 
 
-def read_config(workdir) -> ml_collections.ConfigDict:
-  """The config a run saved in WORKDIR/config.json (or that file), its tuples (lists in JSON) restored."""
-  path = epath.Path(workdir)
-  path = path if path.name.endswith('.json') else path / 'config.json'
-  if not path.exists():
-    raise InputError(f'--workdir={str(workdir)!r}: no config.json; is it a laurel run?')
-  try:
-    saved = designs.read_config_json(path.read_text())
-  except json.JSONDecodeError as e:
-    raise InputError(f'--workdir={str(workdir)!r}: {path.name} is not JSON ({e})') from None
-  saved['logical_axis_rules'] = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
-                                      for name, axes in saved['logical_axis_rules'])
-  saved['profile_steps'] = tuple(saved['profile_steps'])
-  return ml_collections.ConfigDict(saved)
-
-
 def run_dir(workdir) -> epath.Path:
   """A run's directory: gs://… as it is, a local path made absolute (orbax refuses a relative one)."""
   return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
 
 
 def guard_config(config, workdir: epath.Path, allow_change: bool = False):
-  """Refuses checkpoints trained with a config differing from config.json in a field not resumable, unless
+  """Refuses checkpoints trained with a typed config differing from config.json in a field not resumable, unless
   `allow_change`. Returns `record()`, which writes config.json and a config_history.jsonl line where new or changed;
   train calls it once the checkpoint is restored, so a refused one leaves both as they were."""
   path, where = workdir / 'config.json', os.fspath(workdir)
   saved = path.read_text() if path.exists() else None
   try:
-    saved_config = designs.read_config_json(saved, import_design=False) if saved is not None else None
-    changes, unsafe = config_changes(saved_config, config) if saved is not None else ({}, [])
+    changes, unsafe = ({}, []) if saved is None else config_changes(saved_config.read_json(saved, False), config)
   except json.JSONDecodeError:  # a torn copy: each checkpoint's own config signature is checked on restore instead
     print(f'warning: {path} is not JSON; it is rewritten, and the checkpoints are checked against their own record '
           'of the config', file=sys.stderr, flush=True)
@@ -297,26 +278,16 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   def record():
     if jax.process_index() == 0 and (changes or saved is None):
       entry = {'time': utc(), 'step': number, 'changes': {k: list(v) for k, v in changes.items()},
-               'allowed_by_flag': bool(unsafe and number), 'config': json.loads(config.to_json_best_effort())}
+               'allowed_by_flag': bool(unsafe and number), 'config': config_lib.to_dict(config)}
       history = workdir / 'config_history.jsonl'  # read + write, not append: not every filesystem appends
       lines = history.read_text() if history.exists() else ''
       if not _recorded(lines, entry):  # not where a kill came between the two writes of the run before
         write_text_atomic(history, lines + json.dumps(entry) + '\n')
-      write_text_atomic(path, config.to_json_best_effort(indent=2))
-      _record_design_file(path, config)
+      write_text_atomic(path, saved_config.as_json(config))
   if number:
     return record
   record()  # no checkpoint that a restore could refuse: written now, before anything compiles
   return lambda: None
-
-
-def _record_design_file(path, config: ml_collections.ConfigDict) -> None:
-  """Adds designs.DESIGN_FILE, the file of the module of `config`'s design where outside the package, to the
-  config.json at `path` (written from `config`)."""
-  module = sys.modules.get(designs.outside_module(config))
-  if getattr(module, '__file__', None) is not None:
-    saved = {**json.loads(path.read_text()), designs.DESIGN_FILE: os.path.abspath(module.__file__)}
-    write_text_atomic(path, json.dumps(saved, indent=2))
 
 
 def _recorded(history: str, entry: dict) -> bool:

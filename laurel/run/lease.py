@@ -25,10 +25,12 @@ STALE_S = 60.0
 
 class Held(Exception):
   """The workdir is held by another live run; the message names it."""
+  exit_status = process.HELD
 
 
 class Lost(Exception):
   """Another run took this run's lease over; the message names it. Raised before a write, never after."""
+  exit_status = process.LOST
 
 
 def _read_line(path: str) -> str | None:

@@ -14,14 +14,14 @@ import jax
 import numpy as np
 from etils import epath
 
-from laurel import config_lib
+from laurel import config_lib, designs
 from laurel.run import console, lease, metric_writers
 from laurel.run.files import is_remote, write_text_atomic
 
 
 class MetricsLog:
-  """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.run.metric_writers. Process 0 writes it: by appends
-  where local, rewritten whole behind '://' (gcsfs overwrites on 'a'; GCS replaces an object atomically)."""
+  """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.run.metric_writers. Process 0 writes it: by
+  appends where local, rewritten whole behind '://' (gcsfs overwrites on 'a'; GCS replaces an object atomically)."""
   def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False,
                fence=lease.fence(None)):
     self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
@@ -43,7 +43,7 @@ class MetricsLog:
       if ''.join(self.lines) != text:
         fence()
         write_text_atomic(self.path, ''.join(self.lines))
-    flat = flax.traverse_util.flatten_dict(config.to_dict(), sep='.')
+    flat = flax.traverse_util.flatten_dict(config_lib.to_dict(config), sep='.')  # the typed config, as config.json
     self.writer = metric_writers.create(workdir, config, flat, self.active, resumed=resume_step > 0)
 
   def write(self, step: int, values: dict):
@@ -63,6 +63,12 @@ class MetricsLog:
     """The step_time_s of every train line logged, by earlier runs too (process 0 alone reads the log)."""
     rows = (json.loads(line) for line in self.lines)
     return [row['step_time_s'] for row in rows if isinstance(row.get('step_time_s'), (int, float))]
+
+
+def config_line(cfg, workdir: epath.Path) -> str:
+  """A run's first line: its config.json and what it trains."""
+  return (f'config: {console.shown(workdir / "config.json")} ({cfg.task}, row {cfg.row or "-"}, design '
+          f'{designs.label(cfg.model.stream)}, preset {cfg.preset or "-"}, {cfg.steps} steps)')
 
 
 @functools.cache

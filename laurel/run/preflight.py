@@ -2,6 +2,7 @@
 data that is not there, with the command that prepares it (check_lm_data, check_image_data); a step too large for a
 CPU host (check_fits_host)."""
 
+import json
 import os
 
 import jax
@@ -56,7 +57,7 @@ def check_lm_data(data_cfg, vocab_size: int | None = None) -> None:
     require(False, 'data.path', cfg.path, f'no C4 to read: prepare it with {prepare.format("DIR")} (docs/data.md) '
             'and set --config.data.path=DIR')
   else:
-    data.check_tfds(cfg, f'convert C4 with {prepare.format("DIR")} and set --config.data.path=DIR')
+    check_tfds(cfg, f'convert C4 with {prepare.format("DIR")} and set --config.data.path=DIR')
   # validate() leaves a gs:// vocabulary to this check, where GCS is reachable
   data.check_vocab(cfg, vocab_size, f' (data.vocab_path={cfg.vocab_path!r})')
 
@@ -65,8 +66,24 @@ def check_image_data(data_cfg) -> None:
   """An InputError unless ImageNet's prepared ArrayRecord files are where the config says."""
   cfg = build(image_data.ImageDataConfig, data_cfg, 'data')
   if cfg.name == 'imagenet':
-    data.check_tfds(cfg, f'prepare it with tfds build {cfg.tfds_name} --manual_dir=<ILSVRC2012 tars> '
+    check_tfds(cfg, f'prepare it with tfds build {cfg.tfds_name} --manual_dir=<ILSVRC2012 tars> '
                     '--file_format=array_record --data_dir=DIR')
+
+
+def check_tfds(cfg, prepare: str) -> None:
+  """An InputError unless `cfg`'s TFDS dataset and splits are prepared in ArrayRecord files."""
+  found = data.tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name)
+  require(found is not None, 'data.tfds_data_dir', cfg.tfds_data_dir, f'no prepared {cfg.tfds_name} in '
+          f'{cfg.tfds_data_dir or "$TFDS_DATA_DIR or ~/tensorflow_datasets"}; {prepare}')
+  info = json.loads((found / 'dataset_info.json').read_text())
+  formats = {info.get('fileFormat', 'tfrecord'), *info.get('alternativeFileFormats', [])}
+  require('array_record' in formats, 'data.tfds_data_dir', cfg.tfds_data_dir,
+          f'{found} holds {"/".join(sorted(formats))} files, and random access needs ArrayRecord: tfds '
+          f'convert_format --dataset_version_dir={found} --out_file_format=array_record')
+  present = {s['name'] for s in info.get('splits', [])}
+  for split in (cfg.train_split, cfg.eval_split):
+    require(split in present, 'data.tfds_data_dir', cfg.tfds_data_dir,
+            f'{found} has no split {split!r} (it has: {", ".join(sorted(present))})')
 
 
 def check_fits_host(task, compiled=None, num_devices: int = 1) -> None:

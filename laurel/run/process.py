@@ -27,7 +27,8 @@ Signals, SIGINT (Ctrl-C) and SIGTERM (a scheduler's stop):
   |                     |                             | Several processes: SIGTERM goes to JAX's preemption        |
   |                     |                             | service, so every host stops at one step                   |
 
-Exit statuses of laurel.main (EXIT_STATUSES), each telling a supervisor what to do next."""
+Exit statuses of laurel.main (EXIT_STATUSES; errors_in_one_line gives an error its own), each telling a supervisor
+what to do next."""
 
 import collections
 import contextlib
@@ -117,6 +118,26 @@ def deferred():
       _interrupt['deferred'] -= 1
       if _interrupt['pending'] is not None and not _interrupt['deferred']:
         _exit_interrupted(_interrupt['pending'])
+
+
+@contextlib.contextmanager
+def errors_in_one_line(fail):
+  """What an operator can act on ends the program through `fail(message, status)`, one line: an error with an
+  `exit_status` (InputError, the lease's Held and Lost, TrainingDiverged), a write the storage refused, Ctrl-C before
+  the loop. Any other error is a bug or an environment failure: it keeps its traceback."""
+  try:
+    yield
+  except KeyboardInterrupt:  # before the first step (in the loop it saves a checkpoint)
+    fail('interrupted before training started; nothing was saved', 128 + signal.SIGINT)
+  except OSError as e:  # a full disk, a read-only mount, no permission: the cause and the path
+    from laurel.run import files  # pylint: disable=import-outside-toplevel  # this module loads before etils
+    if not files.storage_error(e):
+      raise
+    fail(f'a write failed: {files.why(e)}; rerun the same command to resume once it is writable', WRITE_FAILED)
+  except Exception as e:  # pylint: disable=broad-except
+    if getattr(e, 'exit_status', None) is None:
+      raise
+    fail(str(e), e.exit_status)
 
 
 # The regime in the loop.

@@ -18,10 +18,10 @@ from absl import app, flags, logging
 from etils import epath
 
 from laurel import config_lib, data, sharding
-from laurel.run import compile_cache, console, process
-from laurel.serve import loader
 from laurel.config_lib import InputError
+from laurel.run import compile_cache, console, process
 from laurel.run.files import write_text_atomic
+from laurel.serve import loader
 
 FLAGS = flags.FLAGS
 HELD_OUT = 'held_out'  # the task of the run's own validation split (held_out_task)

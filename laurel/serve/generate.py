@@ -15,10 +15,9 @@ import numpy as np
 from absl import flags
 
 from laurel import data, lm
-from laurel.run import hardware
-from laurel.serve import loader
-from laurel.serve import evaluate
 from laurel.config_lib import InputError
+from laurel.run import hardware
+from laurel.serve import evaluate, loader
 
 FLAGS = flags.FLAGS
 

@@ -18,9 +18,8 @@ except ImportError as e:
   raise ImportError("laurel.serve.harness needs lm-evaluation-harness: pip install -e '.[lm_eval]'") from e
 
 from laurel import data
-from laurel.serve import loader
-from laurel.serve import evaluate, generate
 from laurel.config_lib import InputError
+from laurel.serve import evaluate, generate, loader
 
 AUTO_BATCH_SIZE = 16
 PREFILL_BUCKET = 64  # generate_until's prompts are padded to a multiple of this: one compile per bucket and length

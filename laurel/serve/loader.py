@@ -11,14 +11,13 @@ from etils import epath
 
 from laurel import sharding, step
 from laurel.config_lib import InputError
-from laurel.run import checkpoint
+from laurel.run import checkpoint, saved_config
 
 
 @contextlib.contextmanager
 def lm_run_on_mesh(workdir):
-  """(task, params, step, mesh) of an LM run's latest checkpoint, inside its mesh and logical axis rules: the
-  parameters only, each read straight into its sharding of training."""
-  config = checkpoint.read_config(workdir)
+  """(task, params, step, mesh) of an LM run's latest checkpoint, inside its mesh and logical axis rules."""
+  config = saved_config.read_config(workdir)
   if config.task != 'lm':
     raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
   task = step.validate_config(config, num_devices=len(jax.devices()))

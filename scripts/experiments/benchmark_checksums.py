@@ -43,7 +43,7 @@ def measure(preset: str, saves: int) -> dict:
     mngr = checkpoint.manager(epath.Path(folder), keep=2)
     for number in range(1, saves + 1):
       start = time.perf_counter()
-      checkpoint.save(mngr, number, state, train_iter, config)
+      checkpoint.save(mngr, number, state, train_iter, task.config)
       mngr.wait_until_finished()
       save_s.append(time.perf_counter() - start)
       start = time.perf_counter()
