@@ -9,7 +9,9 @@ RMSNorm and tied embeddings fit Table 5's counts: 4 extra layers add 4·(4D² + 
 vocabulary of 32,768 (T5's 32k SentencePiece model, padded to 2^15 so the vocab axis shards evenly) gives
 157.32M / 179.35M for Baseline-24/28 (Table 5: 157.20M / 179.23M). Batch 512 × 1024 tokens for 19,073 steps
 is 10.0B tokens, the paper's "~10B" (its batch and length are not given). PA uses identity h (eq. 4), which
-is what Table 5's +0.02M fits; RW+LR+PA is eq. 6 with one rank-32 pair per previous activation.
+is what Table 5's +0.02M fits; RW+LR+PA is eq. 6 with one rank-32 pair per previous activation. Attention is
+laurel.flash's kernel on TPU (model.attention=auto; the xla reference elsewhere), q, k and v saved per layer
+(model.remat=save_qkv).
 
 preset=tiny: the same rows shrunk to train on 2 CPU cores: 6/7 layers, D=128, F=384 (the paper's F/D),
 4 heads, r=8 (r/D = 6%, the paper's is 4%), byte-level tokens from the embedded local text corpus
@@ -67,8 +69,8 @@ def table5_config(row: str, preset: str, layers: int, **model):
         log_every=100, eval_every=2000, eval_steps=50, checkpoint_every=2000,
         optimizer=dict(learning_rate=1e-3, warmup_steps=1000),
         model=config_lib.config_dict(lm.LMConfig, vocab_size=32768, d_model=768, num_heads=12, d_ff=2048,
-                                     num_layers=layers, dtype='bfloat16', remat='save_qkv', laurel=laurel,
-                                     **model),
+                                     num_layers=layers, dtype='bfloat16', remat='save_qkv', attention='auto',
+                                     laurel=laurel, **model),
         data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=1024, vocab_path=data.C4_VOCAB_PATH),
     ).lock()
   if preset == 'small':  # data.path, data.vocab_path and model.vocab_size: scripts/prepare_text.py prints them

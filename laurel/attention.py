@@ -1,6 +1,7 @@
-"""Causal attention within packed documents, q, k, v (B, L, H, K) and segment ids (B, L), by `model.attention`: 'xla'
-(the reference), 'dot_product' (jax.nn's), 'cudnn' (packed flash attention), 'splash' (Pallas, TPU), or 'auto'
-(splash on TPU, cudnn on GPU where each can serve, else xla)."""
+"""Causal attention within packed documents, by `model.attention`: 'xla' (the reference), 'dot_product' (jax.nn's),
+'cudnn' (packed flash attention), 'flash' (laurel.flash: Pallas, TPU), 'splash' (jax's Pallas kernel, TPU), or 'auto'
+(flash on TPU, cudnn on GPU where each can serve, else xla). `attend` takes q, k, v with their heads side by side,
+(B, L, E = H·K), as the projections make them; the kernels of the other paths get them as (B, L, H, K)."""
 
 import inspect
 import math
@@ -9,25 +10,47 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from laurel import flash
 from laurel.config_lib import DTYPES, InputError
 
-ATTENTION = ('xla', 'dot_product', 'cudnn', 'splash', 'auto')
-AUTO_ATTENTION = {'tpu': 'splash', 'gpu': 'cudnn', 'cuda': 'cudnn'}
+ATTENTION = ('xla', 'dot_product', 'cudnn', 'flash', 'splash', 'auto')
+AUTO_ATTENTION = {'tpu': 'flash', 'gpu': 'cudnn', 'cuda': 'cudnn'}
+BLOCKED = ('flash', 'splash')  # TPU kernels over blocks of 128, 256 or 512 positions
 # cuDNN's packed attention is private to jax (jax._src.cudnn.fused_attention_stablehlo): checked for before use.
 CUDNN_PACKED_ARGS = ('q_seqlen', 'kv_seqlen', 'q_offsets', 'kv_offsets', 'scale', 'mask_type', 'qkv_layout')
 CUDNN_MIN_VERSION = 90600  # packed layout: jax's own test of it asks for cuDNN 9.6
 CUDNN_MAX_HEAD_WIDTH = 256  # on Hopper and newer, which the packed layout needs anyway
 
 
-def attend(cfg, q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, mask_Bx1xLxS=None):
-  """Attention by attention_impl's choice for `cfg`; under a `mask` (decoding from a cache of S slots), 'xla'."""
-  qkv = (q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
-  impl = 'xla' if mask_Bx1xLxS is not None else attention_impl(cfg, q_BxLxHxK.shape[1])
+def attend(cfg, q_BxLxE, k_BxLxE, v_BxLxE, segment_ids_BxL, positions_BxL=None, mask_Bx1xLxS=None):
+  """Attention by attention_impl's choice for `cfg` -> (B, L, E), q and k rotated by their `positions` first (none: as
+  they are); under a `mask` (decoding from a cache of S slots), 'xla'."""
+  impl = 'xla' if mask_Bx1xLxS is not None else attention_impl(cfg, q_BxLxE.shape[1])
+  head_width = cfg.d_model // cfg.num_heads
+  if impl == 'flash':
+    return flash_attention(q_BxLxE, k_BxLxE, v_BxLxE, segment_ids_BxL, positions_BxL, head_width, cfg.rope_base)
+  heads = lambda x: x.reshape(*x.shape[:2], -1, head_width)
+  qkv = (heads(q_BxLxE), heads(k_BxLxE), heads(v_BxLxE))
+  if positions_BxL is not None:
+    qkv = (rope(qkv[0], positions_BxL, cfg.rope_base), rope(qkv[1], positions_BxL, cfg.rope_base), qkv[2])
   if impl == 'xla':
-    return xla_attention(*qkv, segment_ids_BxL, mask_Bx1xLxS, DTYPES[cfg.attention_scores])
-  if impl == 'cudnn':
-    return cudnn_attention(*qkv, segment_ids_BxL, cfg.max_segments)
-  return {'dot_product': dot_product_attention, 'splash': splash_attention}[impl](*qkv, segment_ids_BxL)
+    out_BxLxHxK = xla_attention(*qkv, segment_ids_BxL, mask_Bx1xLxS, DTYPES[cfg.attention_scores])
+  elif impl == 'cudnn':
+    out_BxLxHxK = cudnn_attention(*qkv, segment_ids_BxL, cfg.max_segments)
+  else:
+    out_BxLxHxK = {'dot_product': dot_product_attention, 'splash': splash_attention}[impl](*qkv, segment_ids_BxL)
+  return out_BxLxHxK.reshape(q_BxLxE.shape)
+
+
+def rope(x_BxLxHxK, positions_BxL, base):
+  """Rotary positions (RoFormer, arXiv 2104.09864) in the rotate-half form: head pairs (j, j + K/2), j < K/2, rotated
+  by position · base^(−2j/K), in float32."""
+  half = x_BxLxHxK.shape[-1] // 2
+  freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle_BxLx1xK = (positions_BxL[..., None].astype(jnp.float32) * freq)[:, :, None, :]
+  sin, cos = jnp.sin(angle_BxLx1xK), jnp.cos(angle_BxLx1xK)
+  x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxHxK.dtype)
 
 
 def attention_impl(cfg, length: int) -> str:
@@ -36,7 +59,7 @@ def attention_impl(cfg, length: int) -> str:
     return cfg.attention
   platform = _platform()
   impl = AUTO_ATTENTION.get(platform, 'xla')
-  if impl == 'splash' and not splash_block(length) or impl == 'cudnn' and cudnn_unsupported(cfg, platform):
+  if impl in BLOCKED and not splash_block(length) or impl == 'cudnn' and cudnn_unsupported(cfg, platform):
     return 'xla'
   return impl
 
@@ -140,6 +163,42 @@ def cudnn_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, max_segmen
   return jnp.where(overflow_B[:, None, None, None], jnp.nan, out_BxLxHxK)
 
 
+def _per_device(attend_here, args, axes: tuple, impl: str, heads: int):
+  """attend_here(*args) on each device's rows and heads (shard_map: the partitioner cannot split a kernel), q, k, v
+  and the output with logical `axes`; the batch padded with empty rows (segment 0) to divide its axis."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return attend_here(*args)
+  spec = nn.logical_to_mesh_axes(axes)
+  parts = {name: math.prod(mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ()))
+           for name, p in zip(axes, spec)}
+  mesh_axes = dict(zip(axes, spec))
+  if parts['act_len'] > 1:
+    raise ValueError(f"model.attention={impl!r}: needs each row's whole sequence on a device, but the logical axis "
+                     f"rules shard act_len over {mesh_axes['act_len']} ({parts['act_len']} ways)")
+  if heads % parts['act_heads']:
+    raise ValueError(f"model.num_heads={heads}: model.attention={impl!r} shards heads over {mesh_axes['act_heads']} "
+                     f"({parts['act_heads']} ways), which must divide them")
+  batch = args[0].shape[0]
+  pad = -batch % parts['act_batch']  # empty rows (segment 0) that make the batch divide; their outputs are cut off
+  args = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in args]
+  rows = jax.P(spec[0], None)  # segment ids, positions
+  sharded = jax.shard_map(attend_here, mesh=mesh, in_specs=(spec, spec, spec) + (rows,) * (len(args) - 3),
+                          out_specs=spec, check_vma=False)
+  return sharded(*args)[:batch]
+
+
+def flash_attention(q_BxLxE, k_BxLxE, v_BxLxE, segment_ids_BxL, positions_BxL, head_width: int, rope_base: float):
+  """laurel.flash's kernels, interpreted off TPU, per device: q·(1/√K) and k rotated by their positions (none: as
+  they are) inside the kernels."""
+  rotary = flash.Rotary(head_width, 1 / math.sqrt(head_width), None if positions_BxL is None else rope_base)
+  positions_BxL = jnp.zeros_like(segment_ids_BxL) if positions_BxL is None else positions_BxL
+  interpret = _platform() != 'tpu'
+  attend_here = lambda q, k, v, s, p: flash.flash_attention(q, k, v, s, p, rotary, interpret)
+  return _per_device(attend_here, (q_BxLxE, k_BxLxE, v_BxLxE, segment_ids_BxL, positions_BxL),
+                     ('act_batch', 'act_len', 'act_heads'), 'flash', q_BxLxE.shape[-1] // head_width)
+
+
 def splash_block(length: int) -> int:
   """Splash attention's tile: the largest of 512, 256, 128 that divides the length, else 0."""
   return next((b for b in (512, 256, 128) if length % b == 0), 0)
@@ -149,7 +208,7 @@ def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
   """The Pallas splash-attention kernel, interpreted off TPU, per device under shard_map (the partitioner cannot
   split a kernel). Sequence-minor tiles, so a head width of 64 is not padded to 128 lanes."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=import-outside-toplevel
-  mesh, (batch, length, heads, _) = jax.sharding.get_abstract_mesh(), q_BxLxHxK.shape
+  _, length, heads, _ = q_BxLxHxK.shape
   block, interpret = splash_block(length), _platform() != 'tpu'
   if not block:  # LMTask.validate checks data.seq_len; this catches a direct call
     raise InputError(f"model.attention='splash': needs a length that is a multiple of 128, not {length}")
@@ -166,21 +225,7 @@ def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
   heads_first = lambda x: x.swapaxes(1, 2)
   q_BxHxLxK = heads_first(q_BxLxHxK / jnp.sqrt(q_BxLxHxK.shape[-1]).astype(q_BxLxHxK.dtype))
   args = (q_BxHxLxK, heads_first(k_BxLxHxK), heads_first(v_BxLxHxK), segment_ids_BxL)
-  if mesh.empty:
-    return heads_first(attend_here(*args))
-  spec = nn.logical_to_mesh_axes(('act_batch', 'act_heads', 'act_len', None))
-  parts = [math.prod(mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ())) for p in spec]
-  if parts[2] > 1:
-    raise ValueError(f"model.attention='splash': needs each row's whole sequence on a device, but the logical axis "
-                     f"rules shard act_len over {spec[2]} ({parts[2]} ways)")
-  if heads % parts[1]:
-    raise ValueError(f"model.num_heads={heads}: model.attention='splash' shards heads over {spec[1]} "
-                     f'({parts[1]} ways), which must divide them')
-  pad = -batch % parts[0]  # empty rows (segment 0) that make the batch divide; their outputs are cut off
-  args = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in args]
-  sharded = jax.shard_map(attend_here, mesh=mesh, in_specs=(spec, spec, spec, jax.P(spec[0], None)), out_specs=spec,
-                          check_vma=False)
-  return heads_first(sharded(*args)[:batch])
+  return heads_first(_per_device(attend_here, args, ('act_batch', 'act_heads', 'act_len', None), 'splash', heads))
 
 
 def attention_flops(batch: int, length: int, heads: int, head_width: int, causal: bool = True,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from laurel import designs
-from laurel.attention import ATTENTION, attend
+from laurel.attention import ATTENTION, attend, rope
 from laurel.designs.buffer import stack_rebuilding_buffer
 from laurel.config_lib import BOOL, DTYPES, NON_NEGATIVE_INT, POSITIVE_INT, build, field, is_number, one_of, require
 
@@ -132,16 +132,20 @@ def kernel_param(module, name, spec, stack=0):
 
 
 class Dense(nn.Module):
-  """Bias-free map of x's last `spec[2]` axes (flax's DenseGeneral flattens its kernel: no logical sharding)."""
+  """Bias-free map of x's last `spec[2]` axes (flax's DenseGeneral flattens its kernel: no logical sharding). `flat`:
+  the kernel as a matrix, its input and output axes each merged (attention's heads side by side, laurel.flash)."""
   spec: tuple
   cfg: LMConfig
+  flat: bool = False
 
   @nn.compact
   def __call__(self, x, out_scale=None, shared=None):
     """`out_scale` multiplies the kernel, not the output; `shared`: the group's kernel, plus this layer's delta."""
-    n_in, dtype = self.spec[2], DTYPES[self.cfg.dtype]
+    (shape, _, n_in, _), dtype = self.spec, DTYPES[self.cfg.dtype]
     kernel = kernel_param(self, 'kernel', self.spec) if shared is None else shared + self.layer_delta()
     kernel = kernel if out_scale is None else kernel * out_scale
+    if self.flat:
+      kernel, n_in = kernel.reshape(math.prod(shape[:n_in]), -1), 1
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
 
@@ -195,54 +199,49 @@ def _one_hot_lookup_bwd(vocab, dtype, ids, grad):
 _one_hot_lookup.defvjp(_one_hot_lookup_fwd, _one_hot_lookup_bwd)
 
 
-def rope(x_BxLxHxK, positions_BxL, base):
-  half = x_BxLxHxK.shape[-1] // 2
-  freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_BxLx1xK = (positions_BxL[..., None].astype(jnp.float32) * freq)[:, :, None, :]
-  sin, cos = jnp.sin(angle_BxLx1xK), jnp.cos(angle_BxLx1xK)
-  x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxHxK.dtype)
-
-
 class Attention(nn.Module):
   """Causal attention over packed segments -> (output, V_1); x may be a (query, key, value) triple (MUDDFormer, DCA).
-  With `value_residual` (ResFormer), later layers use V'_n = λ_1·V_1 + λ_2·V_n (V_1: the first layer's, λ from ½)."""
+  With `value_residual` (ResFormer), later layers use V'_n = λ_1·V_1 + λ_2·V_n (V_1: the first layer's, λ from ½).
+  Queries, keys and values keep their heads side by side, (B, L, E = H·K), from the projections to the output."""
   cfg: LMConfig
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, out_scale=None, shared=None, first_values=None,
                layer_index=0, decode=False):
     cfg, kernels, shared = self.cfg, layer_kernels(self.cfg), shared or {}
+    head_width = cfg.d_model // cfg.num_heads
     inputs = x_BxLxD if isinstance(x_BxLxD, tuple) else (x_BxLxD,) * 3
-    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (Dense(kernels[n], cfg, name=n)(x, shared=shared.get(n))
-                                       for n, x in zip(('query', 'key', 'value'), inputs))
+    q_BxLxE, k_BxLxE, v_BxLxE = (Dense(kernels[n], cfg, flat=True, name=n)(x, shared=shared.get(n))
+                                 for n, x in zip(('query', 'key', 'value'), inputs))
     if cfg.value_residual:
-      lam = _param(self, 'value_mix', nn.initializers.constant(0.5), (2,), (None,)).astype(v_BxLxHxK.dtype)
+      lam = _param(self, 'value_mix', nn.initializers.constant(0.5), (2,), (None,)).astype(v_BxLxE.dtype)
       first = layer_index == 0
-      first_values = jnp.where(first, v_BxLxHxK, first_values)
-      v_BxLxHxK = jnp.where(first, v_BxLxHxK, lam[0] * first_values + lam[1] * v_BxLxHxK)
-    if cfg.positional == 'rope':
-      q_BxLxHxK, k_BxLxHxK = (rope(x, positions_BxL, cfg.rope_base) for x in (q_BxLxHxK, k_BxLxHxK))
-    q_BxLxHxK = nn.with_logical_constraint(q_BxLxHxK, ('act_batch', 'act_len', 'act_heads', None))
-    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = map(checkpoint_name, (q_BxLxHxK, k_BxLxHxK, v_BxLxHxK), _QKV)
-    if decode:  # keys and values of every position so far live in the cache; row b's token t sits at slot t
-      k_BxSxHxK, v_BxSxHxK = self.cached(k_BxLxHxK, v_BxLxHxK, positions_BxL)
-      slots_S = jnp.arange(k_BxSxHxK.shape[1])  # the reference path: fused kernels take training shapes
+      first_values = jnp.where(first, v_BxLxE, first_values)
+      v_BxLxE = jnp.where(first, v_BxLxE, lam[0] * first_values + lam[1] * v_BxLxE)
+    q_BxLxE = nn.with_logical_constraint(q_BxLxE, ('act_batch', 'act_len', 'act_heads'))
+    q_BxLxE, k_BxLxE, v_BxLxE = map(checkpoint_name, (q_BxLxE, k_BxLxE, v_BxLxE), _QKV)
+    rotated = positions_BxL if cfg.positional == 'rope' else None  # attend rotates q and k (the flash kernel inside)
+    if decode:  # keys and values of every position so far live in the cache, rotated; row b's token t at slot t
+      if rotated is not None:
+        heads = lambda x: x.reshape(*x.shape[:2], cfg.num_heads, head_width)
+        q_BxLxE, k_BxLxE = (rope(heads(x), positions_BxL, cfg.rope_base).reshape(x.shape) for x in (q_BxLxE, k_BxLxE))
+      k_BxSxE, v_BxSxE = self.cached(k_BxLxE, v_BxLxE, positions_BxL)
+      slots_S = jnp.arange(k_BxSxE.shape[1])  # the reference path: fused kernels take training shapes
       mask_Bx1xLxS = (slots_S[None, None, :] <= positions_BxL[:, :, None])[:, None]
-      out_BxLxHxK = attend(cfg, q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, segment_ids_BxL, mask_Bx1xLxS)
+      out_BxLxE = attend(cfg, q_BxLxE, k_BxSxE, v_BxSxE, segment_ids_BxL, mask_Bx1xLxS=mask_Bx1xLxS)
     else:
-      out_BxLxHxK = attend(cfg, q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
-    out_BxLxHxK = checkpoint_name(out_BxLxHxK, 'attention_out')
-    out_BxLxD = Dense(kernels['out'], cfg, name='out')(out_BxLxHxK, out_scale, shared.get('out'))
+      out_BxLxE = attend(cfg, q_BxLxE, k_BxLxE, v_BxLxE, segment_ids_BxL, rotated)
+    out_BxLxE = checkpoint_name(out_BxLxE, 'attention_out')
+    out_BxLxD = Dense(kernels['out'], cfg, flat=True, name='out')(out_BxLxE, out_scale, shared.get('out'))
     return checkpoint_name(out_BxLxD, 'out_proj'), first_values
 
-  def cached(self, k_BxLxHxK, v_BxLxHxK, positions_BxL):
+  def cached(self, k_BxLxE, v_BxLxE, positions_BxL):
     """The 'cache' collection (sized by the first call) with the new keys and values written in."""
     cache = lambda name, x: self.variable('cache', name, jnp.zeros, x.shape, x.dtype)
-    keys, values = cache('keys', k_BxLxHxK), cache('values', v_BxLxHxK)
-    rows_Bx1 = jnp.arange(k_BxLxHxK.shape[0])[:, None]
-    keys.value = keys.value.at[rows_Bx1, positions_BxL].set(k_BxLxHxK, mode='drop')
-    values.value = values.value.at[rows_Bx1, positions_BxL].set(v_BxLxHxK, mode='drop')
+    keys, values = cache('keys', k_BxLxE), cache('values', v_BxLxE)
+    rows_Bx1 = jnp.arange(k_BxLxE.shape[0])[:, None]
+    keys.value = keys.value.at[rows_Bx1, positions_BxL].set(k_BxLxE, mode='drop')
+    values.value = values.value.at[rows_Bx1, positions_BxL].set(v_BxLxE, mode='drop')
     return keys.value, values.value
 
 
@@ -349,8 +348,7 @@ class LM(nn.Module):
       pos_embed = _param(self, 'pos_embed', embed_init, (cfg.max_len, cfg.d_model), (None, 'embed'))
       x_BxLxD = x_BxLxD + lookup(pos_embed, positions_BxL, x_BxLxD.dtype, mode='clip')
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ('act_batch', 'act_len', 'act_embed'))
-    head_shape = (b, length, cfg.num_heads, cfg.d_model // cfg.num_heads)
-    values_BxLxHxK = jnp.zeros(head_shape, DTYPES[cfg.dtype]) if cfg.value_residual else None  # V_1
+    values_BxLxE = jnp.zeros((b, length, cfg.d_model), DTYPES[cfg.dtype]) if cfg.value_residual else None  # V_1
     chain_N = design.chain(spec, cfg.num_layers, cfg.sites_per_layer, cfg.d_model, DTYPES[cfg.param_dtype],
                            name=design.chain.module_name)()
     layer_xs = (jnp.arange(cfg.num_layers), chain_N)
@@ -361,7 +359,7 @@ class LM(nn.Module):
       if design.saved_names:  # what the design's backward needs that it cannot recompute from the layer's input
         policy = jax.checkpoint_policies.save_from_both_policies(policy, _saving(*design.saved_names))
       block = nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
-    carry = (design.start(spec, x_BxLxD, cfg.num_layers), values_BxLxHxK)
+    carry = (design.start(spec, x_BxLxD, cfg.num_layers), values_BxLxE)
     if cfg.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0, 'cache': 0}, split_rngs={'params': True},
                       in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=cfg.num_layers,

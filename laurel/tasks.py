@@ -16,6 +16,7 @@ class Task:
     validate()  one-line InputErrors: the sections' cross checks (laurel.run.preflight: whether the data is there)
     unused_fields() -> {field: why}, sharded_sizes() -> {logical axis: (field, size)}, laurel_site_widths(),
     num_params(params), units_per_example(), model_flops(b), example_batch(b), init(rng, batch), least_step_bytes(b),
+    unestimated_kernel_flops(b),
     dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset,
     loss(params, model_state, batch, train) -> (loss, (metrics, model_state)), each metric a (sum, weight) pair."""
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
@@ -40,6 +41,10 @@ class Task:
   def least_step_bytes(self, batch_size: int) -> int:
     return 0
 
+  def unestimated_kernel_flops(self, batch_size: int) -> float:
+    """FLOPs of a train step's kernels that carry no cost estimate (laurel.run.schedule counts them from this)."""
+    return 0.0
+
 
 class LMTask(Task):
   """Next-token prediction on packed sequences; the loss skips padding and document boundaries."""
@@ -49,8 +54,8 @@ class LMTask(Task):
   def validate(self):
     cfg, seq_len = self.model_cfg, self.data_cfg.seq_len
     data.validate(self.data_cfg, cfg.vocab_size)
-    if cfg.attention == 'splash' and not attention.splash_block(seq_len):
-      raise InputError(f"model.attention='splash': needs data.seq_len to be a multiple of 128, not {seq_len}")
+    if cfg.attention in attention.BLOCKED and not attention.splash_block(seq_len):
+      raise InputError(f'model.attention={cfg.attention!r}: needs data.seq_len to be a multiple of 128, not {seq_len}')
     if cfg.positional == 'learned' and cfg.max_len < seq_len:  # the lookup clamps: later positions would share one
       raise InputError(f'model.max_len={cfg.max_len}: shorter than data.seq_len={seq_len}; learned positions need one '
                        'embedding per position')
@@ -86,6 +91,13 @@ class LMTask(Task):
     if attention.attention_impl(cfg, seq_len) not in ('xla', 'dot_product'):
       return 0
     return batch_size * cfg.num_heads * seq_len**2 * jnp.dtype(DTYPES[cfg.attention_scores]).itemsize
+
+  def unestimated_kernel_flops(self, batch_size: int) -> float:
+    """jax's splash kernel has no cost estimate: its attention's FLOPs, forward and backward (laurel.flash's has)."""
+    cfg, seq_len = self.model_cfg, self.data_cfg.seq_len
+    if attention.attention_impl(cfg, seq_len) != 'splash':
+      return 0.0
+    return cfg.num_layers * attention.attention_flops(batch_size, seq_len, cfg.num_heads, cfg.d_model // cfg.num_heads)
 
   def model_flops(self, batch_size: int) -> float:
     """PaLM's model FLOPs (appendix B): 6N + 12·L·H·Q·T per token, N the parameters that multiply an activation (no

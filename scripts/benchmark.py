@@ -69,8 +69,9 @@ _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.ini
 _VARY = flags.DEFINE_string('vary', None, 'With --topology: <field>=<v1>,<v2>,...: compile Baseline-24 once per value '
                             '(e.g. model.remat=dots_no_batch,full) instead of the rows; ratios are to the first value.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'Compile every row for this TPU slice (v4, v5e, v5p, v6e; e.g. '
-                                'v6e:4x4 or v6e-16) on this machine, run nothing: per-chip memory, compiler FLOPs and bytes, '
-                                "roofline step time, at the preset's batch and length. Needs libtpu.")
+                                'v6e:4x4 or v6e-16) on this machine, run nothing: per-chip memory, the step time the '
+                                "compiler's schedule estimates, its FLOPs and bytes, at the preset's batch and length. "
+                                'Needs libtpu.')
 
 
 def row_config(row, batch_size, seq_len, *extra, variant=()):
@@ -211,12 +212,14 @@ def print_table(result):
   _print_columns(COLUMNS, rows)
 
 
-# --topology's table: per-chip figures of the TPU compiler; ratios to baseline_24.
+# --topology's table: per-chip figures of the TPU compiler; ratios to baseline_24. The estimated step: the compiler's
+# schedule (laurel.run.schedule) at the chip's clock; `% rate`: model FLOPs per cycle over the compiler's own rate for a
+# large matmul.
 SLICE_COLUMNS = {'name': 'row', 'params': 'params', 'peak_gb': 'peak GB', 'peak_memory_ratio': 'ratio',
-                 'paper_peak_memory_gb': 'Table5 GB', 'paper_peak_memory_ratio': 'ratio', 'argument_gb': 'args GB',
-                 'temp_gb': 'temp GB', 'temp_ratio': 'ratio', 'tflops': 'TFLOP', 'flops_ratio': 'ratio',
-                 'bytes_gb': 'GB accessed', 'bytes_accessed_ratio': 'ratio', 'roofline_ms': 'roofline ms',
-                 'roofline_ratio': 'ratio', 'paper_step_time_ratio': 'Table5'}
+                 'paper_peak_memory_gb': 'Table5 GB', 'paper_peak_memory_ratio': 'ratio', 'cycles_m': 'Mcycles',
+                 'est_ms': 'est. ms', 'estimated_step_ratio': 'ratio', 'paper_step_time_s': 'Table5 s',
+                 'paper_step_time_ratio': 'ratio', 'rate_pct': '% rate', 'tflops': 'TFLOP', 'flops_ratio': 'ratio',
+                 'bytes_gb': 'GB accessed', 'bytes_accessed_ratio': 'ratio'}
 
 
 def measure_slice(names) -> dict:
@@ -253,11 +256,11 @@ def measure_slice(names) -> dict:
   for r in rows:
     for key, value in (('peak_memory', 'peak_memory_bytes'), ('argument', 'argument_bytes'), ('temp', 'temp_bytes'),
                        ('flops', 'flops_per_step'), ('bytes_accessed', 'bytes_accessed_per_step'),
-                       ('roofline', 'roofline_step_time_s')):
+                       ('roofline', 'roofline_step_time_s'), ('estimated_step', 'estimated_step_s')):
       r[f'{key}_ratio'] = ratio(r.get(value), rows[0].get(value))
-    r.update(paper_figures(r['name'], ('peak_memory_gb', 'peak_memory_ratio', 'step_time_ratio')))
+    r.update(paper_figures(r['name'], ('peak_memory_gb', 'peak_memory_ratio', 'step_time_s', 'step_time_ratio')))
   return {'device': {'topology': topology, 'device_kind': chip.device_kind, 'chips': len(devices),
-                     'hosts': len({d.process_index for d in devices}),
+                     'hosts': len({d.process_index for d in devices}), 'clock_hz': chip.clock_hz,
                      'peak_flops_per_chip': chip.peak_flops, 'hbm_bytes_per_chip': chip.hbm_bytes,
                      'hbm_bytes_per_s': chip.hbm_bytes_per_s, 'chip_figures': hardware.SOURCE,
                      'libtpu_version': importlib.metadata.version('libtpu'), 'jax_version': jax.__version__,
@@ -308,8 +311,9 @@ def print_slice_table(result):
   scaled = lambda r, key, unit: None if r.get(key) is None else r[key] / unit
   rows = [{**r, 'peak_gb': scaled(r, 'peak_memory_bytes', 1e9), 'argument_gb': scaled(r, 'argument_bytes', 1e9),
            'temp_gb': scaled(r, 'temp_bytes', 1e9), 'tflops': scaled(r, 'flops_per_step', 1e12),
-           'bytes_gb': scaled(r, 'bytes_accessed_per_step', 1e9),
-           'roofline_ms': scaled(r, 'roofline_step_time_s', 1e-3)} for r in result['rows']]
+           'bytes_gb': scaled(r, 'bytes_accessed_per_step', 1e9), 'cycles_m': scaled(r, 'estimated_cycles', 1e6),
+           'est_ms': scaled(r, 'estimated_step_s', 1e-3), 'rate_pct': scaled(r, 'matmul_rate_share', 0.01)}
+          for r in result['rows']]
   s, d = result['shape'], result['device']
   print(f"\n{d['topology']} ({d['chips']} x {d['device_kind']}), compiled not run, per chip | batch "
         f"{s['batch_size']} x {s['seq_len']} tokens | {s['dtype']} | remat {s['remat']} | ratios are to {BASELINE}")

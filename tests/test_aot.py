@@ -88,24 +88,27 @@ def test_costs_count_every_scanned_layer():
 
 @pytest.mark.slow
 @needs_libtpu
-def test_splash_attention_compiles_per_device_for_a_sharded_slice():
-  """On a (data 2, tensor 2) mesh the kernel runs under shard_map: Mosaic custom calls on local shapes."""
-  config = small('rw_lr', **{'model.attention': 'splash', 'mesh.data': 2, 'mesh.tensor': 2})
+@pytest.mark.parametrize('impl', ['flash', 'splash'])
+def test_blocked_attention_compiles_per_device_for_a_sharded_slice(impl):
+  """On a (data 2, tensor 2) mesh the kernels run under shard_map: Mosaic custom calls on local shapes. 'auto' is
+  laurel's flash kernel on the slice, the xla reference off it or where the length is no whole number of tiles."""
+  config = small('rw_lr', **{'model.attention': impl, 'mesh.data': 2, 'mesh.tensor': 2})
   devices = aot.slice_devices('v6e:2x2')
   task = step.validate_config(config, 4, 1)
   auto = dataclasses.replace(task.model_cfg, attention='auto')
   mesh = sharding.make_mesh(config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     hlo = step.compile_step(task, mesh)[0].as_text()
-    assert attention.attention_impl(auto, 128) == 'splash' and attention.attention_impl(auto, 100) == 'xla'
+    assert attention.attention_impl(auto, 128) == 'flash' and attention.attention_impl(auto, 100) == 'xla'
   assert 'tpu_custom_call' in hlo
   assert attention.attention_impl(auto, 128) == 'xla'  # off the slice's mesh: this CPU
 
 
-def test_splash_needs_a_length_of_whole_tiles():
-  with pytest.raises(ValueError, match=r"^model.attention='splash': needs data.seq_len to be a multiple of 128, "
+@pytest.mark.parametrize('impl', ['flash', 'splash'])
+def test_blocked_attention_needs_a_length_of_whole_tiles(impl):
+  with pytest.raises(ValueError, match=rf"^model.attention='{impl}': needs data.seq_len to be a multiple of 128, "
                                        r'not 100$'):
-    step.validate_config(small(**{'model.attention': 'splash', 'data.seq_len': 100}), 1, 1)
+    step.validate_config(small(**{'model.attention': impl, 'data.seq_len': 100}), 1, 1)
 
 
 def compile_only(*args, overrides=SMALL):
@@ -119,14 +122,17 @@ def compile_only(*args, overrides=SMALL):
 def test_compile_only_reports_what_fits():
   r = compile_only('--topology=v5e-4')  # the launcher's spelling of v5e:2x2
   assert r.returncode == 0, r.stderr[-2000:]
-  fits, cost = r.stdout.strip().splitlines()
+  fits, cost, groups = r.stdout.strip().splitlines()
   assert re.fullmatch(r"preflight v5e-4: fits: the step needs ([\d.]+) GB of HBM per chip of 16\.0 GB \(the "
                       r"compiler's peak heap: ([\d.]+) GB of state and batch plus the temporaries alive at that "
                       r'point; ([\d.]+) GB of temporaries in all, never alive at once\)', fits), fits
-  # 8 sequences of 128 tokens; the step time is the compiler's roofline unless --mfu says otherwise.
-  assert re.fullmatch(r"preflight v5e-4: cost: 1,024 tokens per step; [\d.e+-]+ s per step, 6 steps in [\d.]+ s on "
-                      r"4 chips: [\d.e+-]+ chip-hours \(estimated from the TPU compiler's roofline, .+ a lower bound, "
-                      r'as an MFU of [\d.e+-]+%; --mfu=F assumes a measured one; training steps only: .+\)', cost), cost
+  # 8 sequences of 128 tokens; the step time is the compiler's schedule unless --mfu says otherwise.
+  assert re.fullmatch(r"preflight v5e-4: cost: 1,024 tokens per step; [\d.e+-]+ s per step \([\d,.e+-]+ tokens/s\), "
+                      r"6 steps in [\d.]+ s on 4 chips: [\d.e+-]+ chip-hours \(estimated from the TPU compiler's "
+                      r'schedule, [\d,.]+M cycles per chip at 1\.50 GHz: an MFU of [\d.e+-]+%; --mfu=F assumes a '
+                      r'measured one; training steps only: .+\)', cost), cost
+  assert re.fullmatch(r'preflight v5e-4: the step as the compiler schedules it: (\w[\w ]* \d+%, )+\w[\w ]* \d+% '
+                      r'\(not in the estimate: [\d,]+ MB of collectives per chip and step, host work\)', groups), groups
   # Only progress on stderr: libtpu's start-up is told the slice, so it logs nothing.
   progress = r.stderr.splitlines()
   assert progress[0] == 'compiling the train step for v5e-4 with the TPU compiler...', r.stderr

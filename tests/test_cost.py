@@ -15,19 +15,20 @@ def test_an_assumed_mfu_gives_step_time_wall_time_and_chip_hours():
   assert est['wall_s'] == pytest.approx(816.993, rel=1e-6)
   assert est['chip_hours'] == pytest.approx(3.631082, rel=1e-6)
   assert cost.line(est, 'tokens') == (
-      'cost: 262,144 tokens per step; 0.817 s per step, 1,000 steps in 13m36s on 16 chips: 3.63 chip-hours '
-      '(estimated from an MFU of 50% (--mfu); training steps only: not compiling, evaluation or checkpoints)')
+      'cost: 262,144 tokens per step; 0.817 s per step (320,864 tokens/s), 1,000 steps in 13m36s on 16 chips: 3.63 '
+      'chip-hours (estimated from an MFU of 50% (--mfu); training steps only: not compiling, evaluation or '
+      'checkpoints)')
 
 
-def test_without_an_mfu_the_roofline_sets_the_step_time_and_the_mfu_it_implies():
-  est = cost.estimate(**RUN, roofline_s=2.0)
+def test_without_an_mfu_the_compilers_schedule_sets_the_step_time_and_the_mfu_it_implies():
+  est = cost.estimate(**RUN, cycles=3.5e9, clock_hz=1.75e9)  # 2 s a step
   assert (est['step_s'], est['wall_s']) == (2.0, 2000.0)
   assert est['chip_hours'] == pytest.approx(16 * 2000 / 3600)
   assert est['mfu'] == pytest.approx(6e15 / (16 * 918e12 * 2.0))  # 20.4%
-  line = cost.line(est, 'tokens')
-  assert line.startswith('cost: 262,144 tokens per step; 2 s per step, 1,000 steps in 33m20s on 16 chips: 8.89 '
-                         "chip-hours (estimated from the TPU compiler's roofline, ")
-  assert 'a lower bound, as an MFU of 20.4%; --mfu=F assumes a measured one;' in line
+  assert cost.line(est, 'tokens') == (
+      'cost: 262,144 tokens per step; 2 s per step (131,072 tokens/s), 1,000 steps in 33m20s on 16 chips: 8.89 '
+      "chip-hours (estimated from the TPU compiler's schedule, 3,500.0M cycles per chip at 1.75 GHz: an MFU of "
+      '20.4%; --mfu=F assumes a measured one; training steps only: not compiling, evaluation or checkpoints)')
 
 
 @pytest.mark.parametrize('value', [0.0, 1.5, -0.2])

@@ -1,5 +1,6 @@
 """The train step compiled for a TPU slice ('v6e:4x4' or 'v6e-16') on a machine without one: libtpu's compiler on
-compile-only devices. compile_for_slice gives its figures; preflight, the report before a launch."""
+compile-only devices. compile_for_slice gives its figures, the step time among them as the compiler schedules it
+(laurel.run.schedule); preflight, the report before a launch."""
 
 import importlib.metadata
 import importlib.util
@@ -9,9 +10,10 @@ import sys
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from laurel import sharding, step
-from laurel.run import compile_cache, console, cost
+from laurel.run import compile_cache, console, cost, schedule
 from laurel.config_lib import InputError
 from laurel.run.hardware import TPUS, TPU, parse_accelerator, xla_costs
 
@@ -50,9 +52,31 @@ def compile_only_process() -> None:
   jax.config.update('jax_enable_compilation_cache', False)
 
 
-def _kept(lowered, devices, topology: str, chip: TPU) -> dict:
-  """The TPU compiler's figures of a program (MEMORY, FLOPs and bytes accessed), kept by compile_cache.record keyed by
-  the program, the slice and the compiler; DoesNotFit where it ran out of HBM."""
+def _compiler_key(devices) -> list[str]:
+  """What the compiler's figures depend on besides the program: the slice, jax, libtpu and their flags."""
+  try:
+    libtpu = importlib.metadata.version('libtpu')
+  except importlib.metadata.PackageNotFoundError:
+    libtpu = 'none'
+  slice_desc = f'{devices[0].device_kind} x{len(devices)} in {len({d.process_index for d in devices})} processes'
+  return [slice_desc, jax.__version__, libtpu, os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', '')]
+
+
+def matmul_rate(devices) -> float:
+  """The TPU compiler's FLOPs per cycle for one bfloat16 8192³ product on one chip of `devices`: its own rate for a
+  large matmul, at which laurel.run.schedule counts the kernels it does not schedule."""
+  n = 8192
+  chip = jax.sharding.NamedSharding(jax.sharding.Mesh(devices[:1], ('chip',)), jax.P())
+  square = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=chip)
+  lowered = jax.jit(jnp.matmul).lower(square, square)
+  figures = lambda: {'cycles': schedule.estimate(lowered.compile().as_text(), 1.0, 1.0).compiler_cycles}
+  return 2 * n ** 3 / compile_cache.record([lowered.as_text(), *_compiler_key(devices[:1])], figures)['cycles']
+
+
+def _kept(lowered, devices, topology: str, chip: TPU, rate: float, kernel_flops: float = 0.0) -> dict:
+  """The TPU compiler's figures of a program (MEMORY, FLOPs and bytes accessed, its schedule's estimate at the matmul
+  `rate`, kernels without a cost estimate counted as `kernel_flops`), kept by compile_cache.record keyed by the
+  program, the slice and the compiler; DoesNotFit where it ran out of HBM."""
   def figures():
     try:
       compiled = lowered.compile()
@@ -63,15 +87,11 @@ def _kept(lowered, devices, topology: str, chip: TPU) -> dict:
     m = compiled.memory_analysis()
     sizes = (m.peak_memory_in_bytes, m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
              m.temp_size_in_bytes)
-    return {**dict(zip(MEMORY, map(int, sizes))), **dict(zip(('flops', 'bytes_accessed'), xla_costs(compiled)))}
+    est = schedule.estimate(compiled.as_text(), rate, chip.hbm_bytes_per_s / chip.clock_hz, kernel_flops)
+    return {**dict(zip(MEMORY, map(int, sizes))), **dict(zip(('flops', 'bytes_accessed'), xla_costs(compiled))),
+            'schedule': schedule.as_dict(est)}
 
-  try:
-    libtpu = importlib.metadata.version('libtpu')
-  except importlib.metadata.PackageNotFoundError:
-    libtpu = 'none'
-  slice_desc = f'{devices[0].device_kind} x{len(devices)} in {len({d.process_index for d in devices})} processes'
-  key = [lowered.as_text(), slice_desc, jax.__version__, libtpu, os.environ.get('XLA_FLAGS', ''),
-         os.environ.get('LIBTPU_INIT_ARGS', '')]
+  key = [lowered.as_text(), *_compiler_key(devices), str(rate), str(kernel_flops)]
   kept = compile_cache.record(key, figures)
   if 'resource_exhausted' in kept:
     raise _not_fitting(topology, chip, kept['resource_exhausted'])
@@ -100,24 +120,31 @@ def _not_fitting(topology: str, chip: TPU, error: str) -> DoesNotFit:
 
 
 def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
-  """Per chip: parameters and MEMORY; with `costs`, FLOPs and bytes accessed per step (cost.step_costs) and the
-  roofline step time max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)."""
+  """Per chip: parameters, MEMORY and the compiler's estimated step (SCHEDULE); with `costs`, FLOPs and bytes accessed
+  per step (cost.step_costs) and the roofline step time max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)."""
   chip, devices = TPUS[parse_accelerator(topology, flag='topology')['generation']], slice_devices(topology)
   task = step.validate_config(config, len(devices), len({d.process_index for d in devices}))
   mesh = sharding.make_mesh(task.config.mesh, devices)
+  rate = matmul_rate(devices)
+  per_chip = task.config.batch_size // len(devices)
 
   def compiled(t):  # the figures of the step of task t, and its abstract state
     with jax.set_mesh(mesh), nn.logical_axis_rules(t.config.logical_axis_rules):
       lowered, _, abstract, _ = step.lower_step(t, mesh)
-      return _kept(lowered, devices, topology, chip), abstract
+      return _kept(lowered, devices, topology, chip, rate, t.unestimated_kernel_flops(per_chip)), abstract
 
   figures, abstract = compiled(task)
-  facts = {'params': task.num_params(abstract.params), **{k: figures[k] for k in MEMORY}, 'hbm_bytes': chip.hbm_bytes}
+  est = figures['schedule']
+  facts = {'params': task.num_params(abstract.params), **{k: figures[k] for k in MEMORY}, 'hbm_bytes': chip.hbm_bytes,
+           'clock_hz': chip.clock_hz, 'matmul_flops_per_cycle': rate, 'estimated_cycles': est['cycles'],
+           'estimated_step_s': est['cycles'] / chip.clock_hz, 'schedule': est,
+           'model_flops_per_chip': task.model_flops(task.config.batch_size) / len(devices)}
+  facts['matmul_rate_share'] = facts['model_flops_per_chip'] / est['cycles'] / rate
   if not costs:
     return facts
   costs_of = lambda f: (f['flops'], f['bytes_accessed'])
   step_costs = lambda t: costs_of(figures if t.config == task.config else compiled(t)[0])  # the step: compiled once
-  loss_costs = lambda lowered: costs_of(_kept(lowered, devices, topology, chip))  # the loss's one-chunk program
+  loss_costs = lambda lowered: costs_of(_kept(lowered, devices, topology, chip, rate))  # the loss's one-chunk program
   flops, bytes_accessed = cost.step_costs(task, step_costs, mesh, loss_costs)
   compute_s, memory_s = flops / chip.peak_flops, bytes_accessed / chip.hbm_bytes_per_s
   return {**facts, 'flops_per_step': flops, 'bytes_accessed_per_step': bytes_accessed, 'compute_s': compute_s,
@@ -125,14 +152,14 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
 
 
 def preflight(config, topology: str | None) -> str:
-  """The report before every TPU launch (it fits each chip's HBM, then laurel.run.cost's estimate), else a one-line
-  InputError. Without --mfu the estimate takes the roofline, which compiles more."""
+  """The report before every TPU launch (it fits each chip's HBM; the step time as the compiler schedules it, or at
+  --mfu; the step's largest groups), else a one-line InputError."""
   if not topology:
     raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
   accel = parse_accelerator(topology, flag='topology')
   chip, mfu = TPUS[accel['generation']], cost.mfu_flag()
   with console.phase(f'compiling the train step for {topology} with the TPU compiler', file=sys.stderr):
-    facts = compile_for_slice(config, topology, costs=mfu is None)
+    facts = compile_for_slice(config, topology, costs=False)
   gb = lambda key: f'{facts[key] / 1e9:.3g} GB'
   need = f'the step needs {gb("peak_memory_bytes")} of HBM per chip'
   if facts['peak_memory_bytes'] > chip.hbm_bytes:
@@ -141,9 +168,16 @@ def preflight(config, topology: str | None) -> str:
   task = step.validate_config(config, accel['chips'], accel['hosts'])
   estimate = cost.estimate(model_flops=task.model_flops(task.config.batch_size), steps=task.config.steps,
                            units_per_step=task.config.batch_size * task.units_per_example(), chips=accel['chips'],
-                           peak_flops=chip.peak_flops, mfu=mfu, roofline_s=facts.get('roofline_step_time_s'))
+                           peak_flops=chip.peak_flops, mfu=mfu, cycles=facts['estimated_cycles'],
+                           clock_hz=chip.clock_hz)
+  est = facts['schedule']
+  blind = f"{est['collective_bytes'] / 1e6:,.0f} MB of collectives per chip and step, host work"
+  if est['uncounted_kernels']:
+    blind += f", {est['uncounted_kernels']} kernel calls without a cost estimate"
   # The peak is the compiler's heap at its fullest: the state and batch, plus the temporaries alive at that point.
   return (f'preflight {topology}: fits: {need} of {chip.hbm_bytes / 1e9:.1f} GB (the compiler\'s peak heap: '
           f'{gb("argument_bytes")} of state and batch plus the temporaries alive at that point; '
           f'{gb("temp_bytes")} of temporaries in all, never alive at once)\n'
-          f'preflight {topology}: {cost.line(estimate, task.unit)}')
+          f'preflight {topology}: {cost.line(estimate, task.unit)}\n'
+          f"preflight {topology}: the step as the compiler schedules it: {schedule.group_shares(est['groups'])} "
+          f'(not in the estimate: {blind})')

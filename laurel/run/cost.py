@@ -1,6 +1,6 @@
 """What a step and a run cost: a train step's FLOPs and bytes as XLA counts them (step_costs, step_flops), and a
-run's cost as the pre-flight states it, from the step's model FLOPs and either an assumed MFU (--mfu, a flag of
-laurel.main and scripts/launch_tpu.py) or the TPU compiler's roofline step time."""
+run's cost as the pre-flight states it, from the TPU compiler's estimate of the step (laurel.run.schedule) or an
+assumed MFU (--mfu, a flag of laurel.main and scripts/launch_tpu.py)."""
 
 import dataclasses
 
@@ -17,7 +17,7 @@ from laurel.step import make_train_fns
 
 _MFU = flags.DEFINE_float(
     'mfu', None, 'With --compile_only (and the launcher\'s pre-flight): the model FLOPs utilisation, in (0, 1], '
-    "that the cost estimate assumes. Default: the TPU compiler's roofline step time (a lower bound).")
+    "that the cost estimate assumes. Default: the step time the TPU compiler's schedule estimates.")
 
 
 def mfu_flag() -> float | None:
@@ -29,22 +29,25 @@ def mfu_flag() -> float | None:
 
 
 def estimate(*, model_flops: float, units_per_step: int, steps: int, chips: int, peak_flops: float,
-             mfu: float | None = None, roofline_s: float | None = None) -> dict:
-  """Training steps only: each takes model_flops / (chips · peak_flops · mfu), else `roofline_s` (the MFU implied)."""
-  step_s = model_flops / (chips * peak_flops * mfu) if mfu is not None else roofline_s
+             mfu: float | None = None, cycles: float | None = None, clock_hz: float | None = None) -> dict:
+  """Training steps only: each takes model_flops / (chips · peak_flops · mfu), else the compiler's estimated `cycles`
+  per chip at `clock_hz` (the MFU implied)."""
+  step_s = model_flops / (chips * peak_flops * mfu) if mfu is not None else cycles / clock_hz
   wall_s = steps * step_s
   return {'units_per_step': units_per_step, 'step_s': step_s, 'steps': steps, 'wall_s': wall_s,
-          'chip_hours': chips * wall_s / 3600, 'chips': chips, 'basis': 'mfu' if mfu is not None else 'roofline',
-          'mfu': mfu or model_flops / (chips * peak_flops * step_s)}
+          'chip_hours': chips * wall_s / 3600, 'chips': chips, 'basis': 'mfu' if mfu is not None else 'schedule',
+          'mfu': mfu or model_flops / (chips * peak_flops * step_s), 'cycles': cycles, 'clock_hz': clock_hz}
 
 
 def line(est: dict, unit: str) -> str:
-  """`cost: 524,288 tokens per step; 0.812 s per step, 500 steps in 6m46s on 16 chips: 1.80 chip-hours (...)`."""
+  """`cost: 524,288 tokens per step; 0.167 s per step (3.14M tokens/s), 19,073 steps in 53m on 16 chips: 14.2
+  chip-hours (...)`."""
   basis = (f"an MFU of {100 * est['mfu']:.3g}% (--mfu)" if est['basis'] == 'mfu' else
-           "the TPU compiler's roofline, max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth) per chip: a "
-           f"lower bound, as an MFU of {100 * est['mfu']:.3g}%; --mfu=F assumes a measured one")
-  return (f"cost: {est['units_per_step']:,} {unit} per step; {est['step_s']:.3g} s per step, {est['steps']:,} steps "
-          f"in {duration(est['wall_s'])} on {est['chips']} chip{'s' * (est['chips'] > 1)}: "
+           f"the TPU compiler's schedule, {est['cycles'] / 1e6:,.1f}M cycles per chip at {est['clock_hz'] / 1e9:.2f} "
+           f"GHz: an MFU of {100 * est['mfu']:.3g}%; --mfu=F assumes a measured one")
+  per_s = est['units_per_step'] / est['step_s']
+  return (f"cost: {est['units_per_step']:,} {unit} per step; {est['step_s']:.3g} s per step ({per_s:,.0f} {unit}/s), "
+          f"{est['steps']:,} steps in {duration(est['wall_s'])} on {est['chips']} chip{'s' * (est['chips'] > 1)}: "
           f"{est['chip_hours']:.3g} chip-hours (estimated from {basis}; training steps only: not compiling, "
           'evaluation or checkpoints)')
 

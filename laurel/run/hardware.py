@@ -7,8 +7,9 @@ import re
 
 from laurel.config_lib import InputError
 
-SOURCE = ('per-chip dense bf16 peak FLOP/s, HBM capacity and bandwidth: the Cloud TPU system-architecture pages, '
-          'cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e')
+SOURCE = ('per-chip dense bf16 peak FLOP/s, HBM capacity and bandwidth, MXUs per TensorCore and their size: the Cloud '
+          'TPU system-architecture pages, cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e; the clock is the peak over '
+          'the MXUs\' multiply-adds per cycle (v4: 1.05 GHz, as the TPU v4 paper, Jouppi et al. 2023, states)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,16 +24,24 @@ class TPU:
   accelerator: str  # Cloud TPU's accelerator type is <this>-<TensorCores>
   runtime_version: str  # the TPU VM software version gcloud creates it with
   largest: int  # TensorCores of the largest slice
+  mxus: int  # matrix units per chip, all TensorCores
+  mxu_size: int  # an MXU multiplies mxu_size × mxu_size
 
   @property
   def device_kind(self) -> str:
     return self.device_kinds[0]
 
+  @property
+  def clock_hz(self) -> float:
+    """The peak FLOP/s over 2 FLOPs per multiply-add of every MXU cell each cycle."""
+    return self.peak_flops / (2 * self.mxus * self.mxu_size ** 2)
 
-TPUS = {'v4': TPU(('TPU v4',), 275e12, 32 * 2**30, 1200e9, 3, 2, 'v4', 'tpu-ubuntu2204-base', 4096),
-        'v5e': TPU(('TPU v5 lite', 'TPU v5e'), 197e12, 16e9, 819e9, 2, 1, 'v5litepod', 'v2-alpha-tpuv5-lite', 256),
-        'v5p': TPU(('TPU v5', 'TPU v5p'), 459e12, 95e9, 2765e9, 3, 2, 'v5p', 'v2-alpha-tpuv5', 4096),
-        'v6e': TPU(('TPU v6 lite', 'TPU v6e'), 918e12, 32e9, 1638e9, 2, 1, 'v6e', 'v2-alpha-tpuv6e', 256)}
+
+TPUS = {'v4': TPU(('TPU v4',), 275e12, 32 * 2**30, 1200e9, 3, 2, 'v4', 'tpu-ubuntu2204-base', 4096, 8, 128),
+        'v5e': TPU(('TPU v5 lite', 'TPU v5e'), 197e12, 16e9, 819e9, 2, 1, 'v5litepod', 'v2-alpha-tpuv5-lite', 256, 4,
+                   128),
+        'v5p': TPU(('TPU v5', 'TPU v5p'), 459e12, 95e9, 2765e9, 3, 2, 'v5p', 'v2-alpha-tpuv5', 4096, 8, 128),
+        'v6e': TPU(('TPU v6 lite', 'TPU v6e'), 918e12, 32e9, 1638e9, 2, 1, 'v6e', 'v2-alpha-tpuv6e', 256, 4, 256)}
 # Dense bf16 peak FLOP/s per jax device kind, for MFU (absent: e.g. CPU); NVIDIA's from its datasheets, whose 1,979
 # for the H100 SXM and the H200 is with 2:4 sparsity.
 PEAK_FLOPS = {**{kind: tpu.peak_flops for tpu in TPUS.values() for kind in tpu.device_kinds},

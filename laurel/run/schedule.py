@@ -11,15 +11,18 @@ import dataclasses
 import json
 import re
 
-# Where a fused instruction's time goes, by the module path in its op_name (the first group that matches).
+# Where an instruction's time goes, by the module path in its op_name (the first group that matches; a fusion is
+# named by one of the operations it fuses).
 GROUPS = (
     ('loss', r'/loss/|cross_entropy'),
     ('optimizer', r'/optimizer/'),
-    ('embedding', r'/lookup/|/embed/'),
+    ('embedding', r'/lookup/'),
     ('norms', r'norm[^/]*/'),
     ('matmuls', r'/attn/(query|key|value|out)/|/mlp/|/share/'),
-    ('attention', r'/attn/'),
-    ('residual stream', r'/layers(_\d+)?/'),
+    ('attention', r'/attn/|flash|splash'),
+    ('residual stream', r'/layers(_\d+)?/[^/]+/'),  # the design's sites: all but their sublayers, matched above
+    ('matmuls', r'dot_general|conv_general_dilated'),
+    ('layer stacks', r'dynamic_update_index_in_dim|dynamic_index_in_dim'),  # a scan's saved activations
 )
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
 _INSTRUCTION = re.compile(r'\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\(')
@@ -151,17 +154,14 @@ def executed_ops(text: str) -> tuple[list[Op], list[str]]:
 @dataclasses.dataclass(frozen=True)
 class Estimate:
   """A program's estimated cycles per chip and what they leave out."""
-  cycles: float  # estimated + kernels' cost estimates + kernel_flops, at the rates below
-  estimated_cycles: int  # the compiler's own, alone
+  cycles: float  # the compiler's + the kernels'
+  compiler_cycles: int  # the compiler's own estimate, alone
   kernel_cycles: float  # the Pallas kernels', from their cost estimates or `kernel_flops`
   groups: dict  # {group: cycles}, largest first
   uncounted_kernels: int  # kernel calls per step with no estimate and no stated FLOPs
   collective_bytes: int  # results of collectives per step (no estimate)
   unknown_loops: tuple
   top: tuple  # (cycles, op_name, trips) of the most expensive instructions
-
-  def seconds(self, clock_hz: float) -> float:
-    return self.cycles / clock_hz
 
 
 def estimate(text: str, flops_per_cycle: float, bytes_per_cycle: float, kernel_flops: float = 0.0,
@@ -194,9 +194,10 @@ def estimate(text: str, flops_per_cycle: float, bytes_per_cycle: float, kernel_f
                   collective, tuple(unknown), tuple(sorted(costed, reverse=True)[:20]))
 
 
-def group_shares(est: Estimate, top: int = 6) -> str:
-  """'attention 31%, matmuls 28%, ...' of the largest groups."""
-  return ', '.join(f'{g} {100 * c / est.cycles:.0f}%' for g, c in list(est.groups.items())[:top])
+def group_shares(groups: dict, top: int = 6) -> str:
+  """'matmuls 50%, attention 12%, ...' of the largest `groups` ({group: cycles}, largest first)."""
+  total = sum(groups.values())
+  return ', '.join(f'{g} {100 * c / total:.0f}%' for g, c in list(groups.items())[:top])
 
 
 def as_dict(est: Estimate) -> dict:
