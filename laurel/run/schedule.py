@@ -11,9 +11,10 @@ import dataclasses
 import json
 import re
 
-# Where a fused instruction's time goes, by the module path in its op_name (the first group that matches).
+# Where a fused instruction's time goes, by the module path in its op_name (the first group that matches). A scope
+# that opens a transformation's trace reads 'jvp(loss)/...', 'transpose(jvp(loss))/...'.
 GROUPS = (
-    ('loss', r'/loss/|cross_entropy'),
+    ('loss', r'[/(]loss[/)]|cross_entropy'),
     ('optimizer', r'/optimizer/'),
     ('embedding', r'/lookup/|/embed/'),
     ('norms', r'norm[^/]*/'),
