@@ -1,5 +1,6 @@
 """Next-token cross-entropy without the full logits: a scan over chunks of positions computes each chunk's logits
-once, and from them the loss and its gradients (a custom VJP), so the backward pass only scales saved gradients."""
+(on a TPU twice, see _scan_chunks), and from them the loss and its gradients (a custom VJP), so the backward pass only
+scales saved gradients."""
 
 import functools
 
@@ -17,6 +18,7 @@ def shifted_targets(tokens_BxL, segment_ids_BxL):
   return targets_BxL, weights_BxL
 
 
+@jax.named_scope('loss')  # where laurel.run.schedule counts its time
 def _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype, grads: bool):
   """The sums, and with `grads` the gradients of Σ weight·nll with respect to x and the kernel."""
   b, length, d = x_BxLxD.shape
@@ -29,30 +31,38 @@ def _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, 
   chunks = lambda a: a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)  # batch stays the sharded axis
   w = kernel.astype(dtype)
   product = lambda spec, a, c: jnp.einsum(spec, a, c, preferred_element_type=jnp.float32)
+  logits = lambda x_BxCxD, w: nn.with_logical_constraint(product(f'bcd,{kernel_axes}->bcv', x_BxCxD, w),
+                                                         ('act_batch', 'act_len', 'act_vocab'))
 
   def body(carry, xs):
     nll, correct, grad_kernel = carry
     x_BxCxD, targets_BxC, weights_BxC = xs
-    logits_BxCxV = product(f'bcd,{kernel_axes}->bcv', x_BxCxD.astype(dtype), w)
-    logits_BxCxV = nn.with_logical_constraint(logits_BxCxV, ('act_batch', 'act_len', 'act_vocab'))
+    logits_BxCxV = logits(x_BxCxD, w)
     is_label_BxCxV = jnp.arange(logits_BxCxV.shape[-1]) == targets_BxC[..., None]
     label_BxC = jnp.sum(jnp.where(is_label_BxCxV, logits_BxCxV, 0.0), axis=-1)
-    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    max_BxC = jnp.max(logits_BxCxV, axis=-1)
+    sum_exp = lambda logits_BxCxV: jnp.sum(jnp.exp(logits_BxCxV - max_BxC[..., None]), axis=-1)
+    # The TPU compiler puts the sum in the epilogue of the product computed again, which by its estimate costs less
+    # than another pass over the float32 logits; the barrier keeps it from merging the two products. Other compilers
+    # were not measured: they sum the stored logits.
+    again = lambda: sum_exp(logits(*jax.lax.optimization_barrier((x_BxCxD, w))))
+    lse_BxC = max_BxC + jnp.log(jax.lax.platform_dependent(tpu=again, default=lambda: sum_exp(logits_BxCxV)))
     nll = nll + jnp.sum((lse_BxC - label_BxC) * weights_BxC)
-    correct = correct + jnp.sum((jnp.argmax(logits_BxCxV, axis=-1) == targets_BxC) * weights_BxC)
+    # Correct where the label's logit is the largest, ties included: no pass over the logits for an argmax.
+    correct = correct + jnp.sum((label_BxC >= max_BxC) * weights_BxC)
     if not grads:
       return (nll, correct, grad_kernel), None
     # d(Σ w·nll)/d logits = w·(softmax − one-hot)
     grad_BxCxV = (jnp.exp(logits_BxCxV - lse_BxC[..., None]) - is_label_BxCxV) * weights_BxC[..., None]
     grad_BxCxV = grad_BxCxV.astype(dtype)
-    grad_x_BxCxD = product(f'bcv,{kernel_axes}->bcd', grad_BxCxV, w).astype(x_BxCxD.dtype)
-    grad_kernel = grad_kernel + product(f'bcv,bcd->{kernel_axes}', grad_BxCxV, x_BxCxD.astype(dtype))
+    grad_x_BxCxD = product(f'bcv,{kernel_axes}->bcd', grad_BxCxV, w).astype(x_BxLxD.dtype)
+    grad_kernel = grad_kernel + product(f'bcv,bcd->{kernel_axes}', grad_BxCxV, x_BxCxD)
     return (nll, correct, grad_kernel), grad_x_BxCxD
 
   zero = jnp.zeros((), jnp.float32)
   init = (zero, zero, jnp.zeros(kernel.shape, jnp.float32) if grads else None)
-  (nll, correct, grad_kernel), grad_x = jax.lax.scan(body, init, (chunks(x_BxLxD), chunks(targets_BxL),
-                                                                   chunks(weights_BxL)))
+  xs = (chunks(x_BxLxD.astype(dtype)), chunks(targets_BxL), chunks(weights_BxL))
+  (nll, correct, grad_kernel), grad_x = jax.lax.scan(body, init, xs)
   if not grads:
     return nll, correct
   grad_x_BxLxD = grad_x.swapaxes(0, 1).reshape(b, length + pad, d)[:, :length]
@@ -61,8 +71,9 @@ def _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 5, 6))
 def chunked(x_BxLxD, kernel, kernel_axes: str, targets_BxL, weights_BxL, chunk: int, dtype=None):
-  """(Σ weight·nll, Σ weight·[argmax = target]), logits x·W `chunk` positions at a time (0: all). `kernel` is laid out
-  as `kernel_axes` ('dv' or 'vd'), used in `dtype` (default: x's); matmuls accumulate in float32."""
+  """(Σ weight·nll, Σ weight·[the target's logit is the largest, a tie too]), logits x·W `chunk` positions at a time
+  (0: all). `kernel` is laid out as `kernel_axes` ('dv' or 'vd'), used in `dtype` (default: x's); matmuls accumulate
+  in float32."""
   return _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype, grads=False)
 
 
@@ -71,6 +82,7 @@ def _chunked_fwd(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, 
   return sums, (grads, targets_BxL, weights_BxL, jnp.zeros((), kernel.dtype))  # the last: the kernel's dtype
 
 
+@jax.named_scope('loss')
 def _chunked_bwd(kernel_axes, chunk, dtype, saved, cotangents):
   del kernel_axes, chunk, dtype
   (grad_x_BxLxD, grad_kernel), targets_BxL, weights_BxL, kernel_like = saved

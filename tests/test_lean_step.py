@@ -12,7 +12,7 @@ import pytest
 
 from helpers import load_config, needs_libtpu
 from laurel import cross_entropy, lm, tasks
-from laurel.run import aot
+from laurel.run import aot, schedule
 
 VOCAB, D, LEN, BATCH = 37, 8, 12, 3
 # Row 0: two documents, then padding; row 1: one document; row 2: three documents.
@@ -20,15 +20,15 @@ SEGMENTS_BxL = np.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12, [1] * 3 + [2] * 
 
 
 def _np_loss_sums(x_BxLxD, w_VxD, tokens_BxL, segments_BxL):
-  """Σ weight·nll and Σ weight·[argmax = target] from the full logits, in float64: position t predicts token t+1
-  where both lie in the same document (segment > 0)."""
+  """Σ weight·nll and Σ weight·[target's logit = the largest] from the full logits, in float64: position t predicts
+  token t+1 where both lie in the same document (segment > 0)."""
   logits_BxLxV = np.einsum('bld,vd->blv', np.float64(x_BxLxD), np.float64(w_VxD))[:, :-1]
   targets_BxL = tokens_BxL[:, 1:]
   weights_BxL = (segments_BxL[:, 1:] == segments_BxL[:, :-1]) & (segments_BxL[:, 1:] > 0)
   top_BxL = logits_BxLxV.max(-1)
   lse_BxL = top_BxL + np.log(np.exp(logits_BxLxV - top_BxL[..., None]).sum(-1))
   label_BxL = np.take_along_axis(logits_BxLxV, targets_BxL[..., None], -1)[..., 0]
-  correct_BxL = logits_BxLxV.argmax(-1) == targets_BxL
+  correct_BxL = label_BxL == top_BxL  # a tie for the largest counts
   return ((lse_BxL - label_BxL) * weights_BxL).sum(), (correct_BxL * weights_BxL).sum()
 
 
@@ -40,8 +40,16 @@ def _random(seed):
   return x_BxLxD, w_VxD, tokens_BxL
 
 
+@pytest.fixture(params=['default', 'tpu'])
+def platform_form(request, monkeypatch):
+  """The loss's form for other platforms, and its TPU form (platform_dependent's `tpu` branch) run here on the CPU."""
+  if request.param == 'tpu':
+    monkeypatch.setattr(jax.lax, 'platform_dependent', lambda *args, tpu, default: tpu(*args))
+  return request.param
+
+
 @pytest.mark.parametrize('chunk', [0, 1, 4, 5, 12, 64])  # all at once, dividing, not dividing, longer than L
-def test_chunked_cross_entropy_equals_full_logits_with_packing_and_padding(chunk):
+def test_chunked_cross_entropy_equals_full_logits_with_packing_and_padding(chunk, platform_form):
   x_BxLxD, w_VxD, tokens_BxL = _random(chunk)
   targets_BxL, weights_BxL = cross_entropy.shifted_targets(tokens_BxL, SEGMENTS_BxL)
   nll, correct = cross_entropy.chunked(x_BxLxD, w_VxD, 'vd', targets_BxL, weights_BxL, chunk)
@@ -54,7 +62,17 @@ def test_chunked_cross_entropy_equals_full_logits_with_packing_and_padding(chunk
   np.testing.assert_allclose(nll_dv, nll, rtol=1e-6)
 
 
-def test_chunked_cross_entropy_gradients_equal_full_logits():
+def test_chunked_cross_entropy_counts_a_tie_for_the_largest_logit_as_correct(platform_form):
+  x_BxLxD, w_VxD, tokens_BxL = _random(2)
+  x_BxLxD[:, :4] = 0.0  # every logit 0: the target ties for the largest, though argmax picks entry 0
+  targets_BxL, weights_BxL = cross_entropy.shifted_targets(tokens_BxL, SEGMENTS_BxL)
+  _, correct = cross_entropy.chunked(x_BxLxD, w_VxD, 'vd', targets_BxL, weights_BxL, 5)
+  right_BxL = np.einsum('bld,vd->blv', x_BxLxD, w_VxD).argmax(-1) == np.asarray(targets_BxL)
+  right_BxL[:, :4] = True
+  assert correct == (right_BxL * weights_BxL).sum() == _np_loss_sums(x_BxLxD, w_VxD, tokens_BxL, SEGMENTS_BxL)[1]
+
+
+def test_chunked_cross_entropy_gradients_equal_full_logits(platform_form):
   x_BxLxD, w_VxD, tokens_BxL = _random(1)
   targets_BxL, weights_BxL = cross_entropy.shifted_targets(tokens_BxL, SEGMENTS_BxL)
 
@@ -86,6 +104,21 @@ def test_chunked_cross_entropy_keeps_one_chunk_of_logits_live():
   # 8 chunks of 32 positions: forward and backward hold a chunk's logits and their gradient (and the compiler's
   # copies of them), never all of them.
   assert _temp_bytes_of_loss_gradient(32) < logits_bytes / 2
+
+
+@needs_libtpu
+def test_on_a_tpu_a_second_product_sums_the_exponentials_and_the_schedule_counts_it_as_the_loss():
+  mesh = jax.sharding.Mesh(np.array(aot.slice_devices('v6e:1x1')), ('data',))
+  spec = lambda *shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+  batch, length, vocab, d = 2, 128, 2048, 128
+  loss = lambda x, w, t, m: cross_entropy.chunked(x, w, 'vd', t, m, 32, jnp.bfloat16)
+  compiled = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True)).lower(
+      spec(batch, length, d, dtype=jnp.bfloat16), spec(vocab, d, dtype=jnp.float32),
+      spec(batch, length, dtype=jnp.int32), spec(batch, length, dtype=jnp.float32)).compile()
+  ops, _ = schedule.executed_ops(compiled.as_text())
+  assert {op.group for op in ops if op.cycles} == {'loss'}
+  logits = [op.trips for op in ops if op.opcode == 'fusion' and op.op_name.endswith('bcd,vd->bcv/dot_general')]
+  assert logits == [4, 4]  # each chunk's, twice
 
 
 # The LM task's loss on a tiny model at random parameters, packed batches, tied and untied embeddings.
@@ -181,8 +214,9 @@ def test_remat_policies_give_the_same_gradients(policy):
 @needs_libtpu
 @pytest.mark.slow
 def test_compiler_costs_count_every_loss_chunk():
-  """XLA counts the chunk loop's body once; laurel.run.aot adds the other chunks. The chunked loss computes each chunk's
-  logits once (its backward only scales saved gradients), so the step costs what the unchunked one does."""
+  """XLA counts the chunk loop's body once; laurel.run.aot adds the other chunks. The chunked loss makes all its
+  products in the forward pass (its backward only scales saved gradients), so the step costs what the unchunked one
+  does."""
   shape = {**TINY, 'model.num_layers': 2, 'model.scan_layers': True, 'model.dtype': 'bfloat16', 'data.seq_len': 128,
            'batch_size': 8, 'model.vocab_size': 512}
   costs = {chunk: aot.compile_for_slice(load_config('configs/c4_ablation.py:baseline_24,preset=tiny', {

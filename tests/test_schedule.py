@@ -87,6 +87,7 @@ def test_kernels_count_by_their_cost_estimate_or_by_stated_flops():
      'residual stream'),
     ('jit(train_step)/jvp(LM)/while/body/closed_call/layers/residual/norm_attn/reduce_sum', 'norms'),
     ('jit(train_step)/jvp()/while/body/closed_call/loss/reduce_sum', 'loss'),
+    ('jit(train_step)/transpose(jvp(loss))/while/body/closed_call/dot_general', 'loss'),
     ('jit(train_step)/optimizer/add', 'optimizer'),
     ('jit(train_step)/jvp(LM)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice', 'layer stacks'),
     ('convert.19', 'other')])

@@ -12,9 +12,9 @@ import json
 import re
 
 # Where an instruction's time goes, by the module path in its op_name (the first group that matches; a fusion is
-# named by one of the operations it fuses).
+# named by one of the operations it fuses). A scope that opens a transformation's trace reads 'jvp(loss)/...'.
 GROUPS = (
-    ('loss', r'/loss/|cross_entropy'),
+    ('loss', r'[/(]loss[/)]|cross_entropy'),
     ('optimizer', r'/optimizer/'),
     ('embedding', r'/lookup/'),
     ('norms', r'norm[^/]*/'),
