@@ -101,11 +101,10 @@ def _loop_start(instruction: str, caller: list[str]) -> int:
   return int(value.group(1)) if value else 0
 
 
-def _result_bytes(instruction: str) -> int:
-  """Bytes of the shapes before the opcode (a tuple: all of them)."""
-  head = instruction.split(' = ', 1)[1].split('(', 1)[0] if ' = ' in instruction else ''
+def _result_bytes(result_type: str) -> int:
+  """Bytes of an instruction's result type (a tuple: all of its shapes)."""
   total = 0
-  for dtype, dims in _SHAPE.findall(head):
+  for dtype, dims in _SHAPE.findall(result_type):
     size = _BYTES.get(dtype) or int(re.sub(r'\D', '', dtype)) // 8 or 1
     for d in filter(None, dims.split(',')):
       size *= int(d)
@@ -132,7 +131,7 @@ def executed_ops(text: str) -> tuple[list[Op], list[str]]:
                            line)
       ops.append(Op(m.group(1), opcode, int(cycles.group(1)) if cycles else None, trips,
                     op_name.group(1) if op_name else '', int(estimate.group(1)) if estimate else None,
-                    int(estimate.group(2)) if estimate else None, _result_bytes(line),
+                    int(estimate.group(2)) if estimate else None, _result_bytes(m.group(2)),
                     target.group(1) if target else ''))
       if opcode == 'while':
         n = _trip_count(line, comps, lines)
