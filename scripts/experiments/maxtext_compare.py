@@ -15,6 +15,14 @@ config has no knob for that: its decoder's scan takes an `unroll` argument (NNXD
 that the worker sets for the second compile. Splash (flash) attention is a custom call whose matmuls XLA does not
 count, so its FLOPs leave the attention kernel out, here as in benchmark.py.
 
+Cycles: the compiled step's text (`as_text()`, the unroll-1 compile) counted by laurel/run/schedule.py as this project
+counts its own step: every instruction's `estimated_cycles` (the compiler's own schedule estimate), a loop's body
+times its trip count. The rates are the same compiler's: flops_per_cycle = 2 * 8192^3 / the estimated cycles of one
+bf16 8192x8192 @ 8192x8192 matmul compiled for one chip of the same v6e slice; bytes_per_cycle = v6e's HBM bandwidth
+over its clock. MaxText's splash kernels carry no cost estimate: the flash settings count them as their attention
+FLOPs (laurel.attention.attention_flops(32, 1024, 12, 64) * 24: causal Q.K^T and P.V, forward and backward) at the
+matmul rate; the kernel calls with no estimate are counted and recorded. Collectives carry no estimate.
+
 MaxText's checkout and venv, outside this repository (its commit is recorded; never commit its code):
   fetch github.com/AI-Hypercomputer/maxtext; copy its src/ to <checkout> (git archive, or a clone)
   python3.12 -m venv <venv> && <venv>/bin/pip install jax==0.10.2 jaxlib==0.10.2 libtpu==0.0.42.1 flax==0.12.8 \
@@ -48,21 +56,72 @@ SETTINGS = {'minimal_dot_product': ['remat_policy=minimal', 'attention=dot_produ
             'full_dot_product': ['remat_policy=full', 'attention=dot_product'],
             'minimal_flash': ['remat_policy=minimal', 'attention=flash'],
             'minimal_flash_seq_minor': ['remat_policy=minimal', 'attention=flash', *SEQ_MINOR],
-            'full_flash': ['remat_policy=full', 'attention=flash']}
+            'full_flash': ['remat_policy=full', 'attention=flash'],
+            'save_qkv_proj_dot_product': ['remat_policy=save_qkv_proj', 'attention=dot_product']}
 # What libtpu's start-up would otherwise ask a TPU VM's metadata server (as laurel/run/aot.py sets it).
 TPU_ENV = {'JAX_PLATFORMS': 'cpu', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1', 'TPU_SKIP_MDS_QUERY': '1',
            'TPU_WORKER_HOSTNAMES': 'localhost', 'TPU_ACCELERATOR_TYPE': 'v6e-16'}
 MARK = 'MAXTEXT_COMPARE_RESULT '
+SCHEDULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'laurel', 'run', 'schedule.py')
+MATMUL = 8192  # the rate's matmul: bf16 [MATMUL, MATMUL] @ [MATMUL, MATMUL] on one chip
+V6E_HBM_BYTES_PER_S, V6E_CLOCK_HZ = 1638e9, 1.75e9
+# The splash kernels' FLOPs per chip and step: laurel.attention.attention_flops(32, 1024, 12, 64) * LAYERS, i.e. per
+# layer 3 (forward, backward) x 4 B H (L (L + 1) / 2) K, B = per_device_batch_size, H = heads, L = length, K = head_dim.
+B, H, L, K = 32, 12, 1024, 64
+ATTENTION_FLOPS = LAYERS * 3 * 4 * B * H * (L * (L + 1) // 2) * K
 
 
-def worker(maxtext: str, factor: int, argv: list) -> None:
+def load_schedule():
+  """laurel/run/schedule.py by its path (standard library only: MaxText's python has no laurel)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location('laurel_schedule', SCHEDULE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def cycles(text: str, device, kernel_flops: float) -> dict:
+  """The compiled step's schedule estimate per chip (laurel's schedule.estimate), at the rates of the same compiler
+  on `device` (one chip of the slice)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  schedule = load_schedule()
+  x = jax.ShapeDtypeStruct((MATMUL, MATMUL), jax.numpy.bfloat16, sharding=jax.sharding.SingleDeviceSharding(device))
+  matmul = schedule.estimate(jax.jit(jax.numpy.matmul).lower(x, x).compile().as_text(), 1, 1).estimated_cycles
+  flops_per_cycle, bytes_per_cycle = 2 * MATMUL**3 / matmul, V6E_HBM_BYTES_PER_S / V6E_CLOCK_HZ
+  est = schedule.estimate(text, flops_per_cycle, bytes_per_cycle, kernel_flops=kernel_flops)
+  ops, _ = schedule.executed_ops(text)
+  # MaxText's op_names carry no module path (schedule.GROUPS finds none): by primitive instead. The kernels carry no
+  # cycles: 'pallas_call' is XLA's work on their operands and results (a relayout copy of the splash residuals).
+  by_primitive = {}
+  for op in ops:
+    if op.cycles:
+      primitive = op.op_name.rsplit('/', 1)[-1] or op.opcode
+      by_primitive[primitive] = by_primitive.get(primitive, 0) + op.cycles * op.trips
+  return {'estimated_cycles': est.estimated_cycles, 'kernel_cycles': est.kernel_cycles, 'cycles': est.cycles,
+          'matmul_estimated_cycles': matmul, 'flops_per_cycle': flops_per_cycle, 'bytes_per_cycle': bytes_per_cycle,
+          'kernel_flops': kernel_flops,
+          'kernel_calls_without_estimate': sum(o.trips for o in ops
+                                               if o.target == 'tpu_custom_call' and o.kernel_flops is None),
+          'kernel_calls_with_estimate': sum(o.trips for o in ops if o.kernel_flops is not None),
+          'uncounted_kernel_calls': est.uncounted_kernels, 'unknown_loops': list(est.unknown_loops),
+          'by_primitive': dict(sorted(by_primitive.items(), key=lambda kv: -kv[1])[:10]),
+          'top_10': [{'cycles': c, 'op_name': n, 'trips': t} for c, n, t in est.top[:10]]}
+
+
+def worker(maxtext: str, factor: int, kernel_flops: float, argv: list) -> None:
   """In MaxText's python: its train_compile.main(argv), the layer scan unrolled by `factor`; prints the facts."""
   sys.path.insert(0, os.path.join(maxtext, 'src'))
   import jax  # pylint: disable=import-outside-toplevel
   from maxtext.layers import nnx_decoders  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
-  compiled, jit_and_compile = [], train_compile.jit_and_compile
-  train_compile.jit_and_compile = lambda *a, **k: compiled.append(jit_and_compile(*a, **k)) or compiled[-1]
+  compiled, meshes, jit_and_compile = [], [], train_compile.jit_and_compile
+
+  def kept(*a, **k):  # the compiled step, and the mesh of the slice's compile-only devices it was compiled for
+    meshes.append(k['mesh'] if 'mesh' in k else a[3])
+    compiled.append(jit_and_compile(*a, **k))
+    return compiled[-1]
+
+  train_compile.jit_and_compile = kept
   apply_layers = nnx_decoders.NNXDecoder._apply_layers_sequentially  # pylint: disable=protected-access
   nnx_decoders.NNXDecoder._apply_layers_sequentially = (  # pylint: disable=protected-access
       lambda self, *a, unroll=1, **k: apply_layers(self, *a, unroll=unroll * factor, **k))
@@ -73,13 +132,16 @@ def worker(maxtext: str, factor: int, argv: list) -> None:
       'peak_memory_bytes': m.peak_memory_in_bytes, 'argument_bytes': m.argument_size_in_bytes,
       'output_bytes': m.output_size_in_bytes, 'alias_bytes': m.alias_size_in_bytes, 'temp_bytes': m.temp_size_in_bytes,
       'flops': cost.get('flops', 0.0), 'bytes_accessed': cost.get('bytes accessed', 0.0),
-      'jax_version': jax.__version__, 'libtpu_version': metadata.version('libtpu'), 'unroll': factor}), flush=True)
+      'jax_version': jax.__version__, 'libtpu_version': metadata.version('libtpu'), 'unroll': factor,
+      # the rate's matmul on a chip of the slice train_compile compiled for
+      'schedule': cycles(compiled[0].as_text(), meshes[0].devices.flat[0], kernel_flops)}), flush=True)
 
 
 def compile_setting(maxtext: str, python: str, overrides: list, unroll: int, output_dir: str) -> dict:
   argv = ['train_compile', os.path.join(maxtext, 'src/maxtext/configs/base.yml'), *SHAPE, *overrides,
           f'base_output_directory={output_dir}']
-  cmd = [python, os.path.abspath(__file__), '--worker', str(unroll), maxtext, *argv]
+  kernel_flops = ATTENTION_FLOPS if 'attention=flash' in overrides else 0
+  cmd = [python, os.path.abspath(__file__), '--worker', str(unroll), str(kernel_flops), maxtext, *argv]
   start = time.perf_counter()
   run = subprocess.run(cmd, env={**os.environ, **TPU_ENV}, capture_output=True, text=True, check=False)
   lines = [l for l in run.stdout.splitlines() if l.startswith(MARK)]
@@ -91,30 +153,44 @@ def compile_setting(maxtext: str, python: str, overrides: list, unroll: int, out
           'command': shlex.join(command).replace(maxtext, '<maxtext>').replace(output_dir, '<tmp>')}
 
 
-def measure(maxtext: str, python: str, commit: str, names: list, out: str) -> None:
-  rows = []
+def measure(maxtext: str, python: str, commit: str, names: list, out: str, command: str) -> None:
+  """Each setting's row into `out`, written as each finishes; rows of other settings already there, of the same
+  MaxText commit, are kept."""
+  rows = {}
+  if os.path.exists(out):
+    with open(out, encoding='utf-8') as f:
+      before = json.load(f)
+    rows = {r['name']: r for r in before['rows']} if before['maxtext_commit'] == commit else {}
   with tempfile.TemporaryDirectory() as tmp:
     for name in names:
       c1, c2 = (compile_setting(maxtext, python, SETTINGS[name], unroll, tmp) for unroll in (1, 2))
       per_layer = {k: c2[k] - c1[k] for k in ('flops', 'bytes_accessed')}
       if per_layer['flops'] <= 0:  # the decoder did not take the unroll: MaxText's scan moved
         sys.exit(f'{name}: unrolling the layer scan by 2 added no FLOPs; NNXDecoder._apply_layers_sequentially unused?')
-      rows.append({'name': name, **{k: c1[k] for k in ('peak_memory_bytes', 'argument_bytes', 'output_bytes',
-                                                       'alias_bytes', 'temp_bytes')},
-                   'flops_per_step': c1['flops'] + (LAYERS - 1) * per_layer['flops'],
-                   'bytes_accessed_per_step': c1['bytes_accessed'] + (LAYERS - 1) * per_layer['bytes_accessed'],
-                   'scan_body_counted_once': {f'unroll_{c["unroll"]}': {k: c[k] for k in per_layer} for c in (c1, c2)},
-                   'compile_s': [c1['compile_s'], c2['compile_s']], 'command': c1['command']})
-      print(f'{name}: {rows[-1]["peak_memory_bytes"] / 1e9:.2f} GB per chip', flush=True)
-  result = {'maxtext_commit': commit, 'jax_version': c1['jax_version'], 'libtpu_version': c1['libtpu_version'],
-            'topology': 'v6e-16 (v6e 4x4, one slice)', 'layers': LAYERS,
-            'procedure': 'python scripts/experiments/maxtext_compare.py --maxtext=<checkout> '
-                         '--maxtext_python=<python>: each row is MaxText\'s train_compile as `command` (run in '
-                         '<maxtext>/src), per chip; FLOPs and bytes per step = c1 + (layers - 1) * (c2 - c1), '
-                         'c2 with the decoder scan unrolled by 2',
-            'rows': rows}
-  with open(out, 'w', encoding='utf-8') as f:
-    json.dump(result, f, indent=1)
+      schedule, schedule_2 = c1['schedule'], c2['schedule']
+      rows[name] = {
+          'name': name, **{k: c1[k] for k in ('peak_memory_bytes', 'argument_bytes', 'output_bytes', 'alias_bytes',
+                                              'temp_bytes')},
+          'flops_per_step': c1['flops'] + (LAYERS - 1) * per_layer['flops'],
+          'bytes_accessed_per_step': c1['bytes_accessed'] + (LAYERS - 1) * per_layer['bytes_accessed'],
+          'scan_body_counted_once': {f'unroll_{c["unroll"]}': {k: c[k] for k in per_layer} for c in (c1, c2)},
+          # per chip and step, the unroll-1 compile: the compiler's own estimate, the kernels', their sum
+          'estimated_cycles_per_step': schedule.pop('estimated_cycles'),
+          'kernel_cycles_per_step': schedule.pop('kernel_cycles'), 'cycles_per_step': schedule.pop('cycles'),
+          'schedule': {**schedule, 'estimated_cycles_unroll_2': schedule_2['estimated_cycles']},  # the loop: a check
+          'compile_s': [c1['compile_s'], c2['compile_s']], 'command': c1['command'],
+          'cycles_command': command.replace(f'--settings={",".join(names)}', f'--settings={name}')}
+      print(f'{name}: {rows[name]["peak_memory_bytes"] / 1e9:.2f} GB, '
+            f'{rows[name]["cycles_per_step"] / 1e6:.1f} M cycles per chip', flush=True)
+      result = {'maxtext_commit': commit, 'jax_version': c1['jax_version'], 'libtpu_version': c1['libtpu_version'],
+                'topology': 'v6e-16 (v6e 4x4, one slice)', 'layers': LAYERS, 'command': command,
+                'procedure': 'each row is MaxText\'s train_compile as `command` (run in <maxtext>/src), per chip; '
+                             'FLOPs and bytes per step = c1 + (layers - 1) * (c2 - c1), c2 with the decoder scan '
+                             'unrolled by 2; cycles per step: the c1 program\'s as_text() counted by '
+                             'laurel/run/schedule.py (`cycles_command`, see the script\'s docstring)',
+                'rows': sorted(rows.values(), key=lambda r: list(SETTINGS).index(r['name']))}
+      with open(out, 'w', encoding='utf-8') as f:
+        json.dump(result, f, indent=1)
 
 
 def table(maxtext_json: str) -> None:
@@ -133,11 +209,15 @@ def table(maxtext_json: str) -> None:
                             + ['bfloat16 scores'] * (shape.get('attention_scores') == 'bfloat16')
                             + [f'loss_chunk {shape["loss_chunk"]}'] * ('loss_chunk=' in r['name']))
         rows.append((f'laurel baseline_24 ({setting})', r))
+  # cycles: the compiler's estimate, the attention kernels', their sum (M, per chip and step; see the docstring)
   print(f'{"step (per chip, v6e 4x4, 32 x 1024 tokens)":58} {"peak GB":>8} {"args GB":>8} {"temp GB":>8} '
-        f'{"TFLOPs":>8} {"TB read+written":>16}')
+        f'{"TFLOPs":>8} {"TB read+written":>16} {"est. Mcyc":>10} {"kernel Mcyc":>11} {"total Mcyc":>10}')
+  mcycles = lambda r, k, w: f'{r[k] / 1e6:{w}.1f}' if k in r else f'{"-":>{w}}'
   for name, r in rows:
     print(f'{name:58} {r["peak_memory_bytes"] / 1e9:8.2f} {r["argument_bytes"] / 1e9:8.2f} '
-          f'{r["temp_bytes"] / 1e9:8.2f} {r["flops_per_step"] / 1e12:8.2f} {r["bytes_accessed_per_step"] / 1e12:16.3f}')
+          f'{r["temp_bytes"] / 1e9:8.2f} {r["flops_per_step"] / 1e12:8.2f} {r["bytes_accessed_per_step"] / 1e12:16.3f} '
+          f'{mcycles(r, "estimated_cycles_per_step", 10)} {mcycles(r, "kernel_cycles_per_step", 11)} '
+          f'{mcycles(r, "cycles_per_step", 10)}')
 
 
 def main() -> None:
@@ -162,12 +242,14 @@ def main() -> None:
     git = subprocess.run(['git', '-C', args.maxtext, 'rev-parse', 'HEAD'], capture_output=True, text=True, check=False)
     if not (commit := args.maxtext_commit or os.path.exists(os.path.join(args.maxtext, '.git')) and git.stdout.strip()):
       parser.error(f'--maxtext={args.maxtext}: no git work tree; name its commit with --maxtext_commit')
-    measure(os.path.abspath(args.maxtext), args.maxtext_python, commit, names, args.out)
+    command = ['python', 'scripts/experiments/maxtext_compare.py', '--maxtext=<maxtext>', '--maxtext_python=<python>',
+               *[f'--maxtext_commit={args.maxtext_commit}'] * bool(args.maxtext_commit), f'--settings={args.settings}']
+    measure(os.path.abspath(args.maxtext), args.maxtext_python, commit, names, args.out, shlex.join(command))
   table(args.out)
 
 
 if __name__ == '__main__':
   if sys.argv[1:2] == ['--worker']:
-    worker(sys.argv[3], int(sys.argv[2]), sys.argv[4:])
+    worker(sys.argv[4], int(sys.argv[2]), float(sys.argv[3]), sys.argv[5:])
   else:
     main()
