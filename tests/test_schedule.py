@@ -78,6 +78,15 @@ def test_kernels_count_by_their_cost_estimate_or_by_stated_flops():
   assert stated.groups['attention'] == 900
 
 
+def test_collectives_are_outside_the_estimate_and_their_bytes_listed():
+  """An all-reduce carries no estimate; its results' bytes (all of a tuple's) are listed per step, loops' trips
+  included."""
+  reduce = ('  %ar = (f32[8,128]{1,0}, bf16[4,128]{1,0}) all-reduce(%x, %x), channel_id=1, to_apply=%add, '
+            'metadata={op_name="jit(f)/transpose(jvp(LM))/psum"}')
+  est = schedule.estimate(program([reduce, fusion('f', 5)]), 1.0, 1.0)
+  assert (est.cycles, est.collective_bytes) == (5, 8 * 128 * 4 + 4 * 128 * 2)
+
+
 @pytest.mark.parametrize('op_name, group', [
     ('jit(train_step)/jvp(LM)/while/body/closed_call/layers/laurel/attn/query/dot_general', 'matmuls'),
     ('jit(train_step)/transpose(jvp(LM))/while/body/closed_call/checkpoint/layers/residual/mlp/up/dot_general',
