@@ -68,6 +68,9 @@ _SET = flags.DEFINE_multi_string('set', [], 'Config override <field>=<value> for
 _DISTRIBUTED = flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (TPU pods).')
 _VARY = flags.DEFINE_string('vary', None, 'With --topology: <field>=<v1>,<v2>,...: compile Baseline-24 once per value '
                             '(e.g. model.remat=dots_no_batch,full) instead of the rows; ratios are to the first value.')
+_COMPILER_FLOPS = flags.DEFINE_bool('compiler_flops', True, "With --topology: also the compiler's FLOPs and bytes "
+                                    'per step (each row compiled again with two layers per loop iteration); '
+                                    '--nocompiler_flops: peak memory and the estimated step only, one compile a row.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'Compile every row for this TPU slice (v4, v5e, v5p, v6e; e.g. '
                                 'v6e:4x4 or v6e-16) on this machine, run nothing: per-chip memory, the step time the '
                                 "compiler's schedule estimates, its FLOPs and bytes, at the preset's batch and length. "
@@ -244,7 +247,8 @@ def measure_slice(names) -> dict:
     note = ' (kept from an earlier run)' if row else ''
     if row is None:
       try:
-        row = {'name': name, **aot.compile_for_slice(config, topology), 'compile_s': time.perf_counter() - start}
+        row = {'name': name, **aot.compile_for_slice(config, topology, costs=_COMPILER_FLOPS.value),
+               'compile_s': time.perf_counter() - start}
       except aot.DoesNotFit as e:  # a row of the table, not the end of it: what it needs, where the compiler says
         row = {'name': name, 'fits': False, 'error': str(e), 'peak_memory_bytes': e.need_bytes,
                'compile_s': time.perf_counter() - start}
@@ -292,7 +296,7 @@ class KeptRows:
       self.rows = {r['key']: r['row'] for r in map(json.loads, self.path.read_text().splitlines())}
 
   def key(self, name, config):
-    return f'{name} {self.stamp} {config.to_json_best_effort(sort_keys=True)}'
+    return f'{name} {self.stamp} flops={_COMPILER_FLOPS.value} {config.to_json_best_effort(sort_keys=True)}'
 
   def get(self, name, config):
     return self.rows.get(self.key(name, config)) if self.stamp else None
