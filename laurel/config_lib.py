@@ -5,7 +5,6 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-import os
 import pathlib
 import re
 import sys
@@ -199,6 +198,8 @@ def flag_error_message(error: Exception, argv: Sequence[str], known: dict[str, s
   while (cause := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None:
     root = cause  # the config file's own ValueError, if there is one
   message = ' '.join(str(root).replace('\\n', ' ').split())
+  if isinstance(root, InputError):  # already one line naming its field (a config file's, a saved run's)
+    return message
   if isinstance(root, SyntaxError):  # --config named a file that is not Python
     return f'--config={root.filename}: not a Python config file ({root.msg}, line {root.lineno})'
   if missing := re.fullmatch(r'Missing value for flag (-[-\w.]+)', message):
@@ -291,26 +292,15 @@ def import_designs(argv: Sequence[str]) -> None:
       import_module_of(module, name.removeprefix('--config.'), value)
 
 
-def import_module_of(module: str, field_name: str, name: str, recorded_file: str | None = None) -> None:
-  """Imports the module of design `name` ('module:name'); where it is not on the Python path, from `recorded_file`
-  (where the run recorded it), with a one-line notice; else a one-line InputError saying what to do."""
+def import_module_of(module: str, field_name: str, name: str) -> None:
+  """Imports the module of design `name` ('module:name') from the Python path; else a one-line InputError saying
+  what to do. A module a run's config.json names is laurel.run.saved_config's to import (the user's word first)."""
   try:
     importlib.import_module(module)
     return
   except ImportError as e:
     error = e
   not_found = error.name is not None and (module + '.').startswith(error.name + '.')  # not its own imports
-  if not_found and recorded_file and os.path.isfile(recorded_file):
-    spec = importlib.util.spec_from_file_location(module, recorded_file)
-    sys.modules[module] = loaded = importlib.util.module_from_spec(spec)
-    try:
-      spec.loader.exec_module(loaded)
-    except ImportError as e:
-      del sys.modules[module]
-      raise InputError(f'{field_name}={name!r}: cannot import {module} from {recorded_file} ({e})') from None
-    print(f'notice: {field_name}={name!r}: {module} is not on the Python path; imported it from {recorded_file}, '
-          'where the run recorded it', file=sys.stderr, flush=True)
-    return
   hint = f': put the folder holding {module.replace(".", "/")}.py on PYTHONPATH' if not_found else ''
   raise InputError(f'{field_name}={name!r}: cannot import {module} ({error}){hint}')
 

@@ -1,7 +1,7 @@
 """Errors that point at the fix (issue 53): a misspelled flag or field names the one meant, a missing config file the
 shipped ones, a workdir of another model is refused before anything compiles, a short trial run warms up for part
 of it, the paper preset without C4 says how to prepare it, and a run of a design from outside the package is read
-back without PYTHONPATH and names its design."""
+back without PYTHONPATH (with --trust_design_file: tests/test_shared_run.py) and names its design."""
 import json
 import sys
 
@@ -11,7 +11,8 @@ from ml_collections import config_flags
 
 from helpers import ROOT, SPEC, TINY_LM, load_config, typed_config
 from laurel import config_lib, designs, lm, step, train
-from laurel.run import checkpoint, console, metrics_log, preflight
+from laurel.run import checkpoint, console, metrics_log, preflight, saved_config
+from laurel.run.saved_config import file_sha256
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'
 
@@ -132,12 +133,14 @@ def test_a_run_of_an_outside_design_is_read_back_from_the_file_it_recorded(tanh_
   workdir = tmp_path / 'run'
   workdir.mkdir()
   checkpoint.guard_config(step.build_config(config), workdir)  # writes config.json, as a run does before compiling
-  assert json.loads((workdir / 'config.json').read_text())['design_file'] == str(tanh_gate)
+  saved = json.loads((workdir / 'config.json').read_text())
+  assert (saved['design_file'], saved['design_sha256']) == (str(tanh_gate), file_sha256(tanh_gate))
   sys.path.remove(str(tanh_gate.parent))  # a later command, without PYTHONPATH
   forget_tanh_gate()
-  saved = config_lib.load(str(workdir))  # --config=WORKDIR (sampling reads saved_config.read_config too)
-  assert capsys.readouterr().err == (f"notice: model.stream.design='tanh_gate:tanh_gate': tanh_gate is not on the "
-                                     f'Python path; imported it from {tanh_gate}, where the run recorded it\n')
+  with saved_config.design_policy(trust=True):  # --trust_design_file
+    saved = config_lib.load(str(workdir))  # --config=WORKDIR (sampling reads saved_config.read_config too)
+  assert capsys.readouterr().err == (f"notice: model.stream.design='tanh_gate:tanh_gate': imported tanh_gate from "
+                                     f'{tanh_gate}, the file the run recorded (--trust_design_file)\n')
   assert lm.LMConfig.from_config(saved.model).stream.design == 'tanh_gate'
   (workdir / 'checkpoints' / '3').mkdir(parents=True)
   checkpoint.guard_config(step.build_config(saved), workdir)  # the record is no change of config: a resume goes on
