@@ -240,13 +240,15 @@ def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool
       watchdog.beat(done)
       if stop:
         stop_if_a_save_failed(wait=True)
-        print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
+        print(f'{process.stop_reason(preempted)}: saved checkpoint {done} in {workdir}; rerun the same command to '
+              'resume', flush=True)
         return {'step': done, 'preempted': True}
     if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
       eval_metrics = evaluate_and_log(cfg.steps)
     stop_if_a_save_failed(wait=True)
     if eval_metrics is None:
-      print(f'preempted: checkpoint {cfg.steps} in {workdir} is not evaluated yet; rerun the same command', flush=True)
+      print(f'{process.stop_reason(preempted)}: checkpoint {cfg.steps} in {workdir} is not evaluated yet; rerun the '
+            'same command', flush=True)
       return {'step': cfg.steps, 'preempted': True}
     final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
              'peak_memory_bytes': peak_memory, **median_step_time(log.step_times()), **info, 'finished_at': utc()}
