@@ -5,7 +5,6 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-import os
 import pathlib
 import re
 import sys
@@ -192,6 +191,11 @@ def dotted_fields(config, prefix: str = '') -> list[str]:
   return names
 
 
+# What parsing a --config.<field> value as the type of the config's value says, and the one line it means.
+VALUE_PARSE_ERRORS = {'invalid literal for int()': 'must be an integer', 'could not convert string to float':
+                      'must be a number', 'Non-boolean argument to boolean flag': 'must be true or false'}
+
+
 def flag_error_message(error: Exception, argv: Sequence[str], known: dict[str, str] | None = None) -> str:
   """absl's or ml_collections' error for a bad --config or --config.<field> flag, as one line; where `known` (the
   program's flags and the config's fields, {shown: name as typed}) holds a name like a misspelled one, it is named."""
@@ -199,6 +203,8 @@ def flag_error_message(error: Exception, argv: Sequence[str], known: dict[str, s
   while (cause := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None:
     root = cause  # the config file's own ValueError, if there is one
   message = ' '.join(str(root).replace('\\n', ' ').split())
+  if isinstance(root, InputError):  # already one line naming its field (a config file's, a saved run's)
+    return message
   if isinstance(root, SyntaxError):  # --config named a file that is not Python
     return f'--config={root.filename}: not a Python config file ({root.msg}, line {root.lineno})'
   if missing := re.fullmatch(r'Missing value for flag (-[-\w.]+)', message):
@@ -212,6 +218,9 @@ def flag_error_message(error: Exception, argv: Sequence[str], known: dict[str, s
     fields = {shown: name for shown, name in (known or {}).items() if shown.startswith('--config.')}
     hint = did_you_mean(bad[0].removeprefix('config.'), fields) if bad else ''
     return f'{bad[0] if bad else message}: unknown config field{hint}'
+  typed = re.fullmatch(r'flag (--config\.[\w.]+)=(.*?): (.*)', ' '.join(str(error).split()))
+  if typed and (why := next((w for p, w in VALUE_PARSE_ERRORS.items() if p in typed.group(3)), None)):
+    return f'{typed.group(1)}={typed.group(2)!r}: {why}'  # the value's type is the config's: int('eight') failed
   if root is not error and 'config' not in message and str(error).startswith('flag '):
     return f'{str(error).split(": ")[0]}: {message}'  # name the flag, e.g. --config.steps=abc
   return message
@@ -291,26 +300,15 @@ def import_designs(argv: Sequence[str]) -> None:
       import_module_of(module, name.removeprefix('--config.'), value)
 
 
-def import_module_of(module: str, field_name: str, name: str, recorded_file: str | None = None) -> None:
-  """Imports the module of design `name` ('module:name'); where it is not on the Python path, from `recorded_file`
-  (where the run recorded it), with a one-line notice; else a one-line InputError saying what to do."""
+def import_module_of(module: str, field_name: str, name: str) -> None:
+  """Imports the module of design `name` ('module:name') from the Python path; else a one-line InputError saying
+  what to do. A module a run's config.json names is laurel.run.saved_config's to import (the user's word first)."""
   try:
     importlib.import_module(module)
     return
   except ImportError as e:
     error = e
   not_found = error.name is not None and (module + '.').startswith(error.name + '.')  # not its own imports
-  if not_found and recorded_file and os.path.isfile(recorded_file):
-    spec = importlib.util.spec_from_file_location(module, recorded_file)
-    sys.modules[module] = loaded = importlib.util.module_from_spec(spec)
-    try:
-      spec.loader.exec_module(loaded)
-    except ImportError as e:
-      del sys.modules[module]
-      raise InputError(f'{field_name}={name!r}: cannot import {module} from {recorded_file} ({e})') from None
-    print(f'notice: {field_name}={name!r}: {module} is not on the Python path; imported it from {recorded_file}, '
-          'where the run recorded it', file=sys.stderr, flush=True)
-    return
   hint = f': put the folder holding {module.replace(".", "/")}.py on PYTHONPATH' if not_found else ''
   raise InputError(f'{field_name}={name!r}: cannot import {module} ({error}){hint}')
 
@@ -335,20 +333,20 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
 
 
 def fit_warmup(config, overridden: Sequence[str], spec: str) -> None:
-  """A run made shorter (`steps` among the `overridden` fields) than its config file's warmup warms up for the same
-  fraction of it as the file's run does, with a one-line notice; a warmup set on the command line is left as it is
-  (validate_config then names a value that fits)."""
+  """A run made no longer (`steps` among the `overridden` fields) than its config file's warmup warms up for the
+  same fraction of it as the file's run does, with a one-line notice; a warmup set on the command line is left as it
+  is (validate_config then names a value that fits)."""
   if 'steps' not in overridden or 'optimizer.warmup_steps' in overridden or 'optimizer' not in config:
     return
   steps, warmup = config.steps, config.optimizer.warmup_steps
-  if not (is_int(steps) and is_int(warmup) and warmup > steps >= 1):
+  if not (is_int(steps) and is_int(warmup) and warmup >= steps >= 1):
     return
   file = load(spec)
-  fitted = min(steps, round(steps * file.optimizer.warmup_steps / file.steps))
+  fitted = min(steps - 1, round(steps * file.optimizer.warmup_steps / file.steps))  # a step past it, at least
   config.optimizer.warmup_steps = fitted
-  print(f'notice: optimizer.warmup_steps={warmup} is longer than the run (steps={steps}): it warms up for '
-        f'{fitted} steps instead, {fitted / steps:.0%} of the run as in the config file '
-        '(--config.optimizer.warmup_steps sets it)', file=sys.stderr, flush=True)
+  print(f'notice: optimizer.warmup_steps={warmup} is {"longer than" if warmup > steps else "as long as"} the run '
+        f'(steps={steps}): it warms up for {fitted} steps instead, {fitted / steps:.0%} of the run as in the config '
+        'file (--config.optimizer.warmup_steps sets it)', file=sys.stderr, flush=True)
 
 
 def table_rows(config_file: str) -> list[str]:

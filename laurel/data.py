@@ -96,7 +96,14 @@ def _read_vocab(path: str) -> bytes:
 def make_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
   if data_cfg.name not in SENTENCEPIECE_SOURCES:
     return ByteTokenizer()
-  tokenizer = SentencePieceTokenizer(_read_vocab(data_cfg.vocab_path))
+  try:
+    tokenizer = SentencePieceTokenizer(_read_vocab(data_cfg.vocab_path))
+  except Exception as e:  # pylint: disable=broad-except  # any filesystem's error, or sentencepiece's for a non-model
+    fix = '' if isinstance(e, ImportError) else (
+        '; point it at a model SentencePiece wrote (scripts/prepare_text.py writes vocab.model: rerun it for a '
+        'damaged one)')
+    require(False, 'data.vocab_path', data_cfg.vocab_path, f'cannot read a SentencePiece model: '
+            f'{io_error_reason(e)}{fix}')
   require(tokenizer.eos_id >= 0, 'data.vocab_path', data_cfg.vocab_path, 'the SentencePiece model defines no EOS id')
   return tokenizer
 
@@ -181,7 +188,7 @@ class SyntheticSource:
 def _source(cfg: LMDataConfig, train: bool) -> grain.MapDataset:
   split = cfg.train_split if train else cfg.eval_split
   if cfg.name in SENTENCEPIECE_SOURCES and cfg.path:  # records are the documents' UTF-8 bytes
-    return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(c4_shards(cfg.path, split, cfg.name)))
+    return grain.MapDataset.source(array_records(c4_shards(cfg.path, split, cfg.name)))
   if cfg.name in SENTENCEPIECE_SOURCES:  # from the directory itself: any version, no builder code, no download
     tfds = optional_import('tensorflow_datasets', 'tfds', f'data.tfds_data_dir={cfg.tfds_data_dir!r}')
     builder = tfds.builder_from_directory(tfds_version_dir(cfg.tfds_data_dir, cfg.tfds_name),
@@ -240,12 +247,7 @@ def lm_dataset(data_cfg, *, train: bool, batch_size: int, seed: int, process_ind
 
 def check_vocab(cfg: LMDataConfig, vocab_size: int | None, context: str = '') -> None:
   """An InputError if the tokenizer's model cannot be read or its vocabulary is larger than `vocab_size`."""
-  try:
-    tokenizer_vocab = make_tokenizer(cfg).vocab_size
-  except InputError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except  # any filesystem's error, or sentencepiece's for a non-model
-    require(False, 'data.vocab_path', cfg.vocab_path, f'cannot read a SentencePiece model: {io_error_reason(e)}')
+  tokenizer_vocab = make_tokenizer(cfg).vocab_size
   if vocab_size is not None:
     require(vocab_size >= tokenizer_vocab, 'model.vocab_size', vocab_size,
             f"smaller than the tokenizer's {tokenizer_vocab}{context}")
@@ -290,9 +292,27 @@ def c4_shards(path: str, split: str, name: str = 'c4') -> list[str]:
   return sorted(os.fspath(p) for p in epath.Path(path).glob(f'{name}-{split}.*{C4_SHARD_SUFFIX}'))
 
 
+def array_records(shards: list[str]) -> grain.sources.ArrayRecordDataSource:
+  """The documents of ArrayRecord shards; a shard that cannot be opened (truncated, or not ArrayRecord) is a one-line
+  InputError naming it and the command that writes it again."""
+  try:
+    return grain.sources.ArrayRecordDataSource(shards)
+  except Exception:  # pylint: disable=broad-except  # ArrayRecord's RuntimeError: find the shard, name it
+    for shard in shards:
+      try:
+        grain.sources.ArrayRecordDataSource([shard])
+      except Exception as e:  # pylint: disable=broad-except
+        folder, name = os.path.split(shard)
+        script = 'prepare_c4.py' if name.startswith('c4-') else 'prepare_text.py'
+        why = io_error_reason(e).removesuffix(': ')  # ArrayRecord may say nothing of a file cut short
+        require(False, 'data.path', folder, f'shard {name} is not a readable ArrayRecord file ({why}); remove it and '
+                f'rerun scripts/{script} with the arguments that wrote it: it writes the missing shards again')
+    raise
+
+
 def num_records(shards: list[str]) -> int:
   """How many documents ArrayRecord shards hold, from their footers (gs:// included)."""
-  return len(grain.sources.ArrayRecordDataSource(shards))
+  return len(array_records(shards))
 
 
 def tfds_version_dir(data_dir: str, name: str) -> epath.Path | None:

@@ -5,6 +5,8 @@
 
 --config: a config file with its argument, a shipped config by name (c4_ablation, imagenet_resnet50, llm,
 residual_designs), or WORKDIR (or WORKDIR/config.json): the config a run saved. Rerun the same command to resume.
+A run's design from outside the package is imported from the file its config.json names only with
+--trust_design_file (or from your own PYTHONPATH); --print_config imports none.
 Exit status: 2 and one line for bad input (resuming with another config included, unless --allow_config_change),
 before anything is compiled or touched; after SIGTERM or Ctrl-C in the train loop, which saves a checkpoint,
 --preempted_exit: by default 42 (PREEMPTED) under a scheduler (Slurm, Kubernetes, Open MPI, a TPU VM), which must
@@ -22,6 +24,7 @@ if __name__ == '__main__':  # quiet and interruptible while JAX and TensorFlow l
   console.quiet_start()
   process.exit_on_interrupt(INTERRUPTED)
 
+import contextlib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging as logging_std  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
@@ -30,7 +33,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from laurel import config_lib, step, train
-from laurel.run import aot, cluster, compile_cache, cost
+from laurel.run import aot, cluster, compile_cache, cost, saved_config
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')
@@ -51,7 +54,9 @@ _ALLOW_FRESH_START = flags.DEFINE_bool(
     'allow_fresh_start', False, 'Train from step 0 in a workdir whose every checkpoint was unreadable (moved to '
     'WORKDIR/unreadable_checkpoints); without it such a run stops.')
 _PRINT_CONFIG = flags.DEFINE_bool('print_config', False, 'Print the resolved config (row and overrides, checked) as '
-                                  'JSON and exit.')
+                                  "JSON and exit; a run's design from outside the package is not imported (its "
+                                  'section is shown as saved).')
+_TRUST_DESIGN_FILE = flags.DEFINE_bool('trust_design_file', False, saved_config.TRUST_HELP)
 _COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, "Compile the step for --topology's TPU slice on this "
                                   'machine, check that it fits the HBM, run nothing (needs libtpu).')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'With --compile_only: the TPU slice, e.g. v6e:4x4 or v6e-16 '
@@ -67,10 +72,18 @@ def main(argv):
     config_lib.fail('--config is required, e.g. --config=configs/c4_ablation.py:rw_lr,preset=tiny')
   if _TOPOLOGY.value and not _COMPILE_ONLY.value:
     config_lib.fail(f'--topology={_TOPOLOGY.value}: only with --compile_only (a run uses the devices it finds)')
+  config_file = config_flags.get_config_filename(flags.FLAGS['config'])
+  overrides = config_flags.get_override_values(flags.FLAGS['config'])
+  if _PRINT_CONFIG.value and (name := saved_config.unimported_design(_CONFIG.value)) is not None:
+    print(f'notice: model.stream.design={name!r} is not imported (--print_config runs no code a run names): the '
+          'config as the run saved it, its design unchecked', file=sys.stderr, flush=True)
+    print(json.dumps(_CONFIG.value.to_dict(), indent=2, sort_keys=True))
+    return
   try:
     config = step.build_config(_CONFIG.value)  # the one conversion: all that follows sees the typed config
-    for warning in step.check_overrides(config, config_flags.get_config_filename(flags.FLAGS['config']),
-                                         config_flags.get_override_values(flags.FLAGS['config'])):
+    if (run := saved_config.run_of(config_file)) is not None:  # its data and vocabulary: shown before they are read
+      saved_config.show_named_paths(config, run, overrides)
+    for warning in step.check_overrides(config, config_file, overrides):
       print(warning, file=sys.stderr, flush=True)
     if _PRINT_CONFIG.value:  # as config.json holds it: the chosen design's section alone
       step.validate_config(config)
@@ -108,7 +121,19 @@ def run():
     sys.modules['__main__'].__doc__ = __doc__
     for flag in flags.FLAGS.get_key_flags_for_module(__name__):
       flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-  app.run(main, flags_parser=config_lib.parse_flags)
+  app.run(main, flags_parser=parse_flags)
+
+
+def parse_flags(argv):
+  """config_lib.parse_flags, once --trust_design_file and --print_config have said what a run's saved config may
+  import: `--config=WORKDIR` reads it while the flags are parsed."""
+  early, names = flags.FlagValues(), (_TRUST_DESIGN_FILE.name, _PRINT_CONFIG.name)
+  for name in names:
+    flags.DEFINE_bool(name, False, '', flag_values=early)
+  with contextlib.suppress(flags.Error):  # the full parse names a bad value
+    early([argv[0], *(a for a in argv[1:] if a.lstrip('-').split('=')[0].removeprefix('no') in names)])
+  saved_config.set_design_policy(trust=early.trust_design_file, imports=not early.print_config)
+  return config_lib.parse_flags(argv)
 
 
 if __name__ == '__main__':

@@ -140,9 +140,10 @@ def validate_config(config, num_devices: int | None = None, process_count: int |
     require(size % parts == 0, field_name, size, f"is sharded over mesh axes {'×'.join(axes)} ({parts} devices, "
             f"logical axis {logical!r}): it must divide by {parts}")
   warmup, steps = train_cfg.optimizer.warmup_steps, train_cfg.steps
-  require(warmup <= steps, 'optimizer.warmup_steps', warmup,
-          f'longer than the run (steps={steps}): the learning rate would never reach its peak; set '
-          f'--config.optimizer.warmup_steps={steps // 10} (a tenth of the run) or any value up to {steps}')
+  require(warmup < steps, 'optimizer.warmup_steps', warmup,
+          f'{"longer than" if warmup > steps else "as long as"} the run (steps={steps}): the learning rate would '
+          f'never leave its warmup; set --config.optimizer.warmup_steps={steps // 10} (a tenth of the run) or any '
+          f'value below {steps}')
   batch, accum = train_cfg.batch_size, train_cfg.optimizer.grad_accum_steps
   require(batch % accum == 0, 'batch_size', batch, f'must be divisible by optimizer.grad_accum_steps={accum}')
   require((batch // accum) % (data * fsdp) == 0, 'batch_size', batch,

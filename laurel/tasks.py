@@ -18,7 +18,9 @@ class Task:
     num_params(params), units_per_example(), model_flops(b), example_batch(b), init(rng, batch), least_step_bytes(b),
     unestimated_kernel_flops(b),
     dataset(train, batch_size, seed, process_index, process_count) -> a grain.IterDataset,
-    loss(params, model_state, batch, train) -> (loss, (metrics, model_state)), each metric a (sum, weight) pair."""
+    loss(params, model_state, batch, train) -> (loss, (metrics, model_state)), each metric a (sum, weight) pair,
+    design_report(params) -> {name: array}, the residual design's own diagnostics, and design_metrics(fetched report)
+    -> {metric: float}, the training metrics the loop logs of it."""
   unit: str  # what a batch row is, for throughput: 'tokens' or 'images'
   classes: tuple  # (model config, data config, model)
 
@@ -44,6 +46,23 @@ class Task:
   def unestimated_kernel_flops(self, batch_size: int) -> float:
     """FLOPs of a train step's kernels that carry no cost estimate (laurel.run.schedule counts them from this)."""
     return 0.0
+
+  def design_report(self, params) -> dict:
+    return {}
+
+  def design_metrics(self, report: dict) -> dict[str, float]:
+    """A fetched design_report as scalars `<design section>/<name>_<index>` (laurel.designs.scalars)."""
+    return designs.scalars(designs.select(self.model_cfg)[0].section, report)
+
+
+def _stack(trees: list, axis: int = 0):
+  """Parameter trees of the same structure, their leaves stacked along `axis` ({} for trees without leaves)."""
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves, axis), *trees) if trees else {}
+
+
+def _chain_output(design, spec, params: dict, name: str, *args, **kwargs):
+  """What a design's chain module (its parameters in params[name], none there if it has none) gives its sites."""
+  return design.chain(spec, *args, **kwargs).apply({'params': params.get(name, {})})
 
 
 class LMTask(Task):
@@ -133,6 +152,22 @@ class LMTask(Task):
   def dataset(self, **kwargs):
     return data.lm_dataset(self.data_cfg, max_segments=self.model_cfg.max_segments, **kwargs)
 
+  def design_report(self, params) -> dict:
+    """Design.diagnostics of the LM's chain output and its sites' parameters, stacked (layers, sites per layer), read
+    from the parameters alone: cheap, outside the step (the loop jits it for its logging steps)."""
+    cfg, (design, spec) = self.model_cfg, designs.select(self.model_cfg)
+    if design.diagnostics is None:
+      return {}
+    chain = _chain_output(design, spec, params, design.chain.module_name, cfg.num_layers, cfg.sites_per_layer,
+                          cfg.d_model, DTYPES[cfg.param_dtype])
+    names = [name for name, _ in designs.layer_sites(design, spec) if name is not None]
+    if cfg.scan_layers:  # one tree, leading axis the layer
+      sites = _stack([params['layers'].get(name, {}) for name in names], axis=1)
+    else:
+      sites = _stack([_stack([params[f'layers_{i}'].get(name, {}) for name in names])
+                      for i in range(cfg.num_layers)])
+    return designs.report(design, spec, chain, sites)
+
 
 class ClassificationTask(Task):
   """Image classification with top-1/top-5 accuracy; BatchNorm statistics are the model state."""
@@ -178,6 +213,20 @@ class ClassificationTask(Task):
 
   def dataset(self, **kwargs):
     return image_data.image_dataset(self.data_cfg, **kwargs)
+
+  def design_report(self, params) -> dict:
+    """Design.diagnostics of each stage's chain (one site per bottleneck), named `stage<s>_<name>`."""
+    cfg, (design, spec) = self.model_cfg, designs.select(self.model_cfg)
+    if design.diagnostics is None:
+      return {}
+    out = {}
+    for s, blocks in enumerate(cfg.stage_sizes, 1):
+      chain = _chain_output(design, spec, params, f'stage{s}_{design.chain.module_name}', blocks, 1,
+                            resnet.EXPANSION * cfg.base_width * 2 ** (s - 1), DTYPES[cfg.param_dtype],
+                            embed_axis='conv_out')
+      sites = _stack([_stack([params[f'stage{s}_block{j}'].get(design.section, {})]) for j in range(blocks)])
+      out.update({f'stage{s}_{name}': value for name, value in designs.report(design, spec, chain, sites).items()})
+    return out
 
 
 TASKS = {'lm': LMTask, 'classification': ClassificationTask}

@@ -107,6 +107,9 @@ def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool
     check_fits_host(task, compiled, len(devices))
     eval_step = jax.jit(lambda s, b: task.loss(s.params, s.model_state, b, False)[1][0],
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)))
+    # The residual design's own diagnostics (LAuReL's α, β, γ, ...): read from the parameters on logging steps only,
+    # outside the step; training metrics, never evaluated.
+    design_report = jax.jit(task.design_report, out_shardings=jax.sharding.NamedSharding(mesh, jax.P()))
     train_iter = iter(local_dataset(task, train=True))
     mngr = checkpoint.manager(workdir, cfg.keep_checkpoints)
     cleanup.callback(checkpoint.close, mngr)
@@ -215,6 +218,7 @@ def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool
         check_finite(*pending)
         dt = (time.time() - t0) / (done - interval_start)
         row, interval = interval_mean(jax.device_get(interval)), []
+        row.update(task.design_metrics(jax.device_get(design_report(state.params))))
         row.update(step_time_s=dt, **{f'{task.unit}_per_s': cfg.batch_size * task.units_per_example() / dt},
                    peak_memory_bytes=peak_memory, params=num_params,
                    **({'mfu': hardware.utilisation(model_flops, dt, peak_flops)} if model_flops > 0 else {}))
@@ -236,13 +240,15 @@ def _train_checked(task, workdir: epath.Path, devices, allow_config_change: bool
       watchdog.beat(done)
       if stop:
         stop_if_a_save_failed(wait=True)
-        print(f'preempted: saved checkpoint {done} in {workdir}; rerun the same command to resume', flush=True)
+        print(f'{process.stop_reason(preempted)}: saved checkpoint {done} in {workdir}; rerun the same command to '
+              'resume', flush=True)
         return {'step': done, 'preempted': True}
     if not eval_metrics:  # resumed at the last step: nothing trained, but final.json needs the eval
       eval_metrics = evaluate_and_log(cfg.steps)
     stop_if_a_save_failed(wait=True)
     if eval_metrics is None:
-      print(f'preempted: checkpoint {cfg.steps} in {workdir} is not evaluated yet; rerun the same command', flush=True)
+      print(f'{process.stop_reason(preempted)}: checkpoint {cfg.steps} in {workdir} is not evaluated yet; rerun the '
+            'same command', flush=True)
       return {'step': cfg.steps, 'preempted': True}
     final = {'step': cfg.steps, **eval_metrics, 'held_out': eval_noise, 'params': num_params,
              'peak_memory_bytes': peak_memory, **median_step_time(log.step_times()), **info, 'finished_at': utc()}

@@ -34,17 +34,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
 from laurel import config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.run import files, process, stats
+from laurel.run import console, files, process, stats
 from laurel.run.hardware import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 
 def main(body):
-  """absl's main for `body()`: no stray arguments; an InputError (bad input) ends the script as one line `error: ...`;
-  anything else keeps its traceback."""
+  """absl's main for `body()`: no stray arguments; the CPU where libtpu is installed but no accelerator is present
+  (console.quiet_start: not libtpu's errors on stderr); an InputError (bad input) ends the script as one line
+  `error: ...`; anything else keeps its traceback."""
   def run(argv):
     if len(argv) > 1:
       fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    console.quiet_start()
     logging.set_verbosity(logging.WARNING)
     try:
       body()

@@ -24,6 +24,7 @@ Needs gcloud logged in. The workdir should be on GCS: a slice of several hosts w
 """
 
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shlex
@@ -197,6 +198,10 @@ def plan() -> list[tuple[str, list[str] | str]]:
     for warning in step.check_overrides(typed, spec, common.override_values(config, _OVERRIDES)):  # as laurel.main
       print(warning, file=sys.stderr, flush=True)
     if _PREFLIGHT.value:  # before any gcloud command: a step that does not fit fails here, not on the slice
+      if importlib.util.find_spec('libtpu') is None:  # --dry-run too: the check compiles
+        raise config_lib.InputError(f"--preflight: compiling the step for {accel['name']} here needs libtpu (pip "
+                                    "install -e '.[tpu]'); --nopreflight launches (or with --dry-run prints) without "
+                                    'this check')
       from laurel.run import aot  # pylint: disable=import-outside-toplevel
       compile_cache.setup()
       aot.compile_only_process()

@@ -13,20 +13,26 @@ stable hash of its file and position falls below --validation_fraction, else to 
 Output, in --output (local or gs://): corpus-<split>.NNNNN-of-MMMMM.array_record, one record per document (its UTF-8
 text), the inputs spread over MMMMM shards converted in parallel (--workers); and vocab.model, a SentencePiece model
 trained on up to --vocab_sample_docs train documents with the ids laurel's loader needs (pad 0, eos 1, unk 2, no bos),
-byte fallback (no unknown characters) and whitespace kept as written (code keeps its indentation). --vocab_path uses
-an existing model instead (e.g. T5's, data.C4_VOCAB_PATH). A rerun with the same arguments resumes: finished shards
-and the vocabulary are kept (prepare.json records the arguments). Once finished, other inputs or options need another
---output; after an attempt that failed, a corrected command reuses the folder (what the attempt wrote is removed).
-The closing lines print the training command with every flag it needs.
+byte fallback (no unknown characters) and whitespace kept as written (code keeps its indentation); before any shard
+is written, --vocab_size is checked against the pieces the inputs' characters need (those covering 99.95% of the
+first --vocab_sample_docs documents, as SentencePiece counts them, and the 259 special and byte pieces). --vocab_path
+uses an existing model instead (e.g. T5's, data.C4_VOCAB_PATH), checked to be one before anything is written. A
+rerun with the same arguments resumes: finished shards and the vocabulary are kept (prepare.json records the
+arguments). Once finished, other inputs or options need another --output; after an attempt that failed, a corrected
+command reuses the folder (what the attempt wrote is removed). The closing lines print the training command with
+every flag it needs.
 """
 
+import collections
 import glob
 import gzip
 import io
 import json
 import os
+import re
 import shlex
 import time
+import unicodedata
 
 import common  # puts the repo root on sys.path
 import numpy as np
@@ -35,12 +41,14 @@ from etils import epath
 
 from laurel import data
 from laurel.run import console
-from laurel.config_lib import InputError
+from laurel.config_lib import InputError, io_error_reason
 from laurel.run.files import write_bytes_atomic, write_text_atomic
 
 PREFIX = 'corpus'  # the loader's data.name for these shards
 SPLITS = ('train', 'validation')
 MAX_SHARDS = 64  # default --num_shards: one per input file, up to this many
+SPECIAL_AND_BYTE_PIECES = 3 + 256  # pad, eos, unk and byte fallback's 256: SentencePiece's meta pieces
+CHARACTER_COVERAGE = 0.9995  # SentencePiece's: the characters covering this share of the text get pieces of their own
 
 _INPUT = flags.DEFINE_multi_string('input', [], 'Glob of input files (repeatable), local or gs://.')
 _OUTPUT = flags.DEFINE_string('output', None, 'Directory for the shards and the vocabulary (local or gs://).')
@@ -118,21 +126,73 @@ def write_shard(job) -> tuple[dict[str, int], float]:
   return counts, time.time() - start
 
 
+def required_pieces(texts) -> tuple[int, str]:
+  """The pieces a vocabulary of `texts` needs at least, as SentencePiece counts them: the most frequent characters
+  (after NFKC, a space as ▁) that cover CHARACTER_COVERAGE of the text, and the special and byte pieces; and why."""
+  counts, documents_read = collections.Counter(), 0
+  for documents_read, text in enumerate(texts, 1):
+    for line in text.splitlines():
+      counts.update(unicodedata.normalize('NFKC', line).replace(' ', '\u2581'))
+  total, covered, characters = sum(counts.values()), 0, 0
+  for _, count in counts.most_common():
+    if covered >= CHARACTER_COVERAGE * total:
+      break
+    covered, characters = covered + count, characters + 1
+  return characters + SPECIAL_AND_BYTE_PIECES, (f'{characters:,} characters cover {CHARACTER_COVERAGE:.2%} of '
+                                                f'{documents_read:,} document{"s" * (documents_read != 1)} of --input')
+
+
+def check_vocab_size(vocab_size: int, needed: int, why: str) -> None:
+  if vocab_size < needed:
+    raise InputError(f'--vocab_size={vocab_size}: below the {needed:,} pieces this corpus needs ({why}, and the '
+                     f'special and byte pieces take {SPECIAL_AND_BYTE_PIECES}): set --vocab_size={needed} or more, or '
+                     '--vocab_path=an existing model')
+
+
+def first_documents(files: list[str], count: int, text_field: str, text_unit: str):
+  """Up to `count` documents of the inputs, in order."""
+  docs = (text for path in files for text in documents(path, text_field, text_unit))
+  return (text for _, text in zip(range(count), docs))
+
+
+def read_vocab(path, flag: str, fix: str) -> int:
+  """The pieces of the SentencePiece model at `path`; one line naming it and `fix` where it cannot be read."""
+  try:
+    return data.SentencePieceTokenizer(epath.Path(path).read_bytes()).vocab_size
+  except Exception as e:  # pylint: disable=broad-except  # a filesystem's error, or sentencepiece's for a non-model
+    raise InputError(f'{flag}={os.fspath(path)!r}: cannot read a SentencePiece model ({io_error_reason(e)}); '
+                     f'{fix}') from None
+
+
 def train_vocab(train_shards: list[str], dest: epath.Path, vocab_size: int, model_type: str, sample_docs: int):
   """A SentencePiece model on up to `sample_docs` train documents, spread evenly, one sentence per line."""
   import grain  # pylint: disable=import-outside-toplevel
-  import sentencepiece  # pylint: disable=import-outside-toplevel
   source = grain.sources.ArrayRecordDataSource(train_shards)
   picked = np.unique(np.linspace(0, len(source) - 1, min(len(source), sample_docs)).astype(int))
   lines = (line for i in picked for line in source[int(i)].decode('utf-8').splitlines() if line.strip())
+  write_bytes_atomic(dest, sentencepiece_model(lines, vocab_size, model_type, 'its sample of the train split'))
+
+
+def sentencepiece_model(lines, vocab_size: int, model_type: str, sample: str) -> bytes:
+  """A SentencePiece model of `lines` with the ids laurel's loader needs; a vocabulary smaller than the characters of
+  `sample` (the lines) need is one line."""
+  import sentencepiece  # pylint: disable=import-outside-toplevel
   model = io.BytesIO()
-  sentencepiece.SentencePieceTrainer.train(
-      sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type=model_type,
-      pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True, normalization_rule_name='nfkc',
-      remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, character_coverage=0.9995,
-      input_sentence_size=2_000_000, shuffle_input_sentence=True, hard_vocab_limit=False,
-      num_threads=os.cpu_count(), minloglevel=2)
-  write_bytes_atomic(dest, model.getvalue())
+  try:
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type=model_type,
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True, normalization_rule_name='nfkc',
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, character_coverage=CHARACTER_COVERAGE,
+        input_sentence_size=2_000_000, shuffle_input_sentence=True, hard_vocab_limit=False,
+        num_threads=os.cpu_count(), minloglevel=2)
+  except RuntimeError as e:  # its sample needs more than check_vocab_size's count of the inputs did
+    if not (found := re.search(r'smaller than required_chars\. \d+ vs (\d+)', str(e))):
+      raise
+    needed = int(found.group(1))
+    check_vocab_size(vocab_size, needed, f'{needed - SPECIAL_AND_BYTE_PIECES:,} characters cover '
+                     f'{CHARACTER_COVERAGE:.2%} of {sample}')
+    raise
+  return model.getvalue()
 
 
 def check_resumable(out: epath.Path, options: dict):
@@ -162,7 +222,13 @@ def prepare():
       raise InputError(f'--{flag}={flags.FLAGS[flag].value!r}: must be {why}')
   if _VOCAB_PATH.value and not epath.Path(_VOCAB_PATH.value).exists():
     raise InputError(f'--vocab_path={_VOCAB_PATH.value!r}: no such file')
+  if _VOCAB_PATH.value:
+    read_vocab(_VOCAB_PATH.value, '--vocab_path',
+               'give a .model file SentencePiece wrote, or leave --vocab_path out to train one on the corpus')
   files, out = input_files(_INPUT.value), epath.Path(_OUTPUT.value)
+  if not _VOCAB_PATH.value and not (out / 'vocab.model').exists():  # before any shard is written
+    check_vocab_size(_VOCAB_SIZE.value, *required_pieces(
+        first_documents(files, _VOCAB_SAMPLE_DOCS.value, _TEXT_FIELD.value, _TEXT_UNIT.value)))
   num_shards = _NUM_SHARDS.value or min(len(files), MAX_SHARDS)
   prefix = os.path.commonprefix(files)
   root = prefix[:prefix.rfind('/') + 1]  # the inputs' common folder, local or gs://
@@ -199,7 +265,8 @@ def prepare():
     print(f'training a {_VOCAB_SIZE.value:,}-piece SentencePiece vocabulary on up to {_VOCAB_SAMPLE_DOCS.value:,} '
           'train documents...', flush=True)
     train_vocab(shards['train'], vocab, _VOCAB_SIZE.value, _VOCAB_MODEL_TYPE.value, _VOCAB_SAMPLE_DOCS.value)
-  pieces = data.SentencePieceTokenizer(vocab.read_bytes()).vocab_size
+  pieces = read_vocab(vocab, '--vocab_path' if _VOCAB_PATH.value else '--output',
+                      f'remove {vocab} and rerun the same command: it trains the vocabulary again')
   write_text_atomic(out / 'prepare.json', json.dumps({**options, 'complete': True}, indent=2) + '\n')
   model_vocab = -(-pieces // 128) * 128  # the vocab axis then shards over up to 128 devices
   run = f'runs/{out.name}'

@@ -34,7 +34,7 @@ run's test loss, and rewrites the table without training; --from_json=<table>.js
 seeds of several tables (other machines or days, or rows retrained: a seed in two is the later table's), names
 each one's command, and refuses tables of different corpora.
 
---preset=gpu is sized for one H100 (configs/c4_ablation.py says why):
+--preset=gpu is sized for one GPU (configs/c4_ablation.py says why); what one H200 measured: results/README.md.
   python scripts/reproduce_c4_ablation.py --preset=gpu --rows=baseline_24,baseline_28,rw_lr_pa --seeds=3
 
 --evaluate scores every finished run's last checkpoint on laurel.serve.evaluate's tasks, here (from gs:// too), once per

@@ -19,7 +19,8 @@ refused in one line naming the first. Collecting writes WORKDIR/sweep.{csv,json,
 best evaluation, and per combination the mean ± std over seeds (no ± for one run) and the paired difference to the
 --reference point (default: the first) on the same seeds, with its 95% Student-t interval and whether it excludes zero;
 plotted against the value as in Figure 3 (one field) or as a heatmap of the first two fields (averaged over any
-others) whose colours span at least the noise (the widest interval of a difference), as its title says.
+others) whose colours span at least the noise (the widest interval of a difference), as its title says; with one run
+per point there is no such interval, and the cells are not coloured by rank.
 """
 
 import functools
@@ -65,9 +66,18 @@ def parse_grid(fields, values) -> dict[str, list[str]]:
   return grid
 
 
+def check_fields(config_spec: str, fields, sets) -> None:
+  """A one-line InputError for a --field the config lacks, naming the field most like it."""
+  known = config_lib.dotted_fields(config_lib.load(config_spec, common.config_flags(sets)))
+  for f in fields:
+    if f not in known:
+      raise InputError(f'--field={f}: unknown config field{config_lib.did_you_mean(f, {k: k for k in known})}')
+
+
 def plan_points(workdir: str, config_spec: str, grid: dict, seeds, sets, launcher) -> list[dict]:
   """Every point's name, dir, values, seed, --config.* overrides and the values they give: each point's config is
   loaded and checked here, so that a bad field or value fails before anything runs."""
+  check_fields(config_spec, grid, sets)
   points = []
   for combination in itertools.product(*grid.values()):
     values = dict(zip(grid, combination))
@@ -208,38 +218,44 @@ def plot(result: dict):
       for j, x in enumerate(xs):
         if found := [s[key] for s in summary if s[y_field] == y and s[x_field] == x]:
           cells[i, j] = statistics.fmean(found)
-    noise = colour_noise(result)
-    low = np.nanmin(cells) if np.isfinite(cells).any() else 0.0
-    high = max(np.nanmax(cells) if np.isfinite(cells).any() else 0.0, low + (noise or 0.0))
-    image = ax.imshow(cells, cmap='viridis_r' if 'loss' in key else 'viridis', aspect='auto', vmin=low, vmax=high)
+    noise, paired = colour_noise(result)
+    if paired:  # colours rank the cells, over at least the noise
+      low = np.nanmin(cells) if np.isfinite(cells).any() else 0.0
+      high = max(np.nanmax(cells) if np.isfinite(cells).any() else 0.0, low + noise)
+      image = ax.imshow(cells, cmap='viridis_r' if 'loss' in key else 'viridis', aspect='auto', vmin=low, vmax=high)
+      fig.colorbar(image, ax=ax, label=label + (' (mean over the other fields)' if len(fields) > 2 else ''))
+    else:  # one run per point: nothing tells a difference from the seeds' noise, so one colour for all cells
+      image = ax.imshow(np.where(np.isnan(cells), np.nan, 0.0), cmap='Greys', aspect='auto', vmin=0.0, vmax=1.0)
     for (i, j), value in np.ndenumerate(cells):  # black or white text, whichever contrasts more with the cell
-      light = np.isnan(value) or common.luminance(image.cmap(image.norm(value))) > common.EQUAL_CONTRAST_LUMINANCE
+      shade = image.get_array()[i, j]
+      light = np.isnan(value) or common.luminance(image.cmap(image.norm(shade))) > common.EQUAL_CONTRAST_LUMINANCE
       ax.text(j, i, '–' if np.isnan(value) else f'{value:.4f}', ha='center', va='center', fontsize=8,
               color='black' if light else 'white')
     ax.set(xticks=range(len(xs)), xticklabels=xs, xlabel=x_field, yticks=range(len(ys)), yticklabels=ys,
            ylabel=y_field)
-    fig.colorbar(image, ax=ax, label=label + (' (mean over the other fields)' if len(fields) > 2 else ''))
   title = result['config'].split('/')[-1]
   if len(fields) > 1:
+    eval_noise = f" (the eval's own {common.CI_PERCENT} interval is {noise:.4f} wide)" if noise else ''
     title += (f': the colours span at least {noise:.4f}, the widest {common.CI_PERCENT} interval of a Δ (the noise), '
-              'so cells of one colour are not told apart' if noise else
-              ': no interval (one run per point), so the colours may show only noise')
+              'so cells of one colour are not told apart' if paired else
+              f': no interval of a Δ (it needs two seeds or more per point){eval_noise}, so the cells are not '
+              'coloured by rank; --seeds=0,1,2 gives intervals')
   common.fit_title(ax, title, fontsize=8)
   fig.tight_layout()
   return fig
 
 
-def colour_noise(result: dict) -> float | None:
-  """The width of the widest interval of a point's Δ to the reference (its seeds paired), else of the eval loss's
-  own interval (1.96 standard errors either side): a heatmap's colours span at least this much, so that noise never
-  looks like a winner. None without either."""
+def colour_noise(result: dict) -> tuple[float | None, bool]:
+  """(a width, whether it is paired): the widest interval of a point's Δ to the reference (its seeds paired), which a
+  heatmap's colours span at least, so that noise never looks like a winner; else, with one run per point, the eval
+  loss's own interval (1.96 standard errors either side), which leaves the seeds' noise out; else None."""
   key = result['metric']  # the paired differences are of the final metric
   widths = [s[f'{key}_diff_high'] - s[f'{key}_diff_low'] for s in result['summary']
             if s.get(f'{key}_diff_low') is not None]
   if widths:
-    return max(widths)
+    return max(widths), True
   errors = [h['loss_se'] for h in (r.get('held_out') for r in result.get('points', [])) if (h or {}).get('loss_se')]
-  return 2 * 1.96 * max(errors) if errors and 'loss' in key else None
+  return (2 * 1.96 * max(errors) if errors and 'loss' in key else None), False
 
 
 def sweep():

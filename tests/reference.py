@@ -450,6 +450,7 @@ def _laurel(variant, **kw):
   return LaurelSpec(variant=variant, **{'rank': 4, **kw})
 
 
+LAUREL_RW_PA = _laurel('rw+pa', k=3)  # RW with identity-h PA: α, β and γ (tests/test_diagnostics.py too)
 STREAM_CASES = {
     'rezero': StreamSpec(design='rezero'), 'layerscale': StreamSpec(design='layerscale', layerscale_init=0.1),
     'hc': StreamSpec(design='hc', expansion=3), 'hc_dynamic': StreamSpec(design='hc', expansion=3, hc_dynamic=True),
@@ -495,7 +496,7 @@ REFERENCES = {
         **{f'pa_low_rank_k{k}': _laurel('pa', pa_h='low_rank', k=k) for k in (1, 2, 4)},
         'rw_lr': _laurel('rw+lr'),  # eq. 5
         'rw_lr_sigmoid_per_dim': _laurel('rw+lr', rw_norm='sigmoid', rw_per_dim=True),
-        'rw_pa_identity': _laurel('rw+pa', k=3), 'rw_pa_low_rank': _laurel('rw+pa', pa_h='low_rank', k=2),
+        'rw_pa_identity': LAUREL_RW_PA, 'rw_pa_low_rank': _laurel('rw+pa', pa_h='low_rank', k=2),
         'rw_lr_pa_k1': _laurel('rw+lr+pa', k=1), 'rw_lr_pa_k3': _laurel('rw+lr+pa', k=3),  # eq. 6
         'rw_lr_pa_k3_xavier': _laurel('rw+lr+pa', k=3, a_init='xavier'),
         'rw_lr_pa_per_dim': _laurel('rw+lr+pa', k=2, rw_per_dim=True), 'lr_pa_k2': _laurel('lr+pa', k=2),

@@ -333,7 +333,8 @@ def test_a_second_run_on_a_held_workdir_is_refused_and_the_first_ends_unharmed(t
 
   wait_for(lambda: (workdir / 'metrics.jsonl').exists() and max(losses(workdir), default=0) >= 3)
   first.send_signal(signal.SIGTERM)
-  assert first.wait(timeout=120) == 42 and 'preempted: saved checkpoint' in out.read_text(), out.read_text()[-2000:]
+  assert first.wait(timeout=120) == 42, out.read_text()[-2000:]
+  assert 'preempted (SIGTERM): saved checkpoint' in out.read_text(), out.read_text()[-2000:]
   logged = metrics(workdir)
   assert [r['step'] for r in logged] == list(range(1, len(logged) + 1))  # every step once: one writer
   assert json.loads((workdir / 'config.json').read_text())['steps'] == 100_000  # not the second run's

@@ -6,12 +6,14 @@ import subprocess
 import sys
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 from jax._src import compilation_cache as jax_cache  # pylint: disable=g-importing-member
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, needs_libtpu
+from laurel import sharding, step
 from laurel.run import aot, compile_cache
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -111,6 +113,22 @@ def test_a_second_run_reads_the_compiled_step_from_the_cache(tmp_path):
   hit = re.compile(r"Persistent compilation cache hit for 'jit_train_step'")
   assert not hit.search(runs[0].stderr) and hit.search(runs[1].stderr), runs[1].stderr[-3000:]
   assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.name in entries} == entries  # none rewritten
+
+
+def test_a_resume_reads_the_step_back_unless_steps_changed():
+  """What the README says of a resume: the logging, eval and checkpoint cadence leave the compiled step as it was
+  (its cache key, the lowered program, the same); another `steps` changes the schedule compiled into it."""
+  def lowered(**overrides):
+    task = step.validate_config(load_config(SPEC, {**TINY_LM, **overrides}), num_devices=1, process_count=1)
+    mesh = sharding.make_mesh(task.config.mesh, jax.devices()[:1])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
+      return step.lower_step(task, mesh)[0].as_text()
+  first = lowered(steps=6)
+  assert lowered(steps=6, log_every=3, eval_every=5, checkpoint_every=4) == first
+  assert lowered(steps=12) != first
+  readme = ' '.join((ROOT / 'README.md').read_text().split())
+  assert ('a resume with the same config' in readme and 'A resume with another `--config.steps` compiles the step '
+          'again, since the learning-rate schedule\'s length is compiled into it') in readme
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Errors that point at the fix (issue 53): a misspelled flag or field names the one meant, a missing config file the
 shipped ones, a workdir of another model is refused before anything compiles, a short trial run warms up for part
 of it, the paper preset without C4 says how to prepare it, and a run of a design from outside the package is read
-back without PYTHONPATH and names its design."""
+back without PYTHONPATH (with --trust_design_file: tests/test_shared_run.py) and names its design."""
 import json
 import sys
 
@@ -11,7 +11,8 @@ from ml_collections import config_flags
 
 from helpers import ROOT, SPEC, TINY_LM, load_config, typed_config
 from laurel import config_lib, designs, lm, step, train
-from laurel.run import checkpoint, console, metrics_log, preflight
+from laurel.run import checkpoint, console, metrics_log, preflight, saved_config
+from laurel.run.saved_config import file_sha256
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'
 
@@ -48,6 +49,26 @@ def test_a_misspelled_flag_or_field_names_the_one_meant(monkeypatch, capsys, typ
   assert parse(monkeypatch, capsys, f'--config={TINY}', typed) == message
 
 
+@pytest.mark.parametrize('typed, message', [
+    ('--config.model.laurel.rank=eight', "error: --config.model.laurel.rank='eight': must be an integer"),
+    ('--config.optimizer.learning_rate=fast', "error: --config.optimizer.learning_rate='fast': must be a number"),
+    ('--config.model.laurel.rw_per_dim=maybe',
+     "error: --config.model.laurel.rw_per_dim='maybe': must be true or false"),
+])
+def test_a_value_of_the_wrong_type_is_one_line_in_the_projects_words(monkeypatch, capsys, typed, message):
+  """It was int()'s: `flag --config.model.laurel.rank=eight: invalid literal for int() with base 10: 'eight'`."""
+  assert parse(monkeypatch, capsys, f'--config={TINY}', typed) == message
+
+
+def test_a_misspelled_sweep_field_names_the_one_meant(monkeypatch):
+  monkeypatch.syspath_prepend(str(ROOT / 'scripts'))
+  import sweep  # pylint: disable=import-outside-toplevel  # scripts/sweep.py (its flags at their defaults)
+  with pytest.raises(config_lib.InputError, match=r'^--field=model\.laurel\.rnak: unknown config field; did you mean '
+                     r'model\.laurel\.rank\?$'):
+    sweep.check_fields(TINY, ['model.laurel.rnak'], [])
+  sweep.check_fields(TINY, ['model.hc.expansion'], ['model.stream.design=hc'])  # every design's section is a field
+
+
 def test_a_missing_config_file_lists_the_shipped_ones(monkeypatch, capsys):
   shipped = '(shipped: c4_ablation, imagenet_resnet50, llm, residual_designs; or a run\'s WORKDIR)'
   assert parse(monkeypatch, capsys, '--config=c4_ablatoin:rw_lr') == (
@@ -70,6 +91,19 @@ def test_a_workdir_of_another_model_is_refused_before_compiling(tmp_path, monkey
                 allow_config_change=allow_config_change)
 
 
+def test_a_workdir_of_another_design_is_refused_naming_the_design_first(tmp_path):
+  """Not ten `model.laurel.* (now None)` lines before the decisive `model.stream.design='laurel' (now 'residual')`."""
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  checkpoint.guard_config(typed_config(SPEC, TINY_LM), workdir)  # an RW+LR+PA run
+  (workdir / 'checkpoints' / '3').mkdir(parents=True)
+  with pytest.raises(config_lib.InputError) as refused:
+    checkpoint.guard_config(typed_config('configs/c4_ablation.py:baseline_24,preset=tiny', TINY_LM), workdir)
+  assert str(refused.value) == (f"--workdir='{workdir}': holds checkpoints of a different task/model (step 3: "
+                                "model.stream.design='laurel' (now 'residual'), the 10 fields of model.laurel, which "
+                                "design 'residual' does not have); use a new workdir or the original config")
+
+
 def test_a_run_shorter_than_the_presets_warmup_warms_up_for_the_same_part_of_it(monkeypatch, capsys):
   config = parsed(monkeypatch, f'--config={TINY}', '--config.steps=20').config  # the tiny preset: 50 of 500 steps
   assert (config.steps, config.optimizer.warmup_steps) == (20, 2)
@@ -80,11 +114,19 @@ def test_a_run_shorter_than_the_presets_warmup_warms_up_for_the_same_part_of_it(
   assert config_lib.load(TINY, ['steps=20']).optimizer.warmup_steps == 2  # the scripts' loader too
 
 
+def test_a_run_as_long_as_the_presets_warmup_leaves_it(monkeypatch, capsys):
+  """steps=50 on the tiny preset (warmup 50) never left the warmup, without a word."""
+  config = parsed(monkeypatch, f'--config={TINY}', '--config.steps=50').config
+  assert (config.steps, config.optimizer.warmup_steps) == (50, 5)
+  assert capsys.readouterr().err.startswith('notice: optimizer.warmup_steps=50 is as long as the run (steps=50): it '
+                                            'warms up for 5 steps instead, 10% of the run')
+
+
 @pytest.mark.parametrize('preset', ['paper', 'small', 'gpu', 'tiny'])
 def test_table5_runs_keep_their_warmup(capsys, preset):
   spec = f'c4_ablation:rw_lr,preset={preset}'
   file = config_lib.load(spec)
-  for steps in (file.steps, 2 * file.steps, file.optimizer.warmup_steps):
+  for steps in (file.steps, 2 * file.steps, file.optimizer.warmup_steps + 1):
     assert config_lib.load(spec, [f'steps={steps}']).optimizer.warmup_steps == file.optimizer.warmup_steps
   assert capsys.readouterr().err == ''
 
@@ -92,7 +134,7 @@ def test_table5_runs_keep_their_warmup(capsys, preset):
 def test_a_warmup_set_longer_than_the_run_names_the_flag_and_a_value_that_fits():
   config = config_lib.load(TINY, ['steps=20', 'optimizer.warmup_steps=50'])
   with pytest.raises(config_lib.InputError, match=r'^optimizer\.warmup_steps=50: longer than the run \(steps=20\): .*; '
-                     r'set --config\.optimizer\.warmup_steps=2 \(a tenth of the run\) or any value up to 20$'):
+                     r'set --config\.optimizer\.warmup_steps=2 \(a tenth of the run\) or any value below 20$'):
     step.validate_config(config, num_devices=1, process_count=1)
 
 
@@ -132,12 +174,14 @@ def test_a_run_of_an_outside_design_is_read_back_from_the_file_it_recorded(tanh_
   workdir = tmp_path / 'run'
   workdir.mkdir()
   checkpoint.guard_config(step.build_config(config), workdir)  # writes config.json, as a run does before compiling
-  assert json.loads((workdir / 'config.json').read_text())['design_file'] == str(tanh_gate)
+  saved = json.loads((workdir / 'config.json').read_text())
+  assert (saved['design_file'], saved['design_sha256']) == (str(tanh_gate), file_sha256(tanh_gate))
   sys.path.remove(str(tanh_gate.parent))  # a later command, without PYTHONPATH
   forget_tanh_gate()
-  saved = config_lib.load(str(workdir))  # --config=WORKDIR (sampling reads saved_config.read_config too)
-  assert capsys.readouterr().err == (f"notice: model.stream.design='tanh_gate:tanh_gate': tanh_gate is not on the "
-                                     f'Python path; imported it from {tanh_gate}, where the run recorded it\n')
+  with saved_config.design_policy(trust=True):  # --trust_design_file
+    saved = config_lib.load(str(workdir))  # --config=WORKDIR (sampling reads saved_config.read_config too)
+  assert capsys.readouterr().err == (f"notice: model.stream.design='tanh_gate:tanh_gate': imported tanh_gate from "
+                                     f'{tanh_gate}, the file the run recorded (--trust_design_file)\n')
   assert lm.LMConfig.from_config(saved.model).stream.design == 'tanh_gate'
   (workdir / 'checkpoints' / '3').mkdir(parents=True)
   checkpoint.guard_config(step.build_config(saved), workdir)  # the record is no change of config: a resume goes on

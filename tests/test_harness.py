@@ -183,7 +183,8 @@ def test_laurel_lm_from_python_greedy_flags_and_refused_generation_kwargs(run):
                           ({'max_gen_toks': 32}, r'max_gen_toks=32: must be in \[1, 32\)')]:
     with pytest.raises(InputError, match=message):
       model.generation_settings(kwargs)
-  with pytest.raises(InputError, match="--model_args pretrained=x: the laurel backend takes workdir=RUN only"):
+  with pytest.raises(InputError, match='--model_args pretrained=x: the laurel backend takes workdir=RUN and '
+                     'trust_design_file=True only'):
     harness.LaurelLM(workdir=str(run), pretrained='x')
   with pytest.raises(InputError, match='--batch_size=.0.: a positive integer or auto'):
     harness.LaurelLM(workdir=str(run), batch_size='0')

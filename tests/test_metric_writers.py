@@ -50,6 +50,10 @@ def test_a_run_writes_the_logged_scalars_and_hparams_to_tensorboard(tmp_path):
         logged.setdefault(k, {})[row['step']] = v
   scalars = _tensorboard_scalars(tmp_path / 'tensorboard')
   assert {'loss', 'eval_loss', 'tokens_per_s', 'steps_per_sec', 'uptime'} <= set(scalars)
+  # RW's α and β of its 3 sites (laurel.designs, Design.diagnostics): at the logging steps, training metrics only
+  reported = {f'laurel/{name}_{s:02d}' for name in ('alpha', 'beta') for s in range(3)}
+  assert {tag for tag in scalars if '/' in tag} == reported and all(sorted(scalars[t]) == [2, 4] for t in reported)
+  assert not any('laurel' in key for key in json.loads((tmp_path / 'final.json').read_text()))
   for name, by_step in logged.items():  # float32 in the event files
     assert scalars[name] == pytest.approx(by_step, rel=1e-6), name
   assert sorted(scalars['steps_per_sec']) == [2, 4]  # every log_every steps, the first step only starts the clock

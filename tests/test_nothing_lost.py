@@ -406,7 +406,7 @@ def test_ctrl_c_on_a_sweep_saves_the_running_point_and_a_rerun_resumes_it(tmp_pa
                                           'same command to resume')
   point = tmp_path / 'rank=4'
   saved = [int(p.name) for p in (point / 'checkpoints').iterdir()]
-  assert len(saved) == 1 and 3 <= saved[0] < 60 and 'preempted: saved checkpoint' in out
+  assert len(saved) == 1 and 3 <= saved[0] < 60 and 'interrupted (Ctrl-C): saved checkpoint' in out
   assert not (point / 'failed.json').exists() and not (point / 'final.json').exists()
   rerun = subprocess.run(sweep, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert rerun.returncode == 0, rerun.stderr[-2000:]

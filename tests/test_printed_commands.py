@@ -2,6 +2,7 @@
 run here (`runs/demo` being a copy of conftest.trained_run), each other one is skipped for a reason SKIPPED lists.
 scripts/prepare_text.py's closing command is run as printed in tests/test_c4.py; scripts/prepare_c4.py's reads
 T5's vocabulary from gs:// and real C4, and is not run."""
+import ast
 import dataclasses
 import json
 import os
@@ -135,3 +136,47 @@ def test_the_commands_a_finished_run_prints_work_as_printed_from_a_folder_with_a
     result = _shell(command, os.getcwd())
     assert result.returncode == 0, f'{command}\n{result.stderr[-2000:]}'
   assert json.loads((workdir / 'eval_held_out.json').read_text())['documents'] > 0
+
+
+# What the docs say agrees with the code and with each other (issue 60's first-hour findings).
+
+def test_the_quick_start_runs_the_quick_tests_before_the_whole_suite():
+  readme = (ROOT / 'README.md').read_text()
+  block = re.search(r'## Quick start\n\n```\n(.*?)```', readme, re.S).group(1)
+  assert [line.split('#')[0].strip() for line in block.splitlines()] == ['make train', 'make test-fast', 'make test']
+
+
+def test_the_docs_pass_the_papers_c4_to_the_ablation_one_way():
+  """--data_path, which the paper preset requires (scripts/reproduce_c4_ablation.py); docs/tpu.md passed --set."""
+  paper = [(name, c) for name, c in documented_commands() if 'reproduce_c4_ablation.py' in c and '--preset=paper' in c]
+  assert {name for name, _ in paper} >= {'docs/tpu.md', 'docs/reproducing.md'}
+  assert all('--data_path=' in c and '--set=data.path' not in c for _, c in paper), paper
+
+
+def test_the_docs_name_the_file_that_holds_the_design_record():
+  designs_doc = (ROOT / 'docs' / 'designs.md').read_text()
+  linked = set(re.findall(r'\(\.\./(laurel/designs/\w+\.py)\)', ' '.join(
+      re.findall(r'(?:protocol and registry of|`Design` record in the registry of)\s*\[[^\]]+\]\([^)]+\)',
+                 designs_doc))))
+  assert linked == {'laurel/designs/protocol.py'}
+  assert re.search(r'^class Design\b', (ROOT / linked.pop()).read_text(), re.M)
+
+
+def test_the_training_doc_lists_every_preset_of_table_5():
+  with pytest.raises(config_lib.InputError) as refused:
+    config_lib.load('c4_ablation:rw_lr,preset=none')
+  presets = re.search(r'must be one of (.+)$', str(refused.value)).group(1).split(', ')
+  row = next(l for l in (ROOT / 'docs' / 'training.md').read_text().splitlines() if l.startswith('| `configs/c4_'))
+  assert len(presets) == 4 and all(f'`{p}`' in row or f'`preset={p}`' in row for p in presets), (presets, row)
+
+
+def test_the_gpu_pages_say_what_a_user_runs_and_the_device_it_was_measured_on():
+  """Not a maintainer's runbook: no borrowed GPU, no time limit of a session, no `the prepared call`."""
+  pages = {name: (ROOT / name).read_text() for name in ('results/README.md', 'docs/gpu.md')}
+  for name, text in pages.items():
+    for phrase in ('lent for', 's limit', 'prepared GPU call', 'the next GPU'):
+      assert phrase not in text, (name, phrase)
+  gpu_section = pages['results/README.md'].split('## Table 5 on one GPU')[1].split('\n## ')[0]
+  assert 'Measured on one H200, jax 0.11.2' in gpu_section
+  help_text = ast.get_docstring(ast.parse((ROOT / 'scripts' / 'reproduce_c4_ablation.py').read_text()))  # its --help
+  assert 'what one H200 measured: results/README.md' in ' '.join(help_text.split())

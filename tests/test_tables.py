@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env
@@ -414,18 +415,43 @@ def test_the_sweep_heatmaps_colours_span_at_least_the_noise():
   common.plt.close(figure)
 
 
+def test_a_one_seed_sweep_heatmap_ranks_no_cell_and_says_why():
+  """One run per point: no interval of a Δ, and the eval loss's own interval leaves out the seeds' noise; colours
+  ranked inside it would show noise as winners, and the title cited the interval of a Δ it did not have."""
+  import sweep  # pylint: disable=import-outside-toplevel  # scripts/sweep.py
+  ranks, ks = ['4', '8'], ['2', '3']
+  summary = [{'model.laurel.rank': r, 'model.laurel.k': k, 'eval_loss': 3.0 + 0.01 * (2 * i + j)}
+             for i, r in enumerate(ranks) for j, k in enumerate(ks)]
+  result = {'fields': ['model.laurel.rank', 'model.laurel.k'], 'grid': {'model.laurel.rank': ranks,
+                                                                       'model.laurel.k': ks},
+            'metric': 'eval_loss', 'reduce': 'final', 'config': 'configs/c4_ablation.py:rw_lr_pa', 'summary': summary,
+            'points': [{'held_out': {'loss_se': 0.001}}]}
+  figure = sweep.plot(result)
+  ax = figure.axes[0]
+  image = ax.images[0]
+  assert len({tuple(image.cmap(image.norm(v))) for v in np.ravel(image.get_array())}) == 1  # one colour
+  assert len(figure.axes) == 1  # and no colour bar
+  assert sorted(t.get_text() for t in ax.texts) == ['3.0000', '3.0100', '3.0200', '3.0300']
+  title = ax.get_title().replace('\n', ' ')
+  assert 'interval of a Δ (the noise)' not in title
+  assert title.endswith(": no interval of a Δ (it needs two seeds or more per point) (the eval's own 95% interval is "
+                        '0.0039 wide), so the cells are not coloured by rank; --seeds=0,1,2 gives intervals')
+  common.plt.close(figure)
+
+
 @pytest.mark.slow
 def test_the_paper_preset_needs_its_data_path_and_prints_it_in_every_command():
   command = [sys.executable, 'scripts/reproduce_c4_ablation.py', '--preset=paper', '--launch=print',
              '--rows=baseline_24,rw', '--seeds=2', '--first_seed=3']
-  run = lambda *args: subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True, env=cli_env(),
+  shell = {k: v for k, v in cli_env().items() if k != 'JAX_PLATFORMS'}  # JAX picks its platform, libtpu's included
+  run = lambda *args: subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True, env=shell,
                                      timeout=300)
   r = run()
   assert r.returncode == 2 and r.stderr.strip().splitlines() == [
       'error: --data_path is required with --preset=paper: the folder of C4 shards that scripts/prepare_c4.py writes '
       '(docs/data.md), e.g. --data_path=gs://BUCKET/c4']
   r = run('--data_path=gs://bucket/c4')
-  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.returncode == 0 and r.stderr == '', r.stderr[-2000:]  # not libtpu's `E0000 ... INVALID_ARGUMENT` lines
   lines = r.stdout.splitlines()
   assert len(lines) == 4 and all(line.endswith(' --config.data.path=gs://bucket/c4') for line in lines)
   assert lines[0].startswith('python -m laurel.main --config=configs/c4_ablation.py:baseline_24,preset=paper ')

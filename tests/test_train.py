@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import os
 import re
 import shutil
 import signal
@@ -67,9 +68,34 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_and_exit_cleanly(tmp_path, signum)
   proc.send_signal(signum)
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-2000:]
-  assert 'preempted: saved checkpoint' in out and 'Traceback' not in err
+  said = 'interrupted (Ctrl-C)' if signum == signal.SIGINT else 'preempted (SIGTERM)'
+  assert f'\n{said}: saved checkpoint ' in out and 'Traceback' not in err
   saved = checkpoint_steps(tmp_path)
   assert saved and max(saved) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which('make') is None, reason='needs make')
+def test_ctrl_c_through_make_train_saves_and_make_ends_on_the_signal_as_the_readme_says(tmp_path):
+  """A terminal's Ctrl-C reaches make and the run (one process group): the run saves and exits 0, and make then ends
+  on the SIGINT it got itself (130 in a shell) whatever the run's status, which the README says."""
+  venv = tmp_path / 'venv'  # `make train`'s prerequisite, installed already
+  venv.mkdir()
+  (venv / '.installed').touch()
+  args = ' '.join(f'--config.{k}={v}' for k, v in {**TINY_LM, 'steps': 100_000}.items())
+  make = ['make', '-C', str(ROOT), 'train', f'VENV={venv}', f'PY={sys.executable}', f'CONFIG={SPEC}',
+          f'WORKDIR={tmp_path / "run"}', f'ARGS={args}']
+  proc = subprocess.Popen(make, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  _wait_for(lambda: (tmp_path / 'run' / 'metrics.jsonl').exists() and max(losses(tmp_path / 'run'), default=0) >= 3,
+            proc)
+  os.killpg(proc.pid, signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == -signal.SIGINT, err[-2000:]
+  assert '\ninterrupted (Ctrl-C): saved checkpoint ' in out and checkpoint_steps(tmp_path / 'run')
+  readme = ' '.join((ROOT / 'README.md').read_text().split())
+  assert ('Through `make train` the run saves and exits the same way, and make then exits 130 on the Ctrl-C it got '
+          'too, whatever the run did: rerun `make train` to resume.') in readme
 
 
 def test_a_second_ctrl_c_exits_at_once_and_the_handlers_before_come_back(monkeypatch, capsys):
@@ -230,6 +256,8 @@ def test_every_checked_field_refuses_a_bad_value_in_one_line(task, field, value,
     ({'batch_size': 12, 'mesh.data': 8}, 'batch_size=12'),
     ({'mesh.tensor': 3}, 'mesh='),
     ({'optimizer.warmup_steps': 7}, 'optimizer.warmup_steps=7: longer than the run (steps=6)'),
+    ({'optimizer.warmup_steps': 6}, 'optimizer.warmup_steps=6: as long as the run (steps=6): the learning rate would '
+                                    'never leave its warmup'),
 ])
 def test_checks_across_fields_are_one_line(bad, message):
   with pytest.raises(config_lib.InputError, match=f'^{re.escape(message)}'):
@@ -379,8 +407,9 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path, one_device_losse
 
 
 # Two stages of the tiny preset's two blocks: batch norm, PA's history and a stage boundary at half the compile.
+# 30 steps of the tiny preset's 300, warming up for a tenth of them as the preset does (its 30 would never end).
 TINY_RESNET = {'steps': 30, 'log_every': 5, 'eval_every': 1000, 'eval_steps': 2, 'checkpoint_every': 10,
-               'keep_checkpoints': 5, 'tensorboard': False, 'model.stage_sizes': (2, 2)}
+               'keep_checkpoints': 5, 'tensorboard': False, 'model.stage_sizes': (2, 2), 'optimizer.warmup_steps': 3}
 
 
 @pytest.mark.slow

@@ -158,8 +158,15 @@ def _check(spec, prefix, num_layers, width, sites):
             f'sites per block must divide the 2·num_layers={2 * num_layers} sites (attention and MLP per layer)')
 
 
+def _diagnostics(spec, chain, sites) -> dict:
+  """Per receiver (every site, then the read-out but with delta), ‖w_r ⊙ γ_r‖: 0 at init, where a receiver averages
+  its sources evenly; the larger, the more its depth softmax can single sources out."""
+  w_KxD = chain[0][0, 0].astype(F32)  # the same at every layer and site: broadcast for the scan
+  return {'query_norm': jnp.sqrt(jnp.sum(jnp.square(w_KxD), axis=-1))}
+
+
 _ATTNRES = dict(site=AttnResSite, chain=AttnResChain, start=_start, finish=_finish, check=_check,
                 no_decay=('attnres_query', 'attnres_key_scale'), logical_axes=(('attnres_sites', None),),
-                saved_names=(SAVED,))
+                saved_names=(SAVED,), diagnostics=_diagnostics)
 register(Design('attnres', config=AttnResSpec, **_ATTNRES),
          Design('attnres_block', config=AttnResBlockSpec, **_ATTNRES))

@@ -65,7 +65,18 @@ def _check(spec, prefix, num_layers, width, sites):
             f'must be <= num_layers={num_layers}')
 
 
+def _diagnostics(spec, chain, sites) -> dict:
+  """Per layer i, the DWA's weight on block i's own output, α_{i,i+1} (1 at init and where no DWA follows), and
+  Σ|α_{i,j}| over the embedding and the earlier outputs (0 at init)."""
+  u_NxR, w_NxR = (a.astype(F32) for a in chain)
+  n = w_NxR.shape[0]
+  i_Nx1, j_1xN = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+  earlier_NxN = jnp.where(j_1xN < i_Nx1, w_NxR[j_1xN, jnp.clip(i_Nx1 - j_1xN, 0, n - 1)], 0.0)  # α_{i,j+1}, j < i
+  return {'own': w_NxR[:, 0], 'others': jnp.abs(u_NxR[0]) + jnp.abs(earlier_NxN).sum(-1)}
+
+
 register(Design('denseformer', DenseFormerSite, config=DenseFormerSpec, chain=DWAChain, check=_check,
                 start=lambda spec, x, num_layers: (x, nn.with_logical_constraint(
                     jnp.zeros((num_layers,) + x.shape, x.dtype), STREAM_ACT)),
-                finish=lambda spec, carry: carry[0], no_decay=('dwa_alpha',), logical_axes=(('layers_dwa', None),)))
+                finish=lambda spec, carry: carry[0], no_decay=('dwa_alpha',), logical_axes=(('layers_dwa', None),),
+                diagnostics=_diagnostics))

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, is_int, one_of, require
-from laurel.designs.protocol import (ACT, F32, STREAM_ACT, Chain, Design, Site, const, make_param, register,
-                                     unit_rms)
+from laurel.designs.protocol import (ACT, F32, STREAM_ACT, Chain, Design, Site, const, distance_from_identity,
+                                     make_param, register, unit_rms)
 
 V4_HC_EPS = 1e-6  # DeepSeek-V4's hc_eps
 MHC_LITE_MAX_N = 5  # 5! = 120 logits per token and site; 6! = 720 would dwarf the layer's own mixing
@@ -190,8 +190,12 @@ class MHCLiteSite(MHCSite):
     return np.log(np.full(k, 0.5 / k) + np.eye(k)[0] / 2)  # over the permutations: logical axis 'stream'
 
   def h_res(self, logits_BxLxR):
-    return jnp.einsum('...r,rji->...ij', jax.nn.softmax(logits_BxLxR, axis=-1),
-                      jnp.asarray(permutations(self.spec.expansion), F32))
+    return lite_h_res(logits_BxLxR, self.spec.expansion)
+
+
+def lite_h_res(logits_R, n: int):
+  """mHC-lite's H_res = Σ_r a_r P_rᵀ, a = softmax(logits) over the n! permutations."""
+  return jnp.einsum('...r,rji->...ij', jax.nn.softmax(logits_R, axis=-1), jnp.asarray(permutations(n), F32))
 
 
 class V4Readout(nn.Module):
@@ -270,16 +274,36 @@ def _finish(spec, h_NxBxLxD):
   return _sum_streams(spec, h_NxBxLxD)  # with 'norm_sum' each stream is final-normed already
 
 
+def _hc_diagnostics(spec, chain, sites) -> dict:
+  """Per site, ‖A_r − I‖_F: how far HC's static mixing of the streams is from keeping them apart (0 at init)."""
+  return {'mixing': distance_from_identity(sites['a_r'])}
+
+
+def _mhc_diagnostics(spec, chain, sites) -> dict:
+  """Per site, ‖H_res − I‖_F of H_res's static part (b_res alone, the input's term left out)."""
+  b_res = sites['b_res'].astype(F32)
+  h_res = (lite_h_res(b_res, spec.expansion) if spec.design == 'mhc_lite'
+           else sinkhorn(b_res, spec.sinkhorn_iters))
+  return {'mixing': distance_from_identity(h_res)}
+
+
+def _frac_diagnostics(spec, chain, sites) -> dict:
+  """Per site, ‖A − I‖_F and ‖Γ − I‖_F of the static mixings of the fractions (0 at init)."""
+  return {'mixing': distance_from_identity(sites['frac_a']),
+          'input_mixing': distance_from_identity(sites['frac_gamma'])}
+
+
 _AXES = (('stream', None), ('stream_sites', None), ('stream_coeff', None))
 _HYPER = dict(chain=HyperChain, logical_axes=_AXES,
               start=lambda spec, x, num_layers: nn.with_logical_constraint(
                   jnp.broadcast_to(x, (spec.expansion,) + x.shape), STREAM_ACT))
 _MHC = dict(check=_check_mhc, finish=_finish, norm_first=lambda spec: readout(spec) == 'norm_sum',
+            diagnostics=_mhc_diagnostics,
             no_decay=('b_pre', 'b_post', 'b_res', 'alpha', 'readout_b', 'readout_scale'), **_HYPER)
 register(Design('hc', HCSite, config=HCSpec, no_decay=('a_m', 'a_r', 'b', 's_alpha', 's_beta'), finish=_sum_streams,
-                **_HYPER),
+                diagnostics=_hc_diagnostics, **_HYPER),
          Design('mhc', MHCSite, config=MHCSpec, **_MHC),
          Design('mhc_lite', MHCLiteSite, config=MHCLiteSpec, **_MHC),
          Design('frac', FracSite, config=FracSpec, check=_check_frac,
                 no_decay=('frac_gamma', 'frac_a', 'frac_beta', 's_alpha', 's_beta'),
-                logical_axes=_AXES + (('frac_width', None),)))
+                logical_axes=_AXES + (('frac_width', None),), diagnostics=_frac_diagnostics))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE, field, is_int, one_of, require
-from laurel.designs.protocol import Chain, Design, Site, register, scaled
+from laurel.designs.protocol import Chain, Design, Site, per_site, register, scaled
 
 COMPONENTS = ('rw', 'lr', 'pa')
 
@@ -230,9 +230,23 @@ class LaurelSite(Site):
     return nn.with_logical_constraint(out.astype(x.dtype), self.axes)
 
 
+def _diagnostics(spec, chain, sites) -> dict:
+  """Per site: RW's α and the site's own β (per-dimension ones as their mean over D), and PA's γ_j, what site i
+  sends to site i + j (the paper's γ_{i+j,j})."""
+  out = {}
+  if chain is not None:  # RW: ChainRW's (α_NxT, β_NxTxK), per dimension with a last axis D
+    alpha, beta = chain[0].astype(jnp.float32), chain[1][:, :, 0].astype(jnp.float32)
+    if spec.rw_per_dim:
+      alpha, beta = alpha.mean(-1), beta.mean(-1)
+    out.update(alpha=per_site(alpha), beta=per_site(beta))
+  if spec.pa:
+    out['gamma'] = per_site(sites['pa_gamma'].astype(jnp.float32))
+  return out
+
+
 register(Design('laurel', LaurelSite, config=LaurelSpec, placement=lambda spec: spec.site,
                 chain=ChainRW, post_norm=True, per_bottleneck=True,
                 check=lambda spec, prefix, num_layers, width, sites: spec.check_sizes(width, sites, prefix),
                 start=lambda spec, x, num_layers: (x, tuple(jnp.zeros_like(x) for _ in range(spec.history_len))),
-                finish=lambda spec, carry: carry[0], no_decay=('rw_w', 'pa_gamma'),
+                finish=lambda spec, carry: carry[0], no_decay=('rw_w', 'pa_gamma'), diagnostics=_diagnostics,
                 logical_axes=(('laurel_rank', None), ('laurel_k', None), ('laurel_rw', None), ('laurel_sites', None))))

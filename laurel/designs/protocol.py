@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from laurel import sharding
 from laurel.config_lib import InputError, build, config_dict, import_module_of, require, to_dict
@@ -108,6 +109,11 @@ class Design:
   saved_names: tuple = ()  # checkpoint names every remat policy saves (AttnRes's push form: its site inputs)
   # (spec, num_layers, d_model) -> stored parameters that are structurally 0 (per-layer shapes padded for a scan)
   padded_params: Callable = lambda spec, num_layers, d_model: 0
+  # What the design reports of itself, from its parameters alone: (spec, chain, sites) -> {name: values, one per site
+  # or layer along the first axis}, `chain` its chain module's output (what the layers read, leading axis the layer),
+  # `sites` its sites' parameters stacked (layers, sites per layer, ...). The loop logs them on its logging steps as
+  # training metrics `<section>/<name>_<index>` (never evaluated), outside the step; None: nothing to report.
+  diagnostics: Callable | None = None
 
   def read_out(self, spec, carry, final_norm):
     """`finish`, then the final norm; with `norm_first`, the other way round."""
@@ -209,6 +215,35 @@ def unused_fields(spec, prefix: str) -> dict[str, str]:
          f'{spec.design!r}' for d in REGISTRY.values() if d is not chosen for f in dataclasses.fields(d.config)}
   if hasattr(spec, 'unused_fields'):
     out.update(spec.unused_fields(f'{prefix}.{chosen.section}'))
+  return out
+
+
+def report(design: Design, spec, chain, sites) -> dict:
+  """The design's diagnostics of its chain's output and its sites' parameters, each (layers, sites per layer, ...);
+  {} for a design that reports nothing."""
+  return {} if design.diagnostics is None else design.diagnostics(spec, chain, sites)
+
+
+def per_site(values):
+  """(layers, sites per layer, ...) -> (sites, ...), the sites in chain order."""
+  return values.reshape((-1,) + values.shape[2:])
+
+
+def distance_from_identity(m_NxTxNxN):
+  """‖M − I‖_F over the last two axes, per site: how far a mixing of streams is from keeping them apart."""
+  m = m_NxTxNxN.astype(F32)
+  return per_site(jnp.sqrt(jnp.sum(jnp.square(m - jnp.eye(m.shape[-1], dtype=F32)), axis=(-2, -1))))
+
+
+def scalars(section: str, values: dict) -> dict[str, float]:
+  """A report's values ({name: array}, fetched) as scalars `<section>/<name>_<i>[_<j>]`: i along the first axis (a
+  site or a layer), j along the rest."""
+  out = {}
+  for name, value in values.items():
+    value = np.asarray(value, np.float64)
+    rows = value.reshape(value.shape[0], -1) if value.ndim else value.reshape(1, 1)
+    for (i, j), number in np.ndenumerate(rows):
+      out[f'{section}/{name}_{i:02d}' + (f'_{j}' if rows.shape[1] > 1 else '')] = float(number)
   return out
 
 

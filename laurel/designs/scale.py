@@ -3,9 +3,10 @@
 import dataclasses
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from laurel.config_lib import POSITIVE, field
-from laurel.designs.protocol import F32, Design, Site, const, register
+from laurel.designs.protocol import F32, Design, Site, const, per_site, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,8 @@ class LayerScaleSite(Site):
     return nn.with_logical_constraint(norm_out(x + fn(x, norm_in(x), lam_D.astype(F32))), self.axes)
 
 
-register(Design('rezero', ReZeroSite, per_bottleneck=True, no_decay=('rezero_alpha',)),
-         Design('layerscale', LayerScaleSite, config=LayerScaleSpec, per_bottleneck=True,
-                no_decay=('layerscale',)))
+register(Design('rezero', ReZeroSite, per_bottleneck=True, no_decay=('rezero_alpha',),
+                diagnostics=lambda spec, chain, sites: {'alpha': per_site(sites['rezero_alpha'].astype(F32))}),
+         Design('layerscale', LayerScaleSite, config=LayerScaleSpec, per_bottleneck=True, no_decay=('layerscale',),
+                diagnostics=lambda spec, chain, sites: {
+                    'mean_abs_lambda': per_site(jnp.abs(sites['layerscale'].astype(F32)).mean(-1))}))

@@ -24,7 +24,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from laurel import config_lib, step
+from laurel import config_lib, designs, step
 from laurel.run import checksums, process, saved_config
 from laurel.config_lib import InputError
 from laurel.run.files import is_remote, utc, write_text_atomic
@@ -74,8 +74,25 @@ def config_changes(saved: dict, config) -> tuple[dict, list[str]]:
   return changes, [k for k in changes if not _is_resumable(k, resumable)]
 
 
+DECISIVE = ('task', 'model.stream.design')  # a change of these makes every other difference follow
+
+
 def _listed(changes: dict, keys) -> str:
-  return ', '.join(f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys)
+  """`field=saved (now new)` of each of `keys`, the decisive fields first; the fields of a design's section that the
+  other design lacks (saved or now None, where the design changed) as one count per section."""
+  keys = sorted(keys, key=lambda k: (k not in DECISIVE, k))
+  sections = {}
+  if 'model.stream.design' in keys:
+    saved_design, new_design = changes['model.stream.design']
+    for k in keys:
+      section = k.split('.')[1] if k.startswith('model.') and k.count('.') >= 2 else None
+      if section != 'stream' and section in {d.section for d in designs.REGISTRY.values()} and None in changes[k]:
+        sections.setdefault((section, new_design if changes[k][1] is None else saved_design), []).append(k)
+  grouped = {k for ks in sections.values() for k in ks}
+  parts = [f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys if k not in grouped]
+  parts += [f'the {len(ks)} field{"s" * (len(ks) > 1)} of model.{section}, which design {design!r} does not have'
+            for (section, design), ks in sections.items()]
+  return ', '.join(parts)
 
 
 # Tensorstore's codes for a checkpoint's own data missing or corrupt (truncated: OUT_OF_RANGE; not decompressing:

@@ -88,14 +88,15 @@ def phase(what: str, every_s: float = HEARTBEAT_S, file=None):
   say(f'{what}: interrupted ({progress.cut_by}) after {took}' if progress.cut_by else f'{what}: done in {took}')
 
 
-# Bookkeeping of a logged row, shown in their own places on the console line (or only in metrics.jsonl).
+# Bookkeeping of a logged row, shown in their own places on the console line (or only in metrics.jsonl); a design's
+# per-site diagnostics (`<section>/<name>_<i>`) go to metrics.jsonl and TensorBoard only.
 _NOT_METRICS = ('mean_of_steps', 'learning_rate', 'step_time_s', 'peak_memory_bytes', 'params', 'device_peak_bytes',
                 'mfu')
 
 
 def _metrics(row: dict) -> str:
   names = ['loss'] * ('loss' in row) + [k for k in row if k != 'loss' and k not in _NOT_METRICS
-                                        and not k.endswith('_per_s')]
+                                        and not k.endswith('_per_s') and '/' not in k]
   return ' | '.join(f'{k} {row[k]:.4f}' for k in names)
 
 

@@ -168,6 +168,13 @@ def stop_requests(processes: int):
       signal.signal(signum, handler)
 
 
+def stop_reason(requested: list) -> str:
+  """How a run's last line names what stopped it (stop_requests' signals): Ctrl-C is no preemption."""
+  if signal.SIGINT in requested:
+    return 'interrupted (Ctrl-C)'
+  return 'preempted (SIGTERM)' if signal.SIGTERM in requested else 'preempted'  # several hosts: JAX's notice
+
+
 class Watchdog:
   """Ends a process whose loop stopped making progress (e.g. a collective one host never entered) with HUNG, printing
   every thread's stack, for a supervisor to restart. Call `beat(step)` after each step, `beat()` after other progress.

@@ -1,6 +1,6 @@
 """Log-likelihood evaluation of an LM checkpoint (docs/evaluation.md): `python -m laurel.serve.evaluate --workdir=DIR
---task=TASK ...` scores the run's own held_out split, text:GLOB, a multiple-choice .jsonl file or a TFDS task into
-DIR/eval_<task>.json."""
+--task=TASK ... [--trust_design_file]` scores the run's own held_out split, text:GLOB, a multiple-choice .jsonl file
+or a TFDS task into DIR/eval_<task>.json."""
 
 import contextlib
 import glob
@@ -19,7 +19,7 @@ from etils import epath
 
 from laurel import config_lib, data, sharding
 from laurel.config_lib import InputError
-from laurel.run import compile_cache, console, process
+from laurel.run import compile_cache, console, process, saved_config
 from laurel.run.files import write_text_atomic
 from laurel.serve import loader
 
@@ -206,9 +206,10 @@ def check_task(task: str) -> None:
                      f'{", ".join(TFDS_TASKS)}')
 
 
-def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_data_dir: str = ''):
+def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_data_dir: str = '',
+                 trust_design_file: bool = False):
   """Scores the run's latest checkpoint on each task, yielding each result once written to eval_<task name>.json."""
-  with loader.lm_run_on_mesh(workdir) as (task, params, step, mesh):
+  with loader.lm_run_on_mesh(workdir, trust_design_file) as (task, params, step, mesh):
     tokenizer = data.make_tokenizer(task.config.data)
     scorer = make_scorer(task, params, mesh, tokenizer, batch_size)
     for spec in tasks:
@@ -236,8 +237,8 @@ def run_main(main) -> None:
 
 
 def command(main, required: list[str], interrupted: str):
-  """Runs `main()` as a command line (flags defined by the caller, not on import): no stray arguments, the
-  `required` flags set (run_main)."""
+  """Runs `main()` as a command line (flags defined by the caller, not on import, and --trust_design_file here): no
+  stray arguments, the `required` flags set (run_main)."""
   def checked_main(argv):
     if len(argv) > 1:
       config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
@@ -245,6 +246,7 @@ def command(main, required: list[str], interrupted: str):
       if not FLAGS[name].value:
         config_lib.fail(f'--{name} is required')
     run_main(main)
+  flags.DEFINE_bool('trust_design_file', False, saved_config.TRUST_HELP)
   console.quiet_start()
   process.exit_on_interrupt(interrupted)
   app.run(checked_main)
@@ -253,7 +255,8 @@ def command(main, required: list[str], interrupted: str):
 def main():
   for task in FLAGS.task:
     check_task(task)
-  for result in evaluate_run(FLAGS.workdir, FLAGS.task, FLAGS.batch_size, FLAGS.max_items, FLAGS.tfds_data_dir):
+  for result in evaluate_run(FLAGS.workdir, FLAGS.task, FLAGS.batch_size, FLAGS.max_items, FLAGS.tfds_data_dir,
+                             FLAGS.trust_design_file):
     print(json.dumps(result), flush=True)
 
 

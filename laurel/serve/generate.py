@@ -1,7 +1,7 @@
 """Sampling from a trained LM, with a KV cache (docs/evaluation.md).
 
   python -m laurel.serve.generate --workdir=DIR --prompt=TEXT [--prompt=TEXT ...] [--max_new_tokens=N]
-      [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] [--nocache]
+      [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] [--nocache] [--trust_design_file]
 """
 
 import dataclasses
@@ -117,7 +117,7 @@ def main():
                         ('top_p', 0 < FLAGS.top_p <= 1, 'must be in (0, 1]')):
     if not ok:
       raise InputError(f'--{name}={FLAGS[name].value!r}: {why}')
-  with loader.lm_run_on_mesh(FLAGS.workdir) as (task, params, step, _):
+  with loader.lm_run_on_mesh(FLAGS.workdir, FLAGS.trust_design_file) as (task, params, step, _):
     tokenizer = data.make_tokenizer(task.config.data)
     longest = max(len(tokenizer.encode(p)) for p in FLAGS.prompt) + FLAGS.max_new_tokens
     if longest > task.config.data.seq_len:  # positions it never trained on: seconds a token, text of no use

@@ -29,21 +29,24 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default for generate_until
 @register_model('laurel')
 class LaurelLM(LM):
   """An LM run's latest checkpoint, scored as laurel.serve.evaluate scores and decoded greedily as laurel.serve.generate does.
-  lm_eval passes its --batch_size ('auto' = 16), --max_batch_size and --device here too."""
+  lm_eval passes its --batch_size ('auto' = 16), --max_batch_size and --device here too; its --trust_remote_code (or
+  trust_design_file=True in --model_args) lets the run's design file be imported (laurel.run.saved_config)."""
 
-  def __init__(self, workdir: str | None = None, batch_size=1, max_batch_size=None, device=None, **unknown):
+  def __init__(self, workdir: str | None = None, batch_size=1, max_batch_size=None, device=None,
+               trust_remote_code=False, trust_design_file=False, **unknown):
     del max_batch_size, device  # one fixed batch shape, one compile; the devices are the run's mesh
     super().__init__()
     if unknown:
       raise InputError(f'--model_args {", ".join(f"{k}={v}" for k, v in unknown.items())}: the laurel backend takes '
-                       'workdir=RUN only')
+                       'workdir=RUN and trust_design_file=True only')
     if not workdir:
       raise InputError('--model_args workdir=RUN is required: the LM run to score')
     if str(batch_size).startswith('auto'):
       batch_size = AUTO_BATCH_SIZE
     elif not str(batch_size).isdigit() or int(batch_size) < 1:
       raise InputError(f'--batch_size={batch_size!r}: a positive integer or auto')
-    with loader.lm_run_on_mesh(workdir) as (task, params, step, mesh):
+    trust = any(str(flag).lower() in ('true', '1') for flag in (trust_remote_code, trust_design_file))
+    with loader.lm_run_on_mesh(workdir, trust) as (task, params, step, mesh):
       self.tokenizer = data.make_tokenizer(task.config.data)
       self._scorer = evaluate.make_scorer(task, params, mesh, self.tokenizer, int(batch_size))
     self.workdir, self.step, self.seq_len, self.batch_size = workdir, step, task.config.data.seq_len, int(batch_size)
