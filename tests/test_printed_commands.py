@@ -29,7 +29,7 @@ PROGRAMS = ('python', 'python3', '.venv/bin/python', 'laurel-train', 'laurel-gen
 SKIPPED = [
     (r'\b(sbatch|srun|mpirun|xpk|kubectl)\b|SLURM_', 'needs a cluster (Slurm, Open MPI, Kubernetes); '
                                                     'tests/test_cluster.py and tests/test_train.py simulate one'),
-    (r'\bgcloud\b|launch_tpu\.py|--topology=', 'needs a TPU, libtpu or Google Cloud; tests/test_aot.py and '
+    (r'\bgcloud\b|launch_tpu\.py|--topology=|_cycles\.py', 'needs a TPU, libtpu or Google Cloud; tests/test_aot.py and '
                                               'tests/test_scripts.py cover them with fakes'),
     (r'gpu.check|--preset=gpu|\.whl|cuda', 'needs an NVIDIA GPU (docs/gpu.md, make gpu-check)'),
     (r'/shared/|~/|my_task|BUCKET|REGISTRY|c4/en|data/mine|runs/mine', 'names your own data, files, bucket or image '

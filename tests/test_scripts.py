@@ -155,9 +155,10 @@ def test_launch_tpu_preflight_compiles_for_the_slice_before_any_gcloud_command()
           '--config=configs/c4_ablation.py:rw_lr,preset=tiny', '--workdir=gs://b/r', *PREFLIGHT]
   r = script('launch_tpu.py', *args)
   assert r.returncode == 0, r.stderr
-  fits, cost = r.stderr.splitlines()[-2:]
+  fits, cost, groups = r.stderr.splitlines()[-3:]
   assert fits.startswith('preflight v5e:2x2: fits: the step needs ') and ' of 16.0 GB (' in fits, r.stderr
   assert cost.startswith('preflight v5e:2x2: cost: ') and ' tokens per step; ' in cost and ' chip-hours (' in cost
+  assert groups.startswith('preflight v5e:2x2: the step as the compiler schedules it: ') and '%' in groups
   assert r.stdout.splitlines()[0].startswith('# pack the working tree')
   # 2^22 × 1024 float32 embeddings (17 GB) do not fit a v5e chip's 16 GB: refused, nothing printed to run.
   r = script('launch_tpu.py', *args, '--config.model.vocab_size=4194304', '--config.model.d_model=1024',
@@ -580,7 +581,7 @@ def test_peak_buffers_lists_the_saved_stacks_of_a_dumped_tpu_step(tmp_path):
   packed, live = map(float, re.search(r'temporaries ([\d.]+) GB as packed, of which at most ([\d.]+) GB', r.stdout)
                      .groups())
   assert 0 < live <= packed
-  assert len(re.findall(r'\n\s+[\d.]+ GB\s+\d+ x bf16\[3,4,128,4,8\] ', r.stdout)) >= 1, r.stdout  # q/k/v stacks
+  assert len(re.findall(r'\n\s+[\d.]+ GB\s+\d+ x bf16\[3,4,128,32\] ', r.stdout)) >= 1, r.stdout  # q/k/v stacks
   bad = script('experiments/peak_buffers.py', f'--dump={tmp_path / "none"}')
   assert bad.returncode != 0 and '--dump=' in bad.stderr
 
