@@ -143,11 +143,12 @@ class Dense(nn.Module):
     """`out_scale` multiplies the kernel, not the output; `shared`: the group's kernel, plus this layer's delta."""
     (shape, _, n_in, _), dtype = self.spec, DTYPES[self.cfg.dtype]
     kernel = kernel_param(self, 'kernel', self.spec) if shared is None else shared + self.layer_delta()
-    kernel = kernel if out_scale is None else kernel * out_scale
     if self.flat:
       kernel, n_in = kernel.reshape(math.prod(shape[:n_in]), -1), 1
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
+    if out_scale is None:
+      return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
+    return _scaled_dot(x.astype(dtype), kernel, out_scale, contract)
 
   def layer_delta(self):
     """A_l·B_l + D_l over the kernel as an M×N matrix; B = D = 0 at init, so a group's layers start equal."""
@@ -161,6 +162,29 @@ class Dense(nn.Module):
       d = _param(self, 'share_diag', nn.initializers.zeros, (min(m, n),), ('share_diag',))
       delta_MxN = delta_MxN + jnp.eye(m, n, dtype=d.dtype) * jnp.pad(d, (0, n - d.shape[0]))
     return delta_MxN.reshape(shape)
+
+
+def _folded_dot(x, kernel, scale, contract):
+  return jax.lax.dot_general(x, (kernel * scale).astype(x.dtype), (contract, ((), ())))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _scaled_dot(x, kernel, scale, contract):
+  """x·(kernel·scale) with the gradients of that form (no activation kept for the scale), but the scale applied to
+  the product in float32: the TPU compiler fuses a scaled kernel into the product, on every tile of x."""
+  y = jax.lax.dot_general(x, kernel.astype(x.dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
+  return (y * scale).astype(x.dtype)
+
+
+def _scaled_dot_fwd(x, kernel, scale, contract):
+  return _scaled_dot(x, kernel, scale, contract), (x, kernel, scale)
+
+
+def _scaled_dot_bwd(contract, residuals, g):
+  return jax.vjp(lambda *a: _folded_dot(*a, contract), *residuals)[1](g)
+
+
+_scaled_dot.defvjp(_scaled_dot_fwd, _scaled_dot_bwd)
 
 
 def _norm(cfg, name):

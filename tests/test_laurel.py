@@ -14,7 +14,8 @@ import pytest
 import design_chain
 from laurel import config_lib
 from laurel.designs import scaled
-from laurel.designs.laurel import ChainRW, LaurelSite, LaurelSpec, closed_form_params, column_orthogonal_init
+from laurel.designs.laurel import (ChainRW, LaurelSite, LaurelSpec, closed_form_params, column_orthogonal_init,
+                                   pending_start)
 from reference import REFERENCES, np_rmsnorm
 
 D, RANK, BATCH, LEN = 16, 4, 2, 3
@@ -39,11 +40,11 @@ class _Site(nn.Module):
 
 
 def _inputs(spec, seed, d=D):
-  """Random fx, x and x_normed, each (B, L, D) float32, and PA's k − 1 pending sums (zero: a chain's start)."""
+  """Random fx, x and x_normed, each (B, L, D) float32, and PA's pending sums (zero: a chain's start)."""
   rng = np.random.default_rng(seed)
   draw = lambda: rng.normal(size=(BATCH, LEN, d)).astype(np.float32)
   fx_BxLxD, x_BxLxD, xn_BxLxD = draw(), draw(), draw()
-  pending = [np.zeros_like(x_BxLxD) for _ in range(spec.history_len)]
+  pending = list(pending_start(spec, x_BxLxD))
   return fx_BxLxD, x_BxLxD, pending, xn_BxLxD
 
 

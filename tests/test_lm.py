@@ -360,7 +360,7 @@ def _scan_bytes_per_layer(variant):
   """Temp bytes per extra layer of the compiled loss gradient (6 vs 3 scanned layers, dots_no_batch remat)."""
   temp = []
   for layers in (3, 6):
-    cfg = _cfg(variant, k=3, num_layers=layers, d_model=32, d_ff=64, scan_layers=True, remat='dots_no_batch')
+    cfg = _cfg(variant, k=3, num_layers=layers, d_model=64, d_ff=128, scan_layers=True, remat='dots_no_batch')
     params = jax.eval_shape(lambda cfg=cfg: LM(cfg).init(jax.random.key(0), jnp.zeros((1, LEN), jnp.int32)))
     tokens = jax.ShapeDtypeStruct((2, 65), jnp.int32)
     grad_fn = jax.jit(jax.grad(lambda p, t, cfg=cfg: _xent(cfg, p, t)))
@@ -371,8 +371,9 @@ def _scan_bytes_per_layer(variant):
 @pytest.mark.slow
 def test_pa_keeps_no_extra_activation_per_scanned_layer():
   # The paper's form of PA reads x_{i−1}, x_{i−2} at layer i, so a layer scan would keep two more (B, L, D)
-  # activations per layer; the push form keeps only small (B, L, r) ones. One activation here: 2·64·32·4 bytes.
-  activation = 2 * 64 * 32 * 4
+  # activations per layer; the push form keeps only rank-r messages, (B, L, k(k−1)/2·r) for eq. 6 (12 wide here,
+  # 96 at the paper preset's 768). One activation here: 2·64·64·4 bytes.
+  activation = 2 * 64 * 64 * 4
   base = _scan_bytes_per_layer(None)
   assert base > 3 * activation  # the measure sees activations at all
   assert _scan_bytes_per_layer('rw+lr+pa') - base < activation / 2

@@ -105,6 +105,16 @@ def _xavier_init(key, shape, dtype=jnp.float32):
       key, shape, dtype)
 
 
+def pending_start(spec: LaurelSpec, x):
+  """A chain's `pending` at its first site, all zero: PA's k − 1 running sums (B, L, D), or under eq. 6 what sites
+  0, …, k − 2 got from before the chain, messages (B, L, (k−1−t)·r) and their γ·B matrices ((k−1−t)·r, D)."""
+  if spec.pa and spec.lr:
+    width = lambda t: (spec.k - 1 - t) * spec.rank
+    return tuple((jnp.zeros(x.shape[:-1] + (width(t),), x.dtype), jnp.zeros((width(t), x.shape[-1]), jnp.float32))
+                 for t in range(spec.k - 1))
+  return tuple(jnp.zeros_like(x) for _ in range(spec.history_len))
+
+
 class ChainRW(Chain):
   """RW's weights of a chain's sites, (α_NxT, β_NxTxK): β[i, j] = β_{i+j}, the receiver's β of site i's term j (0
   past the end); K = k under PA, else 1. None without RW."""
@@ -188,23 +198,37 @@ class LaurelSite(Site):
     s = self.spec
     if len(pending) != s.k - 1:
       raise ValueError(f'PA needs k-1={s.k - 1} pending sums, got {len(pending)}')
+    if s.lr:
+      return self._pa_pairs(x, pending, None if beta_K is None else beta_K[0])
     receiver_beta = lambda j: None if beta_K is None else beta_K[j]
-    if s.lr and self.decode:  # k products batched over k: one D → k·r product would copy A to D × k·r per step
-      x_KxD = jnp.broadcast_to(x, (s.k,) + x.shape)
-      xa_KxR = jnp.einsum('k...d,kdr->k...r', x_KxD, self.pa_a.astype(x.dtype))
-      xab_KxD = jnp.einsum('k...r,krd->k...d', xa_KxR, self.pa_b.astype(x.dtype))
-      sent = [scaled(xab_KxD[j], self._gamma(j, receiver_beta(j))) for j in range(s.k)]
-    elif s.lr:  # eq. 6: one D → k·r product for all k terms, then each B_j scaled by its receiver's β
-      xa_KxR = jnp.einsum('...d,kdr->...kr', x, self.pa_a.astype(x.dtype))
-      sent = [xa_KxR[..., j, :] @ (self.pa_b[j] * self._gamma(j, receiver_beta(j))).astype(x.dtype)
-              for j in range(s.k)]
-    else:  # eq. 4; identity h: β folded into γ; low-rank h: the receiver applies h (and β) to the sum
-      identity = s.pa_h != 'low_rank'
-      sent = [self._gamma(j, receiver_beta(j) if identity else None).astype(x.dtype) * x for j in range(s.k)]
+    # eq. 4; identity h: β folded into γ; low-rank h: the receiver applies h (and β) to the sum
+    identity = s.pa_h != 'low_rank'
+    sent = [self._gamma(j, receiver_beta(j) if identity else None).astype(x.dtype) * x for j in range(s.k)]
     received = sent[0] + pending[0] if pending else sent[0]
     pending = tuple(p + c for p, c in zip(pending[1:], sent[1:-1])) + tuple(sent[-1:]) if s.k > 1 else ()
-    if s.pa_h == 'low_rank' and not s.lr:  # h reads the whole received sum: one activation kept per site
+    if s.pa_h == 'low_rank':  # h reads the whole received sum: one activation kept per site
       received = self._low_rank(received, self.pa_a, self.pa_b, receiver_beta(0))
+    return received, pending
+
+  def _pa_pairs(self, x, pending, beta):
+    """Eq. 6's β_i·Σ_j γ_{i,j} (x_{i−j} A_{i,j}) B_{i,j} at site i as one (…, k·r) @ (k·r, D) product. x_{i−j} enters
+    only through its rank-r message x_{i−j} A_{i,j}, so site i sends x_i A_j with γ_j B_j (j < k); pending[t] holds
+    the messages and matrices site i + t got from the sites before i, (…, (k−1−t)·r) and ((k−1−t)·r, D)."""
+    k, a_KxDxR = self.spec.k, self.pa_a.astype(x.dtype)
+    if self.decode:  # k products batched over k: one D → k·r product would copy A to D × k·r per step
+      xa_Kx_R = jnp.einsum('k...d,kdr->k...r', jnp.broadcast_to(x, (k,) + x.shape), a_KxDxR)
+      sent = [xa_Kx_R[j] for j in range(k)]
+    else:
+      xa_KxR = jnp.einsum('...d,kdr->...kr', x, a_KxDxR)
+      sent = [xa_KxR[..., j, :] for j in range(k)]
+    gb_KxRxD = self.pa_gamma.astype(jnp.float32)[:, None, None] * self.pa_b.astype(jnp.float32)
+    messages = jnp.concatenate([sent[0], *[m for m, _ in pending[:1]]], axis=-1)
+    gb = jnp.concatenate([gb_KxRxD[0], *[b for _, b in pending[:1]]], axis=0)
+    received = (scaled(messages @ gb.astype(x.dtype), beta) if self.decode
+                else messages @ (gb if beta is None else gb * beta).astype(x.dtype))
+    later = tuple(pending[1:]) + ((x[..., :0], gb[:0]),)  # what sites i + 1, … got before, then their share of i's
+    pending = tuple((jnp.concatenate([m, sent[t + 1]], axis=-1), jnp.concatenate([b, gb_KxRxD[t + 1]], axis=0))
+                    for t, (m, b) in enumerate(later[:k - 1]))
     return received, pending
 
   def _gamma(self, j, beta):
@@ -213,10 +237,16 @@ class LaurelSite(Site):
     return gamma if beta is None else gamma * beta
 
   def _low_rank(self, x, a, b, beta):
-    """β·(x A B), β folded into B but for decode."""
+    """β·(x A B). On TPU x (A βB), one D × D product: the two thin products' backward makes its compiler lay the
+    stream's gradient out two ways and copy it, and a rank-r product fills the MXU no better than a wider one (281M
+    estimated cycles for the paper's LR row instead of 293M on v6e). Elsewhere (x A)(βB), 2r/D of the FLOPs; for
+    decode (x A) B on the few tokens, times β."""
     if self.decode:
       return scaled(x @ a.astype(x.dtype) @ b.astype(x.dtype), beta)
-    return x @ a.astype(x.dtype) @ (b if beta is None else b * beta).astype(x.dtype)
+    b = b if beta is None else b * beta
+    folded = lambda: x @ (a @ b).astype(x.dtype)
+    thin = lambda: x @ a.astype(x.dtype) @ b.astype(x.dtype)
+    return jax.lax.platform_dependent(tpu=folded, default=thin)
 
   def _combine(self, afx, x, beta, g_rest):
     """β·x_i + α·f(x_i) + the rest of g, times Gemma 3n's 1/√2. In f's dtype where wider (post-norm's f = block(x) −
@@ -247,6 +277,6 @@ def _diagnostics(spec, chain, sites) -> dict:
 register(Design('laurel', LaurelSite, config=LaurelSpec, placement=lambda spec: spec.site,
                 chain=ChainRW, post_norm=True, per_bottleneck=True,
                 check=lambda spec, prefix, num_layers, width, sites: spec.check_sizes(width, sites, prefix),
-                start=lambda spec, x, num_layers: (x, tuple(jnp.zeros_like(x) for _ in range(spec.history_len))),
+                start=lambda spec, x, num_layers: (x, pending_start(spec, x)),
                 finish=lambda spec, carry: carry[0], no_decay=('rw_w', 'pa_gamma'), diagnostics=_diagnostics,
                 logical_axes=(('laurel_rank', None), ('laurel_k', None), ('laurel_rw', None), ('laurel_sites', None))))
