@@ -485,10 +485,10 @@ def test_design_params_shard_and_all_get_gradients(name):
 @pytest.mark.parametrize('n', [2, 3, 4, 5])
 def test_mhc_lite_h_res_is_exactly_doubly_stochastic_and_starts_at_mhcs_matrix(n):
   site = hyper.MHCLiteSite(StreamSpec(design='mhc_lite', expansion=n), CHAIN_D)
-  logits = np.random.default_rng(n).normal(0, 3, (2, 3, math.factorial(n)))
+  logits = np.random.default_rng(n).normal(0, 3, (math.factorial(n), 2, 3))
   h_res = np.asarray(site.h_res(jnp.asarray(logits, jnp.float32)), np.float64)
-  np.testing.assert_allclose(h_res.sum(-1), 1.0, atol=1e-6)
-  np.testing.assert_allclose(h_res.sum(-2), 1.0, atol=1e-6)
+  np.testing.assert_allclose(h_res.sum(0), 1.0, atol=1e-6)
+  np.testing.assert_allclose(h_res.sum(1), 1.0, atol=1e-6)
   assert h_res.min() >= 0 and len({p.tobytes() for p in hyper.permutations(n)}) == math.factorial(n)
   start = np.asarray(site.h_res(jnp.asarray(site.b_res_init(), jnp.float32)))
   mhc = hyper.MHCSite(StreamSpec(design='mhc', expansion=n), CHAIN_D)

@@ -101,7 +101,7 @@ def test_denseformer_param_count_and_init(k, p):
 # ---------------------------------------------------------------------------------------------------
 # mHC's manifold (eqs. 6 and 8).
 
-def test_mhc_coefficients_are_on_the_manifold_BxLxN():
+def test_mhc_coefficients_are_on_the_manifold_NxBxL():
   spec = StreamSpec(design='mhc', expansion=4)
   rng = np.random.default_rng(3)
   h_NxBxLxD = jnp.asarray(rng.normal(size=(4, BATCH, LEN, D)), jnp.float32)
@@ -112,15 +112,15 @@ def test_mhc_coefficients_are_on_the_manifold_BxLxN():
   b_pre = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
   h_pre, h_post, h_res = (np.asarray(a) for a in site.apply({'params': params}, h_NxBxLxD, b_pre,
                                                               method=MHCSite.coefficients))
-  assert h_res.shape == (BATCH, LEN, 4, 4) and h_pre.shape == h_post.shape == (BATCH, LEN, 4)
+  assert h_res.shape == (4, 4, BATCH, LEN) and h_pre.shape == h_post.shape == (4, BATCH, LEN)
   assert h_res.min() >= 0 and h_pre.min() >= 0 and h_post.min() >= 0 and h_pre.max() <= 1 and h_post.max() <= 2
-  np.testing.assert_allclose(h_res.sum(-1), 1.0, atol=1e-3)
-  np.testing.assert_allclose(h_res.sum(-2), 1.0, atol=1e-3)
+  np.testing.assert_allclose(h_res.sum(0), 1.0, atol=1e-3)
+  np.testing.assert_allclose(h_res.sum(1), 1.0, atol=1e-3)
 
 
-def test_sinkhorn_matches_eq9_BxNxN():
+def test_sinkhorn_matches_eq9_NxNxB():
   logits = np.random.default_rng(5).normal(size=(BATCH, 4, 4))
-  got = np.asarray(sinkhorn(jnp.asarray(logits, jnp.float32), 20))
+  got = np.moveaxis(np.asarray(sinkhorn(jnp.asarray(np.moveaxis(logits, 0, -1), jnp.float32), 20)), -1, 0)
   np.testing.assert_allclose(got, np_sinkhorn(logits, 20), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got.sum(-2), 1.0, atol=1e-3)
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from laurel.config_lib import BOOL, POSITIVE_INT, field, is_int, one_of, require
 from laurel.designs.protocol import (ACT, F32, STREAM_ACT, Chain, Design, Site, const, distance_from_identity,
-                                     make_param, register, unit_rms)
+                                     make_param, register)
+from laurel.designs.mixing import mix, normed_product
 
 V4_HC_EPS = 1e-6  # DeepSeek-V4's hc_eps
 MHC_LITE_MAX_N = 5  # 5! = 120 logits per token and site; 6! = 720 would dwarf the layer's own mixing
@@ -65,16 +66,19 @@ class FracSpec:
 
 @functools.partial(jax.checkpoint, static_argnums=(1,))
 def sinkhorn(logits, iters: int):
-  """mHC eq. 9 over the last two axes, in float32. The backward recomputes the iterations (as the paper's kernel,
-  §4.3.1) instead of keeping 2·iters n×n per token."""
-  def step(_, m):
-    m = m / m.sum(-2, keepdims=True)  # T_c
-    return m / m.sum(-1, keepdims=True)  # T_r
+  """mHC eq. 9 over the first two axes (the n×n matrix; the tokens after, in the minor dimensions), in float32. The
+  backward recomputes the iterations (as the paper's kernel, §4.3.1) instead of keeping 2·iters n×n per token. The
+  iterations and the sums over n are unrolled: elementwise over the tokens, XLA fuses them into a few passes (a loop
+  of reductions over a major axis took 40 launches an iteration)."""
+  def normalized(m, axis):
+    return m / sum(jax.lax.slice_in_dim(m, i, i + 1, axis=axis) for i in range(m.shape[axis]))
 
   # The shift cancels in the first normalisation: no gradient through max (whose rule divides by the tie count,
   # NaN under a layer scan when XLA recomputes the logits with other rounding).
-  shift = jax.lax.stop_gradient(logits.max(axis=(-2, -1), keepdims=True))
-  return jax.lax.fori_loop(0, iters, step, jnp.exp(logits - shift))
+  m = jnp.exp(logits - jax.lax.stop_gradient(logits.max(axis=(0, 1), keepdims=True)))
+  for _ in range(iters):
+    m = normalized(normalized(m, 0), 1)  # T_c, then T_r
+  return m
 
 
 class HyperChain(Chain):
@@ -96,20 +100,21 @@ class HyperChain(Chain):
     return jnp.stack([param('b_pre', b_pre), jnp.asarray(shift, F32)], axis=-2)
 
 
-def _hyper_update(h_NxBxLxD, a_m_BxLxN, a_r_BxLxNxN, b_BxLxN, fn, norm_in):
+def _hyper_update(h_NxBxLxD, a_m_N, a_r_NxN, b_N, fn, norm_in):
   """HC eqs. 3–5 per token: h_0 = Σ_i A_m[i]·H_i, Ĥ_j = B_j·F(norm(h_0)) + Σ_i A_r[i, j]·H_i. mHC eq. 3 is the
-  same with A_m = H_preᵀ, A_r = H_resᵀ, B = H_post."""
-  cast = lambda a: a.astype(h_NxBxLxD.dtype)
-  x_BxLxD = jnp.einsum('bln,nbld->bld', cast(a_m_BxLxN), h_NxBxLxD)
+  same with A_m = H_preᵀ, A_r = H_resᵀ, B = H_post. The coefficients are static, or per token (n, B, L); each mix is
+  one pass over the n streams (laurel.designs.mixing)."""
+  tokens = h_NxBxLxD.shape[1:3]
+  per_token = lambda c, axes: jnp.broadcast_to(c if c.ndim > axes else c[..., None, None], c.shape[:axes] + tokens)
+  x_BxLxD, h_NxBxLxD = mix(per_token(a_m_N, 1), h_NxBxLxD, through=True)  # one sum of H's gradients
   y_BxLxD = fn(x_BxLxD, norm_in(x_BxLxD), None)  # B is per stream: it cannot fold into F's kernel
-  out = (jnp.einsum('blnm,nbld->mbld', cast(a_r_BxLxNxN), h_NxBxLxD)
-         + jnp.einsum('bln,bld->nbld', cast(b_BxLxN), cast(y_BxLxD)))
-  return nn.with_logical_constraint(out, STREAM_ACT)
+  return nn.with_logical_constraint(mix(per_token(a_r_NxN, 2), h_NxBxLxD, per_token(b_N, 1), y_BxLxD), STREAM_ACT)
 
 
 def _dynamic(site, h, h_axes: str, out_axes: str, axis: str, coeffs: int):
   """HC eqs. 10–13's terms (s_α∘tanh(H̄W_α), s_β∘tanh(H̄w_β)), H̄ = LayerNorm over h's last axis (logical `axis`),
-  W_α with `coeffs` columns; einsum axes `h_axes` of h, `out_axes` of the tokens and streams."""
+  W_α with `coeffs` columns; einsum axes `h_axes` of h, `out_axes` of W_α's columns (c), the tokens and streams
+  (s_β's: the same without c)."""
   ones, zeros = nn.initializers.ones, nn.initializers.zeros
   hbar = nn.LayerNorm(dtype=F32, param_dtype=site.param_dtype, name='norm',
                       scale_init=nn.with_logical_partitioning(ones, (axis,)),
@@ -118,8 +123,8 @@ def _dynamic(site, h, h_axes: str, out_axes: str, axis: str, coeffs: int):
   w_beta = site.make('w_beta', zeros, h.shape[-1:], (axis,)).astype(F32)
   s_alpha, s_beta = (site.make(k, const(0.01), (), ()).astype(F32) for k in ('s_alpha', 's_beta'))
   w = h_axes[-1]
-  return (s_alpha * jnp.tanh(jnp.einsum(f'{h_axes},{w}c->{out_axes}c', hbar, w_alpha)),
-          s_beta * jnp.tanh(jnp.einsum(f'{h_axes},{w}->{out_axes}', hbar, w_beta)))
+  return (s_alpha * jnp.tanh(jnp.einsum(f'{h_axes},{w}c->{out_axes}', hbar, w_alpha)),
+          s_beta * jnp.tanh(jnp.einsum(f'{h_axes},{w}->{out_axes.replace("c", "")}', hbar, w_beta)))
 
 
 class HCSite(Site):
@@ -127,13 +132,14 @@ class HCSite(Site):
 
   @nn.compact
   def __call__(self, h_NxBxLxD, fn, norm_in, norm_out, chain_l):
-    n, tokens = self.spec.expansion, h_NxBxLxD.shape[1:3]
+    n = self.spec.expansion
     a_r = self.make('a_r', const(np.eye(n)), (n, n), ('stream', None)).astype(F32)
     b = self.make('b', nn.initializers.ones, (n,), ('stream',)).astype(F32)
-    a_m, a_r, b = (jnp.broadcast_to(a, tokens + a.shape) for a in (chain_l[self.t].astype(F32), a_r, b))
+    a_m = chain_l[self.t].astype(F32)
     if self.spec.hc_dynamic:
-      dyn_BxLxNxC, dyn_b_BxLxN = _dynamic(self, h_NxBxLxD, 'nbld', 'bln', 'embed', n + 1)  # (W_m, W_r), W_β
-      a_m, a_r, b = a_m + dyn_BxLxNxC[..., 0], a_r + dyn_BxLxNxC[..., 1:], b + dyn_b_BxLxN
+      dyn_CxNxBxL, dyn_b_NxBxL = _dynamic(self, h_NxBxLxD, 'nbld', 'cnbl', 'embed', n + 1)  # (W_m, W_r), W_β
+      a_m, b = a_m[:, None, None] + dyn_CxNxBxL[0], b[:, None, None] + dyn_b_NxBxL
+      a_r = a_r[..., None, None] + jnp.swapaxes(dyn_CxNxBxL[1:], 0, 1)  # W_r's column j mixes into stream j
     return _hyper_update(h_NxBxLxD, a_m, a_r, b, fn, norm_in)
 
 
@@ -145,10 +151,10 @@ class MHCSite(Site):
     n = self.spec.expansion
     return np.log((np.eye(n) + 1.0 / n) / 2)
 
-  def h_res(self, logits_BxLxR):
-    """Sinkhorn (eq. 9) over the logits as row-major n×n."""
+  def h_res(self, logits_RxX):
+    """Sinkhorn (eq. 9) over the logits as row-major n×n: (n, n, ...)."""
     n = self.spec.expansion
-    return sinkhorn(logits_BxLxR.reshape(logits_BxLxR.shape[:-1] + (n, n)), self.spec.sinkhorn_iters)
+    return sinkhorn(logits_RxX.reshape((n, n) + logits_RxX.shape[1:]), self.spec.sinkhorn_iters)
 
   def setup(self):
     n, d = self.spec.expansion, self.features
@@ -159,19 +165,23 @@ class MHCSite(Site):
     self.b_res = self.make('b_res', const(b_res), b_res.shape, ('stream', None)[:b_res.ndim])
 
   def coefficients(self, h_NxBxLxD, b_pre_N, b_post_shift_N=0.0):
-    """(H_pre, H_post, H_res) per token, float32: (B, L, n), (B, L, n), (B, L, n, n)."""
+    """(H_pre, H_post, H_res) per token, float32, the tokens last: (n, B, L), (n, B, L), (n, n, B, L)."""
+    return self.mapped(normed_product(h_NxBxLxD, self.phi), b_pre_N, b_post_shift_N)
+
+  def mapped(self, c_CxBxL, b_pre_N, b_post_shift_N):
+    """The coefficients (eq. 8) of RMSNorm(vec x_l)·φ (eq. 7; φ absorbs the norm's weight)."""
     n, alpha_3 = self.spec.expansion, self.alpha_3.astype(F32)
-    # RMSNorm(vec x_l) over a token's n·D; φ absorbs its weight (eq. 7)
-    c_BxLxC = jnp.einsum('nbld,ndc->blc', unit_rms(h_NxBxLxD, axis=(0, 3)), self.phi.astype(F32))
-    pre, post, res = c_BxLxC[..., :n], c_BxLxC[..., n:2 * n], c_BxLxC[..., 2 * n:]
-    return (jax.nn.sigmoid(alpha_3[0] * pre + b_pre_N.astype(F32)),
-            2 * jax.nn.sigmoid(alpha_3[1] * post + self.b_post.astype(F32) + b_post_shift_N),
-            self.h_res(alpha_3[2] * res + self.b_res.astype(F32).reshape(-1)))
+    pre, post, res = c_CxBxL[:n], c_CxBxL[n:2 * n], c_CxBxL[2 * n:]
+    bias = lambda b: jnp.asarray(b, F32).reshape(-1, 1, 1)
+    return (jax.nn.sigmoid(alpha_3[0] * pre + bias(b_pre_N)),
+            2 * jax.nn.sigmoid(alpha_3[1] * post + bias(self.b_post) + bias(b_post_shift_N)),
+            self.h_res(alpha_3[2] * res + bias(self.b_res)))
 
   def __call__(self, h_NxBxLxD, fn, norm_in, norm_out, chain_l):
     b_pre, b_post_shift = chain_l[self.t]
-    h_pre, h_post, h_res = self.coefficients(h_NxBxLxD, b_pre, b_post_shift)
-    return _hyper_update(h_NxBxLxD, h_pre, jnp.swapaxes(h_res, -1, -2), h_post, fn, norm_in)
+    c_CxBxL, h_NxBxLxD = normed_product(h_NxBxLxD, self.phi, through=True)
+    h_pre, h_post, h_res = self.mapped(c_CxBxL, b_pre, b_post_shift)
+    return _hyper_update(h_NxBxLxD, h_pre, jnp.swapaxes(h_res, 0, 1), h_post, fn, norm_in)
 
 
 def permutations(n: int) -> np.ndarray:
@@ -189,12 +199,13 @@ class MHCLiteSite(MHCSite):
       return np.where(np.arange(k) == 0, 0.0, -8.0)
     return np.log(np.full(k, 0.5 / k) + np.eye(k)[0] / 2)  # over the permutations: logical axis 'stream'
 
-  def h_res(self, logits_BxLxR):
-    return lite_h_res(logits_BxLxR, self.spec.expansion)
+  def h_res(self, logits_RxX):
+    return jnp.einsum('r...,rji->ij...', jax.nn.softmax(logits_RxX, axis=0),
+                      jnp.asarray(permutations(self.spec.expansion), F32))
 
 
 def lite_h_res(logits_R, n: int):
-  """mHC-lite's H_res = Σ_r a_r P_rᵀ, a = softmax(logits) over the n! permutations."""
+  """mHC-lite's H_res = Σ_r a_r P_rᵀ, a = softmax(logits) over the n! permutations, the permutations' axis last."""
   return jnp.einsum('...r,rji->...ij', jax.nn.softmax(logits_R, axis=-1), jnp.asarray(permutations(n), F32))
 
 
@@ -211,8 +222,8 @@ class V4Readout(nn.Module):
     phi = self.make('readout_phi', nn.initializers.zeros, (n, d, n), ('stream', 'embed', 'stream_coeff'))
     b = self.make('readout_b', nn.initializers.zeros, (n,), ('stream',))
     s = self.make('readout_scale', const(0.01), (), ())
-    w_BxLxN = jax.nn.sigmoid(s * jnp.einsum('nbld,ndk->blk', unit_rms(h_NxBxLxD, axis=(0, 3)), phi) + b) + V4_HC_EPS
-    return jnp.einsum('bln,nbld->bld', w_BxLxN.astype(h_NxBxLxD.dtype), h_NxBxLxD)
+    w_NxBxL = jax.nn.sigmoid(s * normed_product(h_NxBxLxD, phi) + b[:, None, None]) + V4_HC_EPS
+    return mix(w_NxBxL, h_NxBxLxD)
 
 
 class FracSite(Site):
@@ -231,7 +242,7 @@ class FracSite(Site):
     # Per token, as HC's: a token-batched einsum is no dot that `dots_no_batch` remat would save (3 D-wide a layer).
     gamma, a = (jnp.broadcast_to(c, x_BxLxD.shape[:-1] + c.shape) for c in (gamma, a))
     if self.spec.hc_dynamic:
-      dyn_BxLxMxC, dyn_beta_BxLxM = _dynamic(self, h_BxLxMxW, 'blfw', 'blf', 'frac_width', 2 * m)  # (W_Γ, W_A), w_β
+      dyn_BxLxMxC, dyn_beta_BxLxM = _dynamic(self, h_BxLxMxW, 'blfw', 'blfc', 'frac_width', 2 * m)  # (W_Γ, W_A), w_β
       gamma, a, beta = gamma + dyn_BxLxMxC[..., :m], a + dyn_BxLxMxC[..., m:], beta + dyn_beta_BxLxM
     x_in = jnp.einsum('blfg,blfw->blgw', cast(gamma), h_BxLxMxW).reshape(x_BxLxD.shape)
     # A static β folds into F's last kernel (a D-vector); a per-token one multiplies F's output.
@@ -282,8 +293,8 @@ def _hc_diagnostics(spec, chain, sites) -> dict:
 def _mhc_diagnostics(spec, chain, sites) -> dict:
   """Per site, ‖H_res − I‖_F of H_res's static part (b_res alone, the input's term left out)."""
   b_res = sites['b_res'].astype(F32)
-  h_res = (lite_h_res(b_res, spec.expansion) if spec.design == 'mhc_lite'
-           else sinkhorn(b_res, spec.sinkhorn_iters))
+  h_res = (lite_h_res(b_res, spec.expansion) if spec.design == 'mhc_lite'  # sinkhorn: the n×n axes first
+           else jnp.moveaxis(sinkhorn(jnp.moveaxis(b_res, (-2, -1), (0, 1)), spec.sinkhorn_iters), (0, 1), (-2, -1)))
   return {'mixing': distance_from_identity(h_res)}
 
 

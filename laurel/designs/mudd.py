@@ -16,8 +16,9 @@ from jax.ad_checkpoint import checkpoint_name
 from laurel.config_lib import field, one_of
 from laurel.designs.protocol import ACT, F32, STREAM_ACT, Chain, Design, Site, const, register, unit_rms
 from laurel.designs.buffer import filled_slots, start_buffer, write_slot
+from laurel.designs.mixing import mix
 
-WEIGHTS_ACT = ('act_batch', 'act_len', None, None)  # A: (B, L, C streams, N + 1 sources)
+WEIGHTS_ACT = (None, None, 'act_batch', 'act_len')  # A: (N + 1 sources, C streams, B, L), the tokens minor
 # A layer's output, from which its weights A are computed: every remat policy keeps it (Design.saved_names), so the
 # backward does not recompute the MLP for it.
 SAVED = 'mudd_out'
@@ -63,25 +64,20 @@ class MUDDChain(Chain):
     return bias, jnp.asarray(hidden, F32), jnp.asarray(slot, F32)
 
 
-def mix(buffer_JxBxLxD, a_BxLxCxJ):
-  """X^c = Σ_j A[c, j]·X_j for every stream c: (C, B, L, D)."""
-  out = jnp.einsum('blcj,jbld->cbld', a_BxLxCxJ.astype(buffer_JxBxLxD.dtype), buffer_JxBxLxD,
-                   preferred_element_type=F32)
-  return out.astype(buffer_JxBxLxD.dtype)
-
-
 class MUDDSite(Site):
   """Site 0: h = X^R + Attn(X^Q, X^K, X^V) by the last layer's A; site 1: h + MLP(norm(h)) to its slot, and its A."""
 
   @nn.compact
   def __call__(self, carry, fn, norm_in, norm_out, chain_l):
-    x_BxLxD, buffer_JxBxLxD, a_BxLxCxJ = carry
+    x_BxLxD, buffer_JxBxLxD, a_JxCxBxL = carry
     bias_CxJ, hidden_K, slot_J = chain_l
     if self.t == 0:  # the weights on slots not yet written are 0 (the buffer's backward reads the final buffer)
-      streams_CxBxLxD = mix(buffer_JxBxLxD, a_BxLxCxJ * filled_slots(slot_J))
+      # X^c = Σ_j A[c, j]·X_j, one pass over the buffer (laurel.designs.mixing), whose gradient the kernel adds in place
+      streams_CxBxLxD, buffer_JxBxLxD = mix(a_JxCxBxL * filled_slots(slot_J)[:, None, None, None], buffer_JxBxLxD,
+                                            through=True)
       x_BxLxD = streams_CxBxLxD[-1]
       xn = norm_in(x_BxLxD) if len(streams_CxBxLxD) == 1 else self.attention_inputs(norm_in, *streams_CxBxLxD[:3])
-      return nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, xn, None), ACT), buffer_JxBxLxD, a_BxLxCxJ
+      return nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, xn, None), ACT), buffer_JxBxLxD, a_JxCxBxL
     out_BxLxD = nn.with_logical_constraint(x_BxLxD + fn(x_BxLxD, norm_in(x_BxLxD), None), ACT)
     out_BxLxD = checkpoint_name(out_BxLxD, SAVED)
     buffer_JxBxLxD = write_slot(buffer_JxBxLxD, slot_J, out_BxLxD)
@@ -92,21 +88,21 @@ class MUDDSite(Site):
     w2 = self.make('mudd_w2', nn.initializers.zeros, (k_max, c, j),
                    ('mudd_hidden', 'mudd_streams', 'mudd_sources')).astype(F32)
     hidden_BxLxK = jax.nn.gelu(unit_rms(out_BxLxD) @ w1, approximate=False)
-    a_BxLxCxJ = jnp.einsum('blk,kcj->blcj', hidden_BxLxK, w2 * hidden_K[:, None, None]) + bias_CxJ
+    a_JxCxBxL = jnp.einsum('blk,kcj->jcbl', hidden_BxLxK, w2 * hidden_K[:, None, None]) + bias_CxJ.T[..., None, None]
     return out_BxLxD, nn.with_logical_constraint(buffer_JxBxLxD, STREAM_ACT), nn.with_logical_constraint(
-        a_BxLxCxJ, WEIGHTS_ACT)
+        a_JxCxBxL, WEIGHTS_ACT)
 
 
 def _start(spec, x_BxLxD, num_layers):
   """The buffer holds X_0; every stream of layer 0 is X_0 (weights one-hot on source 0)."""
-  a_BxLxCxJ = jnp.zeros(x_BxLxD.shape[:2] + (len(spec.mudd_streams), num_layers + 1), F32).at[..., 0].set(1.0)
-  return x_BxLxD, start_buffer(x_BxLxD, num_layers), a_BxLxCxJ
+  a_JxCxBxL = jnp.zeros((num_layers + 1, len(spec.mudd_streams)) + x_BxLxD.shape[:2], F32).at[0].set(1.0)
+  return x_BxLxD, start_buffer(x_BxLxD, num_layers), a_JxCxBxL
 
 
 def _finish(spec, carry):
   """The last layer's X^R."""
-  _, buffer_JxBxLxD, a_BxLxCxJ = carry
-  return mix(buffer_JxBxLxD, a_BxLxCxJ[..., -1:, :])[0]
+  _, buffer_JxBxLxD, a_JxCxBxL = carry
+  return mix(a_JxCxBxL[:, -1], buffer_JxBxLxD)
 
 
 register(Design('mudd', MUDDSite, config=MUDDSpec, chain=MUDDChain, start=_start, finish=_finish, buffer=1, mirror=0,
