@@ -31,9 +31,9 @@ paper's gap of 0.012 at this loss). The eval set
 same for every run it cancels in the paired differences.
 
 preset=small: the same rows at a size for your own corpus on one GPU (or, slowly, a CPU): 12/14 layers, D=384,
-F=1024, 6 heads, r=16 (r/D = 4%, the paper's), SentencePiece tokens from scripts/prepare_text.py's shards
-(data.name=corpus; data.path, data.vocab_path and model.vocab_size are the corpus's: the script's closing lines
-print them), 5,000 steps of 32 × 512 tokens (82M tokens).
+F=1024, 6 heads, r=16 (r/D = 4%, the paper's), SentencePiece tokens from laurel.prepare.text's shards
+(data.name=corpus; data.path, data.vocab_path and model.vocab_size are the corpus's: its closing lines print
+them), 5,000 steps of 32 × 512 tokens (82M tokens).
 """
 
 from laurel import config_lib, data, lm, step
@@ -73,7 +73,7 @@ def table5_config(row: str, preset: str, layers: int, **model):
                                      laurel=laurel, **model),
         data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=1024, vocab_path=data.C4_VOCAB_PATH),
     ).lock()
-  if preset == 'small':  # data.path, data.vocab_path and model.vocab_size: scripts/prepare_text.py prints them
+  if preset == 'small':  # data.path, data.vocab_path and model.vocab_size: laurel.prepare.text prints them
     return step.base_config(
         task='lm', row=row, preset='small', baseline_row='baseline_24', batch_size=32, steps=5000, log_every=50,
         eval_every=1000, eval_steps=20, checkpoint_every=1000,

@@ -22,7 +22,7 @@ from laurel.config_lib import (NON_NEGATIVE_INT, STRING, InputError, build, fiel
 
 BYTE_VOCAB_SIZE = 258  # ByteTokenizer's: 256 bytes, padding and end of document
 C4_VOCAB_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'  # T5's 32k SentencePiece model
-C4_SHARD_SUFFIX = '.array_record'  # scripts/prepare_c4.py writes c4-<split>.NNNNN-of-MMMMM.array_record
+C4_SHARD_SUFFIX = '.array_record'  # laurel.prepare.c4 writes c4-<split>.NNNNN-of-MMMMM.array_record
 SENTENCEPIECE_SOURCES = ('c4', 'corpus')  # tokenized with data.vocab_path, read from <name>-<split>.* shards
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)  # threads reading and tokenizing
 MIN_PACKING_BINS = 16  # more open bins pack tighter (less padding) at the cost of a little memory
@@ -36,7 +36,7 @@ class LMDataConfig:
   seq_len: int = field(128, (lambda v: is_int(v) and v >= 2, 'must be an integer >= 2 (a row of one token has '
                                                               'no next token to predict)'))
   # text: a glob, '' = this interpreter's standard library (*.py), INSTALLED = it and every site-packages on
-  # sys.path; c4: scripts/prepare_c4.py's shards, '' = a TFDS C4 in tfds_data_dir; corpus: prepare_text.py's.
+  # sys.path; c4: laurel.prepare.c4's shards, '' = a TFDS C4 in tfds_data_dir; corpus: laurel.prepare.text's.
   path: str = field('', STRING)
   validation_fraction: float = field(0.05, in_range(0, 1, closed=(False, False)))  # text: files held out
   tfds_name: str = field('c4/en', STRING)  # the version found in tfds_data_dir; 'c4/en:3.0.1' pins one
@@ -100,7 +100,7 @@ def make_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
     tokenizer = SentencePieceTokenizer(_read_vocab(data_cfg.vocab_path))
   except Exception as e:  # pylint: disable=broad-except  # any filesystem's error, or sentencepiece's for a non-model
     fix = '' if isinstance(e, ImportError) else (
-        '; point it at a model SentencePiece wrote (scripts/prepare_text.py writes vocab.model: rerun it for a '
+        '; point it at a model SentencePiece wrote (python -m laurel.prepare.text writes vocab.model: rerun it for a '
         'damaged one)')
     require(False, 'data.vocab_path', data_cfg.vocab_path, f'cannot read a SentencePiece model: '
             f'{io_error_reason(e)}{fix}')
@@ -266,7 +266,8 @@ def validate(data_cfg, vocab_size: int) -> LMDataConfig:
         fail('path', f'its {len(files)} {split} file{"s" * (len(files) > 1)} are empty: nothing to '
              f'{"train" if split == "train" else "evaluate"} on')
   if cfg.name == 'corpus' and not cfg.path:
-    fail('path', "corpus reads the directory that scripts/prepare_text.py wrote (its closing line names every flag)")
+    fail('path', "corpus reads the directory that python -m laurel.prepare.text wrote (its closing line names every "
+         'flag)')
   if cfg.name in SENTENCEPIECE_SOURCES and not cfg.vocab_path:
     fail('vocab_path', f'{cfg.name} needs a SentencePiece model')
   if not (cfg.vocab_path.startswith('gs://') and cfg.name in SENTENCEPIECE_SOURCES):
@@ -303,10 +304,10 @@ def array_records(shards: list[str]) -> grain.sources.ArrayRecordDataSource:
         grain.sources.ArrayRecordDataSource([shard])
       except Exception as e:  # pylint: disable=broad-except
         folder, name = os.path.split(shard)
-        script = 'prepare_c4.py' if name.startswith('c4-') else 'prepare_text.py'
+        tool = 'laurel.prepare.c4' if name.startswith('c4-') else 'laurel.prepare.text'
         why = io_error_reason(e).removesuffix(': ')  # ArrayRecord may say nothing of a file cut short
         require(False, 'data.path', folder, f'shard {name} is not a readable ArrayRecord file ({why}); remove it and '
-                f'rerun scripts/{script} with the arguments that wrote it: it writes the missing shards again')
+                f'rerun python -m {tool} with the arguments that wrote it: it writes the missing shards again')
     raise
 
 

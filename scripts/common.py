@@ -2,14 +2,12 @@
 (here, or on a TPU slice through launch_tpu.py)."""
 
 import concurrent.futures
-import contextlib
 import csv
 import fcntl
 import functools
 import hashlib
 import io
 import json
-import multiprocessing
 import os
 import pathlib
 import re
@@ -104,32 +102,6 @@ def sets_that_apply(spec: str, sets) -> list[str]:
     if override_field(s) in unused:
       print(f'{spec}: --set={s} left out: {unused[override_field(s)]}', file=sys.stderr, flush=True)
   return [s for s in sets if override_field(s) not in unused]
-@contextlib.contextmanager
-def array_record_shard(dest):
-  """An ArrayRecord writer (one record per `write`) for the shard `dest`, local or gs://, which appears under its
-  name only once complete: a local one is written beside it and renamed, a gs:// one written here and uploaded
-  whole (ArrayRecord's writer writes local files). An interrupted conversion thus never leaves a partial shard."""
-  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
-  dest = epath.Path(dest)
-  local = '://' not in os.fspath(dest)
-  with tempfile.TemporaryDirectory() as tmp:
-    partial = dest.with_name(dest.name + '.incomplete') if local else epath.Path(tmp) / dest.name
-    writer = array_record_module.ArrayRecordWriter(os.fspath(partial), 'group_size:1')
-    try:
-      yield writer
-    finally:
-      writer.close()
-    if local:
-      partial.rename(dest)
-    else:
-      partial.copy(dest)
-
-
-def parallel_map(fn, jobs: list, workers: int):
-  """fn(job) for each job, as they finish: in this process with one worker, else in `workers` spawned processes
-  (they start clean, never a fork of a process whose filesystem clients hold threads)."""
-  with multiprocessing.get_context('spawn').Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
-    yield from (pool.imap_unordered if pool else map)(fn, jobs)
 
 
 # The luminance at which black and white text contrast equally (WCAG 2 contrast ratios, both about 4.6).

@@ -10,7 +10,7 @@
 (labelled as the paper's, at its scale); residual_designs the other residual-stream designs
 (configs/residual_designs.py), one field apart from Baseline-24. A table's first line says what it can claim (at
 the tiny preset: a pipeline check) and which rows' intervals exclude zero. --preset=paper needs --data_path, the C4
-that scripts/prepare_c4.py prepared (docs/data.md).
+that laurel.prepare.c4 prepared (docs/data.md).
 
 The tables go to --out, by default the --workdir (runs/<table>_<preset>): the committed results/ only with
 --out=results. Every row trains with the same data order, steps and seeds in --workdir/<row>/seed<s> (local or
@@ -61,7 +61,7 @@ _PRESET = flags.DEFINE_enum('preset', 'tiny', ['tiny', 'gpu', 'paper'], "Preset 
 _SEEDS = flags.DEFINE_integer('seeds', 2, 'Seeds per row.')
 _FIRST_SEED = flags.DEFINE_integer('first_seed', 0, 'The first seed: seeds --first_seed, +1, ... (--seeds of them), so '
                                    'that machines and days add seeds to one table (--from_json merges them).')
-_DATA_PATH = flags.DEFINE_string('data_path', None, "data.path of every row: the prepared C4 (scripts/prepare_c4.py's "
+_DATA_PATH = flags.DEFINE_string('data_path', None, "data.path of every row: the prepared C4 (laurel.prepare.c4's "
                                  '--output) for --preset=paper, which needs it.')
 _ROWS = flags.DEFINE_list('rows', None, "Rows to run; default: all of the table's.")
 _OUT = flags.DEFINE_string('out', None, 'Where the tables and chart go; default: the --workdir. The committed '
@@ -121,7 +121,7 @@ def reproduce():
   table_sets = [*([f'data.path={_DATA_PATH.value}'] if _DATA_PATH.value else []), *_SET.value]
   if preset == 'paper' and 'data.path' not in map(common.override_field, table_sets) and not _COLLECT_ONLY.value:
     raise InputError("--data_path is required with --preset=paper: the folder of C4 shards that "
-                     "scripts/prepare_c4.py writes (docs/data.md), e.g. --data_path=gs://BUCKET/c4")
+                     "python -m laurel.prepare.c4 writes (docs/data.md), e.g. --data_path=gs://BUCKET/c4")
   specs = {row: config_lib.resolve_spec(f'{table}:{row},preset={preset}') for row in chosen}
   sets = {row: common.sets_that_apply(spec, table_sets) for row, spec in specs.items()}
   # A bad --set, or a batch the devices cannot take, fails here, before anything runs.

@@ -1,6 +1,8 @@
 """Shared test helpers: tiny configs for the train loop, run in-process or through the CLI; GPU tests."""
+import contextlib
 import functools
 import importlib.util
+import io
 import json
 import os
 import pathlib
@@ -115,6 +117,15 @@ def run_python(code: str, env=None, timeout=300, **kwargs):
   """`python -c code` in the repository root, with the tests' environment (cli_env) unless `env`."""
   return subprocess.run([sys.executable, '-c', code], env=env or cli_env(), cwd=ROOT, capture_output=True, text=True,
                         timeout=timeout, **kwargs)
+
+
+def call_main(main, *args) -> tuple[int, str, str]:
+  """A command's `main(argv) -> exit status` (laurel.prepare.c4.main, ...) called in this process with `args`:
+  (its status, what it printed on stdout, on stderr)."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    status = main(['laurel', *map(str, args)])
+  return status, out.getvalue(), err.getvalue()
 
 
 def metrics(workdir) -> list[dict]:

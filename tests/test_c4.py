@@ -1,5 +1,6 @@
-"""C4 without Beam: scripts/prepare_c4.py on generated .json.gz shards (local and gs://), the loader on its shards
-and on prepared TFDS directories of either version, the checks that name what is missing, and training on it."""
+"""C4 without Beam: laurel.prepare.c4 on generated .json.gz shards (local and gs://), the loader on its shards and
+on prepared TFDS directories of either version, the checks that name what is missing, and training on it; your own
+corpus through laurel.prepare.text, to the training command it prints."""
 import gzip
 import json
 import os
@@ -13,8 +14,9 @@ import grain
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, run_cli, without_this_python
+from helpers import ROOT, TINY_LM, call_main, cli_env, fake_gcs_env, run_cli, without_this_python
 from laurel import config_lib, data
+from laurel.prepare import c4 as prepare_c4, text as prepare_text
 from laurel.run import console, preflight
 from test_data import lm_data, segments
 
@@ -42,9 +44,8 @@ def c4_json(tmp_path_factory):
   return root, texts
 
 
-def prepare(*args, env=None):
-  return subprocess.run([sys.executable, str(ROOT / 'scripts' / 'prepare_c4.py'), *map(str, args)], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, env=env)
+def prepare(*args):
+  return call_main(prepare_c4.main, *args)
 
 
 def read_shard(path) -> list[str]:
@@ -55,8 +56,8 @@ def read_shard(path) -> list[str]:
 @pytest.fixture(scope='module')
 def c4_shards(c4_json, tmp_path_factory):
   out = tmp_path_factory.mktemp('c4_shards')
-  r = prepare(f'--input={c4_json[0]}', f'--output={out}', '--workers=2')
-  assert r.returncode == 0, r.stderr[-3000:]
+  status, _, err = prepare(f'--input={c4_json[0]}', f'--output={out}', '--workers=2')  # 2 processes
+  assert status == 0, err[-3000:]
   return out
 
 
@@ -72,23 +73,25 @@ def test_prepare_c4_converts_every_document_and_resumes(c4_json, c4_shards):
   shutil.copytree(c4_shards, resumed)
   (resumed / 'c4-train.00001-of-01024.array_record').unlink()
   (resumed / 'c4-train.00001-of-01024.array_record.incomplete').write_bytes(b'partial')
-  r = prepare(f'--input={root}', f'--output={resumed}', '--workers=2')
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert '3 of 4 shards already' in r.stdout and 'converting 1 with 1 worker' in r.stdout
+  status, out, err = prepare(f'--input={root}', f'--output={resumed}', '--workers=2')
+  assert status == 0, err[-3000:]
+  assert '3 of 4 shards already' in out and 'converting 1 with 1 worker' in out
   assert read_shard(resumed / 'c4-train.00001-of-01024.array_record') == texts['c4-train.00001-of-01024.json.gz']
   assert not list(resumed.glob('*.incomplete'))
 
-  r = prepare(f'--input={root}', f'--output={root.parent / "x"}', '--splits=test')
-  assert r.returncode == 2 and r.stderr.count('\n') == 1
-  assert r.stderr.startswith(f"error: --input='{root}': no c4-<split>.NNNNN-of-MMMMM.json.gz files of the splits test")
+  status, _, err = prepare(f'--input={root}', f'--output={root.parent / "x"}', '--splits=test')
+  assert status == 2 and err.count('\n') == 1
+  assert err.startswith(f"error: --input='{root}': no c4-<split>.NNNNN-of-MMMMM.json.gz files of the splits test")
 
 
 @pytest.mark.slow
 def test_prepare_c4_reads_and_writes_gs_paths(c4_json, tmp_path):
+  """A subprocess: the fake gs:// (tests/fake_gcs) is a process's."""
   root, texts = c4_json
   shutil.copytree(root, tmp_path / 'bucket' / 'raw')
-  r = prepare('--input=gs://bucket/raw', '--output=gs://bucket/c4', '--splits=validation', '--workers=1',
-              env=fake_gcs_env(tmp_path))
+  r = subprocess.run([sys.executable, '-m', 'laurel.prepare.c4', '--input=gs://bucket/raw', '--output=gs://bucket/c4',
+                      '--splits=validation', '--workers=1'], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env=fake_gcs_env(tmp_path))
   assert r.returncode == 0, r.stderr[-3000:]
   name = SPLITS['validation'][0]
   assert read_shard(tmp_path / 'bucket' / 'c4' / name.replace('.json.gz', '.array_record')) == texts[name]
@@ -180,10 +183,10 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
   (tfrecord / 'dataset_info.json').write_text(json.dumps({**info, 'fileFormat': 'tfrecord'}))
   cases = [
       (dict(path=str(tmp_path / 'empty')), f"data.path='{tmp_path / 'empty'}': no c4-train.*.array_record shards; "
-       f"write them with {console.python_command()} scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> "
+       f"write them with {console.python_command()} -m laurel.prepare.c4 --input=<folder of C4's c4-*.json.gz> "
        f"--output={tmp_path / 'empty'}"),
       (dict(tfds_data_dir=str(tmp_path / 'empty')), f"data.tfds_data_dir='{tmp_path / 'empty'}': no prepared c4/en "
-       f'in {tmp_path / "empty"}; convert C4 with {console.python_command()} scripts/prepare_c4.py'),
+       f'in {tmp_path / "empty"}; convert C4 with {console.python_command()} -m laurel.prepare.c4'),
       (dict(tfds_data_dir=str(root / 'both'), tfds_name='c4/en:2.2.0'), 'no prepared c4/en:2.2.0'),
       (dict(tfds_data_dir=str(tmp_path / 'tfrecord')), f'{tfrecord} holds tfrecord files, and random access needs '
        f'ArrayRecord: tfds convert_format --dataset_version_dir={tfrecord} --out_file_format=array_record'),
@@ -193,7 +196,7 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
   ]
   cases.append((dict(name='corpus', path=str(tmp_path / 'empty')),
                 f"data.path='{tmp_path / 'empty'}': no corpus-train.*.array_record shards; write them with "
-                f"{console.python_command()} scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt "
+                f"{console.python_command()} -m laurel.prepare.text --input='<your *.jsonl.gz, *.json or *.txt "
                 f"files>' --output={tmp_path / 'empty'}"))
   for fields, message in cases:
     with pytest.raises(ValueError, match=re.escape(message)) as e:
@@ -202,8 +205,8 @@ def test_missing_or_unusable_c4_is_one_line_naming_the_fix(tfds_dirs, sp_model, 
 
 
 @pytest.mark.slow
-def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path):
-  """scripts/prepare_text.py: every document of JSON lines (gzipped), a JSON array and text files lands once in the
+def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path, monkeypatch):
+  """laurel.prepare.text: every document of JSON lines (gzipped), a JSON array and text files lands once in the
   shards, a vocabulary with the loader's ids is trained, and the closing command trains on them as printed."""
   rng, docs = np.random.default_rng(1), {}
   corpus = tmp_path / 'corpus'
@@ -217,12 +220,13 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
   for i, text in enumerate(docs['text']):
     (corpus / 'notes' / f'{i}.txt').write_text(text)
   out = tmp_path / 'prepared'
-  args = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={corpus}/*.json*',
-          f'--input={corpus}/notes/*.txt', f'--output={out}', '--vocab_size=320', '--validation_fraction=0.1',
-          '--workers=2']
-  shell = {**os.environ, 'PATH': without_this_python(os.environ['PATH'])}  # the venv not activated
-  r = subprocess.run(args, cwd=tmp_path, env=shell, capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0, r.stderr[-3000:]
+  args = [f'--input={corpus}/*.json*', f'--input={corpus}/notes/*.txt', f'--output={out}', '--vocab_size=320',
+          '--validation_fraction=0.1', '--workers=2']
+  with monkeypatch.context() as shell:  # a shell in another folder, the venv not activated
+    shell.setenv('PATH', without_this_python(os.environ['PATH']))
+    shell.chdir(tmp_path)
+    status, stdout, err = call_main(prepare_text.main, *args)
+  assert status == 0, err[-3000:]
   shards = {split: sorted(out.glob(f'corpus-{split}.*.array_record')) for split in ('train', 'validation')}
   assert [len(s) for s in shards.values()] == [7, 7]  # one per input file
   written = {split: [t for p in paths for t in read_shard(p)] for split, paths in shards.items()}
@@ -233,8 +237,8 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
   assert (vocab.pad_id(), vocab.eos_id(), vocab.unk_id(), vocab.bos_id()) == (0, 1, 2, -1)
   assert vocab.decode(vocab.encode(docs['text'][0])) == docs['text'][0]  # byte fallback, whitespace as written
 
-  command = r.stdout.strip().splitlines()[-1].split()
-  assert command[:4] == [sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=small'], r.stdout
+  command = stdout.strip().splitlines()[-1].split()
+  assert command[:4] == [sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=small'], stdout
   flags = dict(a.split('=', 1) for a in command[4:])
   vocab_size = int(flags.pop('--config.model.vocab_size'))
   assert flags == {'--workdir': 'runs/prepared', '--config.data.name': 'corpus', '--config.data.path': str(out),
@@ -246,12 +250,10 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
   assert trained.returncode == 0, trained.stderr[-3000:]
   assert 0 < json.loads((tmp_path / 'runs' / 'prepared' / 'final.json').read_text())['eval_loss'] < 10
 
-  again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # resumes: all there
-  assert again.returncode == 0 and '7 already there; writing 0' in again.stdout, again.stderr[-3000:]
-  other = subprocess.run(args[:-2] + ['--validation_fraction=0.2'], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
-  assert other.returncode == 2 and other.stderr == (
-      f"error: --output='{out}': was prepared with validation_fraction=0.1 (now 0.2); use another --output\n")
+  status, stdout, err = call_main(prepare_text.main, *args)  # resumes: all there
+  assert status == 0 and '7 already there; writing 0' in stdout, err[-3000:]
+  assert call_main(prepare_text.main, *args[:-2], '--validation_fraction=0.2') == (2, '', (
+      f"error: --output='{out}': was prepared with validation_fraction=0.1 (now 0.2); use another --output\n"))
 
 
 @pytest.mark.slow
@@ -264,17 +266,17 @@ def test_prepare_text_after_a_failed_attempt_the_corrected_command_reuses_the_ou
   for name, text in lines.items():
     (corpus / name).write_text('\n'.join(text) + '\n')
   assert min(data._unit_hash(f'{name}:0') for name in lines) > 0.1  # pylint: disable=protected-access  # all train
-  args = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={corpus}/*.txt', f'--output={out}',
-          f'--vocab_path={sp_model}', '--validation_fraction=0.1', '--workers=1']
-  run = lambda *extra: subprocess.run(args + list(extra), cwd=tmp_path, capture_output=True, text=True, timeout=300)
-  failed = run('--num_shards=2')
-  assert failed.returncode == 2 and 'no document went to the validation split' in failed.stderr, failed.stderr
-  retried = run('--text_unit=line', '--num_shards=1')  # the first attempt's two shards are removed
-  assert retried.returncode == 0, retried.stderr[-3000:]
+  args = [f'--input={corpus}/*.txt', f'--output={out}', f'--vocab_path={sp_model}', '--validation_fraction=0.1',
+          '--workers=1']
+  run = lambda *extra: call_main(prepare_text.main, *args, *extra)
+  status, _, err = run('--num_shards=2')
+  assert status == 2 and 'no document went to the validation split' in err, err
+  status, _, err = run('--text_unit=line', '--num_shards=1')  # the first attempt's two shards are removed
+  assert status == 0, err[-3000:]
   shards = sorted(p.name for p in out.glob('*.array_record'))
   assert shards == ['corpus-train.00000-of-00001.array_record', 'corpus-validation.00000-of-00001.array_record']
   written = [t for name in shards for t in read_shard(out / name)]
   assert sorted(written) == sorted(t for text in lines.values() for t in text)
-  refused = run('--text_unit=file')
-  assert refused.returncode == 2 and refused.stderr.endswith('use another --output\n'), refused.stderr
+  status, _, err = run('--text_unit=file')
+  assert status == 2 and err.endswith('use another --output\n'), err
   assert sorted(p.name for p in out.glob('*.array_record')) == shards

@@ -1,19 +1,16 @@
 """Damaged data in one line (issue 60): a truncated or foreign ArrayRecord shard, a SentencePiece model that cannot be
-read, and a vocabulary smaller than a corpus's characters (scripts/prepare_text.py, before any shard is written)
+read, and a vocabulary smaller than a corpus's characters (laurel.prepare.text, before any shard is written)
 each name the file or flag and the fix."""
-import sys
+import re
 
 import pytest
-from absl.testing import flagsaver
 
-from helpers import ROOT
+from helpers import call_main
 from laurel import data
 from laurel.config_lib import InputError
+from laurel.prepare import text as prepare_text
 from laurel.run import preflight
 from test_data import lm_data
-
-sys.path.insert(0, str(ROOT / 'scripts'))
-import prepare_text  # noqa: E402  (scripts/prepare_text.py; its flags at their defaults)
 
 
 def write_shard(path, documents):
@@ -43,7 +40,7 @@ def test_an_unreadable_shard_is_one_line_naming_it_and_the_command_that_writes_i
     message = str(refused.value)
     assert message.startswith(f"data.path='{tmp_path}': shard {bad.name} is not a readable ArrayRecord file "
                               f'({reason}') and message.endswith(
-        '); remove it and rerun scripts/prepare_text.py with the arguments that wrote it: it writes the missing '
+        '); remove it and rerun python -m laurel.prepare.text with the arguments that wrote it: it writes the missing '
         'shards again') and '\n' not in message
 
 
@@ -54,15 +51,15 @@ def test_a_sentencepiece_model_that_cannot_be_read_names_it_and_the_fix(tmp_path
     data.make_tokenizer(cfg)  # what sampling, scoring, training and the checks before them read
   assert str(refused.value).startswith(f"data.vocab_path='{tmp_path / 'vocab.model'}': cannot read a SentencePiece "
                                        'model: RuntimeError: ')
-  assert str(refused.value).endswith('; point it at a model SentencePiece wrote (scripts/prepare_text.py writes '
+  assert str(refused.value).endswith('; point it at a model SentencePiece wrote (python -m laurel.prepare.text writes '
                                      'vocab.model: rerun it for a damaged one)')
   corpus = tmp_path / 'corpus.txt'
   corpus.write_text('some text\n')
-  with flagsaver.flagsaver(input=[str(corpus)], output=str(tmp_path / 'out'), vocab_path=str(tmp_path / 'vocab.model')):
-    with pytest.raises(InputError, match=r"^--vocab_path='.+vocab\.model': cannot read a SentencePiece model \("
-                       r'RuntimeError: .+\); give a \.model file SentencePiece wrote, or leave --vocab_path out to '
-                       r'train one on the corpus$'):
-      prepare_text.prepare()
+  status, out, err = call_main(prepare_text.main, f'--input={corpus}', f'--output={tmp_path / "out"}',
+                               f'--vocab_path={tmp_path / "vocab.model"}')
+  assert (status, out) == (2, '') and re.fullmatch(
+      r"error: --vocab_path='.+vocab\.model': cannot read a SentencePiece model \(RuntimeError: .+\); give a \.model "
+      r'file SentencePiece wrote, or leave --vocab_path out to train one on the corpus\n', err), err
   assert not (tmp_path / 'out').exists()  # nothing written
 
 
@@ -73,13 +70,11 @@ def test_a_vocabulary_below_the_corpus_characters_is_refused_before_any_shard_is
   lines = [''.join(characters[(7 * i + j) % 125] for j in range(60)) + ' ab' for i in range(200)]
   (tmp_path / 'corpus.txt').write_text('\n'.join(lines) + '\n')
   out = tmp_path / 'out'
-  with flagsaver.flagsaver(input=[str(tmp_path / 'corpus.txt')], output=str(out), vocab_size=300, workers=1):
-    with pytest.raises(InputError) as refused:
-      prepare_text.prepare()
-  assert str(refused.value) == (
-      '--vocab_size=300: below the 387 pieces this corpus needs (128 characters cover 99.95% of 1 document of '
+  assert call_main(prepare_text.main, f'--input={tmp_path / "corpus.txt"}', f'--output={out}', '--vocab_size=300',
+                   '--workers=1') == (2, '', (
+      'error: --vocab_size=300: below the 387 pieces this corpus needs (128 characters cover 99.95% of 1 document of '
       '--input, and the special and byte pieces take 259): set --vocab_size=387 or more, or --vocab_path=an existing '
-      'model')
+      'model\n'))
   assert not out.exists()
   with pytest.raises(InputError, match=r'^--vocab_size=386: below the 387 pieces this corpus needs \(128 characters '
                      r'cover 99\.95% of the sample, '):  # SentencePiece's own count, one line too

@@ -263,7 +263,7 @@ def test_installed_roots_are_the_stdlib_and_each_site_packages_on_sys_path_once(
     ('text', 'prefetch', -2, 'data.prefetch=-2'),
     ('c4', 'vocab_path', '/nope/sp.model', "data.vocab_path='/nope/sp.model'"),
     ('c4', 'vocab_path', '', "data.vocab_path=''"),
-    ('corpus', 'path', '', "data.path='': corpus reads the directory that scripts/prepare_text.py wrote"),
+    ('corpus', 'path', '', "data.path='': corpus reads the directory that python -m laurel.prepare.text wrote"),
 ])
 def test_validate_names_the_bad_field(name, field, value, message):
   cfg = lm_data(name, 64)

@@ -146,7 +146,7 @@ def test_the_paper_preset_without_c4_says_to_prepare_it_and_set_data_path(tmp_pa
   with pytest.raises(config_lib.InputError) as raised:
     preflight.check_inputs(task, tmp_path / 'run')
   assert str(raised.value) == (
-      f"data.path='': no C4 to read: prepare it with {console.python_command()} scripts/prepare_c4.py "
+      f"data.path='': no C4 to read: prepare it with {console.python_command()} -m laurel.prepare.c4 "
       "--input=<folder of C4's c4-*.json.gz> --output=DIR (docs/data.md) and set --config.data.path=DIR")
   assert not (tmp_path / 'run').exists()
 

@@ -1,5 +1,6 @@
 """The house's one rule, read from the import graph of laurel/ (every import, lazy ones included): the research core
-at the top, laurel.run (what runs a job) and laurel.serve (what uses a trained run) as its wings."""
+at the top, laurel.run (what runs a job), laurel.serve (what uses a trained run) and laurel.prepare (what prepares a
+corpus) as its wings."""
 
 import ast
 import pathlib
@@ -35,13 +36,15 @@ def in_wing(module: str, wing: str) -> bool:
 
 
 def core(module: str) -> bool:
-  return not in_wing(module, 'run') and not in_wing(module, 'serve')
+  return not any(in_wing(module, wing) for wing in ('run', 'serve', 'prepare'))
 
 
 def test_the_graph_is_read():  # the rules below hold for a reason, not because nothing was found
-  assert {'laurel.train', 'laurel.designs.laurel', 'laurel.run.checkpoint', 'laurel.serve.generate'} <= set(MODULES)
+  assert {'laurel.train', 'laurel.designs.laurel', 'laurel.run.checkpoint', 'laurel.serve.generate',
+          'laurel.prepare.text'} <= set(MODULES)
   assert 'laurel.run.checkpoint' in imports(MODULES['laurel.train'])
   assert 'laurel.designs.protocol' in imports(MODULES['laurel.designs.laurel'])
+  assert 'laurel.prepare.shards' in imports(MODULES['laurel.prepare.text'])
 
 
 @pytest.mark.parametrize('module', [m for m in MODULES if m.startswith('laurel.designs')])
@@ -60,6 +63,12 @@ def test_of_the_core_only_the_loop_and_the_entry_point_import_the_run_wing(modul
 def test_nothing_in_the_core_or_the_run_wing_imports_the_serve_wing(module):
   serve = {m for m in imports(MODULES[module]) if in_wing(m, 'serve')}
   assert not serve, f'{module} imports {sorted(serve)}'
+
+
+@pytest.mark.parametrize('module', [m for m in MODULES if not in_wing(m, 'prepare')])
+def test_nothing_outside_the_prepare_wing_imports_it(module):
+  prepare = {m for m in imports(MODULES[module]) if in_wing(m, 'prepare')}
+  assert not prepare, f'{module} imports {sorted(prepare)}'
 
 
 def test_no_import_cycle():  # lazy imports included: one inside a function only hides a cycle

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, load_config, losses, typed_config
+from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, losses, typed_config
 from laurel import config_lib, step, train
 from laurel.run import checkpoint, checksums, metrics_log, preflight, saved_config
 from laurel.serve import loader
@@ -373,20 +373,19 @@ def test_generating_past_the_context_is_refused(two_checkpoints):
       'trained on (data.seq_len=32)'], result.stderr[-2000:]
 
 
-@pytest.mark.slow
 def test_prepare_text_on_an_empty_input_keeps_nothing(tmp_path, sp_model):
+  from laurel.prepare import text  # pylint: disable=import-outside-toplevel
   (tmp_path / 'in').mkdir()
   (tmp_path / 'in' / 'a.txt').write_text('')
-  prepare = [sys.executable, str(ROOT / 'scripts' / 'prepare_text.py'), f'--input={tmp_path}/in/*.txt',
-             f'--output={tmp_path / "out"}', f'--vocab_path={sp_model}', '--text_unit=line',
-             '--validation_fraction=0.3']
-  result = subprocess.run(prepare, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
-      f'error: --input={tmp_path}/in/*.txt: its 1 file hold no documents; nothing was kept'), result.stderr[-2000:]
+  prepare = [f'--input={tmp_path}/in/*.txt', f'--output={tmp_path / "out"}', f'--vocab_path={sp_model}',
+             '--text_unit=line', '--validation_fraction=0.3']
+  status, _, err = call_main(text.main, *prepare)
+  assert status == 2 and err.strip().splitlines()[-1] == (
+      f'error: --input={tmp_path}/in/*.txt: its 1 file hold no documents; nothing was kept'), err[-2000:]
   assert not list((tmp_path / 'out').iterdir())
   (tmp_path / 'in' / 'a.txt').write_text(''.join(f'document {i}\n' for i in range(40)))
-  result = subprocess.run(prepare, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0 and 'documents in 1 shards' in result.stdout, result.stderr[-2000:]
+  status, out, err = call_main(text.main, *prepare)
+  assert status == 0 and 'documents in 1 shards' in out, err[-2000:]
 
 
 # 5. Ctrl-C on a sweep keeps the point in progress: passed on to it, it saves; the sweep exits 130; a rerun resumes.

@@ -1,7 +1,7 @@
 """Every command the README and docs show, and every command a finished run prints, works as printed: the cheap ones
 run here (`runs/demo` being a copy of conftest.trained_run), each other one is skipped for a reason SKIPPED lists.
-scripts/prepare_text.py's closing command is run as printed in tests/test_c4.py; scripts/prepare_c4.py's reads
-T5's vocabulary from gs:// and real C4, and is not run."""
+laurel.prepare.text's closing command is run as printed in tests/test_c4.py; laurel.prepare.c4's reads T5's
+vocabulary from gs:// and real C4, and is not run."""
 import ast
 import dataclasses
 import json
@@ -23,7 +23,7 @@ DOCS = ['README.md', *sorted(str(p.relative_to(ROOT)) for p in (ROOT / 'docs').g
 # A code block's line is a command when its first word (after NAME=value settings) is one of these; the README's
 # sample run prints `TensorBoard   <command>`.
 PROGRAMS = ('python', 'python3', '.venv/bin/python', 'laurel-train', 'laurel-generate', 'laurel-evaluate',
-            'laurel-lm-eval', 'tensorboard', '.venv/bin/tensorboard', 'make', 'pip', 'git', 'cd', 'export', 'sbatch',
+            'laurel-lm-eval', 'laurel-prepare-c4', 'laurel-prepare-text', 'tensorboard', '.venv/bin/tensorboard', 'make', 'pip', 'git', 'cd', 'export', 'sbatch',
             'srun', 'mpirun', 'xpk', 'kubectl', 'gcloud', 'scripts/gpu_check.sh')
 # (pattern, why it is not run here), the first that a command matches; a command that matches none is run.
 SKIPPED = [
@@ -69,6 +69,7 @@ def as_run_here(command: str, python: str) -> str:
   only checked (--print_config: no training), the fixture's context, TensorBoard's version (no server)."""
   words = shlex.split(command)
   scripts = {'laurel-train': 'laurel.main', 'laurel-generate': 'laurel.serve.generate', 'laurel-evaluate': 'laurel.serve.evaluate',
+             'laurel-prepare-c4': 'laurel.prepare.c4', 'laurel-prepare-text': 'laurel.prepare.text',
              'tensorboard': 'tensorboard.main', '.venv/bin/tensorboard': 'tensorboard.main'}
   if words[0] in scripts:
     words = [python, '-m', scripts[words[0]], *words[1:]]

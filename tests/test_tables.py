@@ -448,8 +448,8 @@ def test_the_paper_preset_needs_its_data_path_and_prints_it_in_every_command():
                                      timeout=300)
   r = run()
   assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-      'error: --data_path is required with --preset=paper: the folder of C4 shards that scripts/prepare_c4.py writes '
-      '(docs/data.md), e.g. --data_path=gs://BUCKET/c4']
+      'error: --data_path is required with --preset=paper: the folder of C4 shards that python -m laurel.prepare.c4 '
+      'writes (docs/data.md), e.g. --data_path=gs://BUCKET/c4']
   r = run('--data_path=gs://bucket/c4')
   assert r.returncode == 0 and r.stderr == '', r.stderr[-2000:]  # not libtpu's `E0000 ... INVALID_ARGUMENT` lines
   lines = r.stdout.splitlines()

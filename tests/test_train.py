@@ -474,7 +474,7 @@ def test_missing_data_and_an_unwritable_workdir_fail_before_compiling(tmp_path, 
                           'data.vocab_path': sp_model})
   with pytest.raises(ValueError, match=re.escape(
       f"data.path='{tmp_path / 'empty'}': no c4-train.*.array_record shards; write them with "
-      f"{console.python_command()} scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output=")):
+      f"{console.python_command()} -m laurel.prepare.c4 --input=<folder of C4's c4-*.json.gz> --output=")):
     train.train(c4, str(tmp_path / 'run'))
   with pytest.raises(ValueError, match=re.escape(f"--workdir='{tmp_path / 'file' / 'run'}': not writable: ")):
     train.train(load_config(SPEC, TINY_LM), str(tmp_path / 'file' / 'run'))

@@ -44,8 +44,8 @@ def check_lm_data(data_cfg, vocab_size: int | None = None) -> None:
   if cfg.name not in data.SENTENCEPIECE_SOURCES:
     return
   prepare = console.python_command() + (
-      " scripts/prepare_c4.py --input=<folder of C4's c4-*.json.gz> --output={}" if cfg.name == 'c4' else
-      " scripts/prepare_text.py --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
+      " -m laurel.prepare.c4 --input=<folder of C4's c4-*.json.gz> --output={}" if cfg.name == 'c4' else
+      " -m laurel.prepare.text --input='<your *.jsonl.gz, *.json or *.txt files>' --output={}")
   if cfg.path:
     for split in (cfg.train_split, cfg.eval_split):
       shards = data.c4_shards(cfg.path, split, cfg.name)

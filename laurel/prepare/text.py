@@ -1,8 +1,9 @@
 """Your own documents, ready to train on in one command: ArrayRecord shards and a SentencePiece vocabulary.
 
-  python scripts/prepare_text.py --input='~/corpus/*.jsonl.gz' [--input='notes/**/*.txt' ...] --output=data/mine
+  laurel-prepare-text --input='~/corpus/*.jsonl.gz' [--input='notes/**/*.txt' ...] --output=data/mine
       [--vocab_size=16000 | --vocab_path=EXISTING.model] [--text_field=text] [--text_unit=file|line]
       [--validation_fraction=0.02] [--num_shards=N] [--workers=N]
+  python -m laurel.prepare.text ...   # the same
 
 Inputs (globs, local or gs://; ** recurses), each optionally gzipped (.gz): JSON lines (.jsonl, or .json with one
 object per line, as C4's files are), a JSON array (a .json file starting with '['), or text (any other name). A JSON
@@ -33,15 +34,16 @@ import re
 import shlex
 import time
 import unicodedata
+from collections.abc import Sequence
 
-import common  # puts the repo root on sys.path
 import numpy as np
-from absl import app, flags
+from absl import flags
 from etils import epath
 
 from laurel import data
-from laurel.run import console
 from laurel.config_lib import InputError, io_error_reason
+from laurel.prepare import shards
+from laurel.run import console
 from laurel.run.files import write_bytes_atomic, write_text_atomic
 
 PREFIX = 'corpus'  # the loader's data.name for these shards
@@ -50,19 +52,27 @@ MAX_SHARDS = 64  # default --num_shards: one per input file, up to this many
 SPECIAL_AND_BYTE_PIECES = 3 + 256  # pad, eos, unk and byte fallback's 256: SentencePiece's meta pieces
 CHARACTER_COVERAGE = 0.9995  # SentencePiece's: the characters covering this share of the text get pieces of their own
 
-_INPUT = flags.DEFINE_multi_string('input', [], 'Glob of input files (repeatable), local or gs://.')
-_OUTPUT = flags.DEFINE_string('output', None, 'Directory for the shards and the vocabulary (local or gs://).')
-_TEXT_FIELD = flags.DEFINE_string('text_field', 'text', "JSON inputs: the field holding a document's text.")
+FLAGS = flags.FlagValues()  # its own: laurel.prepare.c4 has flags of the same names
+_INPUT = flags.DEFINE_multi_string('input', [], 'Glob of input files (repeatable), local or gs://.', flag_values=FLAGS)
+_OUTPUT = flags.DEFINE_string('output', None, 'Directory for the shards and the vocabulary (local or gs://).',
+                              flag_values=FLAGS)
+_TEXT_FIELD = flags.DEFINE_string('text_field', 'text', "JSON inputs: the field holding a document's text.",
+                                  flag_values=FLAGS)
 _TEXT_UNIT = flags.DEFINE_enum('text_unit', 'file', ['file', 'line'], 'Text inputs: a document per file or per '
-                               'non-empty line.')
-_VALIDATION_FRACTION = flags.DEFINE_float('validation_fraction', 0.02, 'Share of the documents held out.')
-_NUM_SHARDS = flags.DEFINE_integer('num_shards', 0, f'Shards per split; 0 = one per input file, at most {MAX_SHARDS}.')
-_WORKERS = flags.DEFINE_integer('workers', os.cpu_count(), 'Shards written at once (processes).')
-_VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 16000, 'Pieces of the SentencePiece vocabulary to train.')
-_VOCAB_PATH = flags.DEFINE_string('vocab_path', '', 'Use this SentencePiece model instead of training one.')
-_VOCAB_MODEL_TYPE = flags.DEFINE_enum('vocab_model_type', 'unigram', ['unigram', 'bpe'], "SentencePiece's algorithm.")
+                               'non-empty line.', flag_values=FLAGS)
+_VALIDATION_FRACTION = flags.DEFINE_float('validation_fraction', 0.02, 'Share of the documents held out.',
+                                          flag_values=FLAGS)
+_NUM_SHARDS = flags.DEFINE_integer('num_shards', 0, f'Shards per split; 0 = one per input file, at most {MAX_SHARDS}.',
+                                   flag_values=FLAGS)
+_WORKERS = flags.DEFINE_integer('workers', os.cpu_count(), 'Shards written at once (processes).', flag_values=FLAGS)
+_VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 16000, 'Pieces of the SentencePiece vocabulary to train.',
+                                   flag_values=FLAGS)
+_VOCAB_PATH = flags.DEFINE_string('vocab_path', '', 'Use this SentencePiece model instead of training one.',
+                                  flag_values=FLAGS)
+_VOCAB_MODEL_TYPE = flags.DEFINE_enum('vocab_model_type', 'unigram', ['unigram', 'bpe'], "SentencePiece's algorithm.",
+                                      flag_values=FLAGS)
 _VOCAB_SAMPLE_DOCS = flags.DEFINE_integer('vocab_sample_docs', 100_000, 'Train documents the vocabulary learns from '
-                                          '(spread evenly over the split).')
+                                          '(spread evenly over the split).', flag_values=FLAGS)
 
 
 def input_files(patterns: list[str]) -> list[str]:
@@ -116,7 +126,7 @@ def write_shard(job) -> tuple[dict[str, int], float]:
   """Shard i of both splits from its input files; returns the documents per split and the seconds it took."""
   files, root, dests, options = job
   start, counts = time.time(), dict.fromkeys(SPLITS, 0)
-  with common.array_record_shard(dests['train']) as train, common.array_record_shard(dests['validation']) as val:
+  with shards.array_record_shard(dests['train']) as train, shards.array_record_shard(dests['validation']) as val:
     for path in files:
       for i, text in enumerate(documents(path, options['text_field'], options['text_unit'])):
         # Keyed by the path below the inputs' common folder: the same split wherever the corpus lies.
@@ -212,14 +222,14 @@ def check_resumable(out: epath.Path, options: dict):
 
 
 def prepare():
-  common.require(input=_INPUT, output=_OUTPUT)
+  shards.require(_INPUT, _OUTPUT)
   for flag, ok, why in (('workers', _WORKERS.value >= 1, 'at least 1'), ('num_shards', _NUM_SHARDS.value >= 0, '>= 0'),
                         ('validation_fraction', 0 < _VALIDATION_FRACTION.value < 1, 'in (0, 1)'),
                         ('vocab_size', _VOCAB_SIZE.value >= 300 or _VOCAB_PATH.value,
                          'at least 300 (the special and byte pieces take 259)'),
                         ('vocab_sample_docs', _VOCAB_SAMPLE_DOCS.value >= 1, 'at least 1')):
     if not ok:
-      raise InputError(f'--{flag}={flags.FLAGS[flag].value!r}: must be {why}')
+      raise InputError(f'--{flag}={FLAGS[flag].value!r}: must be {why}')
   if _VOCAB_PATH.value and not epath.Path(_VOCAB_PATH.value).exists():
     raise InputError(f'--vocab_path={_VOCAB_PATH.value!r}: no such file')
   if _VOCAB_PATH.value:
@@ -244,14 +254,14 @@ def prepare():
   workers = min(_WORKERS.value, max(len(jobs), 1))
   print(f'{len(files)} input files -> {num_shards} shards per split in {out}: {num_shards - len(jobs)} already '
         f'there; writing {len(jobs)} with {workers} worker{"s" * (workers > 1)}', flush=True)
-  for i, (counts, seconds) in enumerate(common.parallel_map(write_shard, jobs, workers)):
+  for i, (counts, seconds) in enumerate(shards.parallel_map(write_shard, jobs, workers)):
     print(f'[{i + 1}/{len(jobs)}] {counts["train"]:,} train and {counts["validation"]:,} validation documents in '
           f'{seconds:.0f} s', flush=True)
   import grain  # pylint: disable=import-outside-toplevel
-  shards = {split: [os.fspath(out / name) for name in names[split]] for split in SPLITS}
-  counts = {split: len(grain.sources.ArrayRecordDataSource(paths)) for split, paths in shards.items()}
+  written = {split: [os.fspath(out / name) for name in names[split]] for split in SPLITS}
+  counts = {split: len(grain.sources.ArrayRecordDataSource(paths)) for split, paths in written.items()}
   if not sum(counts.values()):  # empty shards would be taken as done by a rerun on good input
-    for path in [*(p for paths in shards.values() for p in paths), os.fspath(out / 'prepare.json')]:
+    for path in [*(p for paths in written.values() for p in paths), os.fspath(out / 'prepare.json')]:
       epath.Path(path).unlink(missing_ok=True)
     raise InputError(f'--input={",".join(_INPUT.value)}: its {len(files)} file{"s" * (len(files) > 1)} hold no '
                      'documents; nothing was kept')
@@ -264,7 +274,7 @@ def prepare():
   if not vocab.exists():
     print(f'training a {_VOCAB_SIZE.value:,}-piece SentencePiece vocabulary on up to {_VOCAB_SAMPLE_DOCS.value:,} '
           'train documents...', flush=True)
-    train_vocab(shards['train'], vocab, _VOCAB_SIZE.value, _VOCAB_MODEL_TYPE.value, _VOCAB_SAMPLE_DOCS.value)
+    train_vocab(written['train'], vocab, _VOCAB_SIZE.value, _VOCAB_MODEL_TYPE.value, _VOCAB_SAMPLE_DOCS.value)
   pieces = read_vocab(vocab, '--vocab_path' if _VOCAB_PATH.value else '--output',
                       f'remove {vocab} and rerun the same command: it trains the vocabulary again')
   write_text_atomic(out / 'prepare.json', json.dumps({**options, 'complete': True}, indent=2) + '\n')
@@ -279,5 +289,14 @@ def prepare():
         flush=True)
 
 
+def main(argv: Sequence[str]) -> int:
+  """The command line `argv` (the program first): 0 when done, 2 with one line for bad input."""
+  return shards.main(FLAGS, argv, prepare, __doc__)
+
+
+def run():  # laurel-prepare-text, python -m laurel.prepare.text
+  shards.run(main)
+
+
 if __name__ == '__main__':
-  app.run(common.main(prepare))
+  run()

@@ -1,6 +1,7 @@
 """Converts C4's released JSON-lines shards to the ArrayRecord shards that laurel's C4 loader reads. No Beam, no TFDS.
 
-  python scripts/prepare_c4.py --input=DIR --output=DIR [--splits=train,validation] [--workers=N]
+  laurel-prepare-c4 --input=DIR --output=DIR [--splits=train,validation] [--workers=N]
+  python -m laurel.prepare.c4 ...   # the same
 
 --input (local or gs://) holds the `en` variant as released (github.com/allenai/c4, also
 huggingface.co/datasets/allenai/c4): `c4-train.NNNNN-of-01024.json.gz` and `c4-validation.NNNNN-of-00008.json.gz`,
@@ -18,19 +19,23 @@ import os
 import re
 import shlex
 import time
+from collections.abc import Sequence
 
-import common  # puts the repo root on sys.path
-from absl import app, flags
+from absl import flags
 from etils import epath
 
 from laurel import data
-from laurel.run import console
 from laurel.config_lib import InputError
+from laurel.prepare import shards
+from laurel.run import console
 
-_INPUT = flags.DEFINE_string('input', None, "Directory of C4's c4-<split>.NNNNN-of-MMMMM.json.gz files.")
-_OUTPUT = flags.DEFINE_string('output', None, 'Directory for the ArrayRecord shards (local or gs://).')
-_SPLITS = flags.DEFINE_list('splits', ['train', 'validation'], 'Splits to convert.')
-_WORKERS = flags.DEFINE_integer('workers', os.cpu_count(), 'Files converted at once (processes).')
+FLAGS = flags.FlagValues()  # its own: laurel.prepare.text has flags of the same names
+_INPUT = flags.DEFINE_string('input', None, "Directory of C4's c4-<split>.NNNNN-of-MMMMM.json.gz files.",
+                             flag_values=FLAGS)
+_OUTPUT = flags.DEFINE_string('output', None, 'Directory for the ArrayRecord shards (local or gs://).',
+                              flag_values=FLAGS)
+_SPLITS = flags.DEFINE_list('splits', ['train', 'validation'], 'Splits to convert.', flag_values=FLAGS)
+_WORKERS = flags.DEFINE_integer('workers', os.cpu_count(), 'Files converted at once (processes).', flag_values=FLAGS)
 
 INPUT_NAME = re.compile(r'c4-(?P<split>[\w-]+)\.(?P<shard>\d+-of-\d+)\.json(\.gz)?')
 
@@ -44,7 +49,7 @@ def shard_name(input_name: str) -> str | None:
 def convert(source: str, dest: str) -> int:
   """One JSON-lines file -> one ArrayRecord shard; returns the number of documents."""
   source, count = epath.Path(source), 0
-  with common.array_record_shard(dest) as writer, source.open('rb') as raw, io.TextIOWrapper(
+  with shards.array_record_shard(dest) as writer, source.open('rb') as raw, io.TextIOWrapper(
       gzip.open(raw) if source.name.endswith('.gz') else raw, encoding='utf-8') as lines:
     for line in lines:
       if line.strip():
@@ -60,7 +65,7 @@ def _convert_job(job):
 
 
 def prepare():
-  common.require(input=_INPUT, output=_OUTPUT)
+  shards.require(_INPUT, _OUTPUT)
   if _WORKERS.value < 1:
     raise InputError(f'--workers={_WORKERS.value}: must be at least 1')
   source, out = epath.Path(_INPUT.value), epath.Path(_OUTPUT.value)
@@ -77,7 +82,7 @@ def prepare():
   workers = min(_WORKERS.value, max(len(jobs), 1))
   print(f'{len(inputs) - len(jobs)} of {len(inputs)} shards already in {out}; converting {len(jobs)} with {workers} '
         f'worker{"s" * (workers > 1)}', flush=True)
-  for i, (path, count, seconds) in enumerate(common.parallel_map(_convert_job, jobs, workers)):
+  for i, (path, count, seconds) in enumerate(shards.parallel_map(_convert_job, jobs, workers)):
     print(f'[{i + 1}/{len(jobs)}] {os.path.basename(path)}: {count:,} documents in {seconds:.0f} s', flush=True)
   print(f'done: {len(inputs)} shards in {out}; train with T5\'s vocabulary (the paper preset\'s data.vocab_path '
         f'and model.vocab_size):\n  {console.python_command()} -m laurel.main --config=c4_ablation:rw_lr '
@@ -86,5 +91,14 @@ def prepare():
         '--config.model.vocab_size=32768', flush=True)
 
 
+def main(argv: Sequence[str]) -> int:
+  """The command line `argv` (the program first): 0 when done, 2 with one line for bad input."""
+  return shards.main(FLAGS, argv, prepare, __doc__)
+
+
+def run():  # laurel-prepare-c4, python -m laurel.prepare.c4
+  shards.run(main)
+
+
 if __name__ == '__main__':
-  app.run(common.main(prepare))
+  run()
