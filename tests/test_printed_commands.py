@@ -23,14 +23,16 @@ DOCS = ['README.md', *sorted(str(p.relative_to(ROOT)) for p in (ROOT / 'docs').g
 # A code block's line is a command when its first word (after NAME=value settings) is one of these; the README's
 # sample run prints `TensorBoard   <command>`.
 PROGRAMS = ('python', 'python3', '.venv/bin/python', 'laurel-train', 'laurel-generate', 'laurel-evaluate',
-            'laurel-lm-eval', 'laurel-prepare-c4', 'laurel-prepare-text', 'tensorboard', '.venv/bin/tensorboard', 'make', 'pip', 'git', 'cd', 'export', 'sbatch',
-            'srun', 'mpirun', 'xpk', 'kubectl', 'gcloud', 'scripts/gpu_check.sh')
+            'laurel-lm-eval', 'laurel-prepare-c4', 'laurel-prepare-text', 'tensorboard', '.venv/bin/tensorboard',
+            'make', 'pip', 'git', 'cd', 'export', 'sbatch', 'srun', 'mpirun', 'xpk', 'kubectl', 'gcloud',
+            'scripts/gpu_check.sh')
 # (pattern, why it is not run here), the first that a command matches; a command that matches none is run.
 SKIPPED = [
     (r'\b(sbatch|srun|mpirun|xpk|kubectl)\b|SLURM_', 'needs a cluster (Slurm, Open MPI, Kubernetes); '
                                                     'tests/test_cluster.py and tests/test_train.py simulate one'),
     (r'\bgcloud\b|launch_tpu\.py|--topology=|_cycles\.py', 'needs a TPU, libtpu or Google Cloud; tests/test_aot.py and '
                                               'tests/test_scripts.py cover them with fakes'),
+    (r'(step|loss)_cycles\.py', 'compiles for a TPU chip with libtpu (tests/test_schedule.py covers the estimate)'),
     (r'gpu.check|--preset=gpu|\.whl|cuda', 'needs an NVIDIA GPU (docs/gpu.md, make gpu-check)'),
     (r'/shared/|~/|my_task|BUCKET|REGISTRY|c4/en|data/mine|runs/mine', 'names your own data, files, bucket or image '
                                                                       '(real C4 among them)'),

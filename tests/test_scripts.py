@@ -1,6 +1,6 @@
 """scripts/: launch_tpu's exact gcloud commands, sweep (print, and a tiny local sweep end to end), the ablation on a
-fake TPU slice (end to end here: tests/test_gpu_preset.py), benchmark, parameter counts (params.py), and the one-off
-investigations in scripts/experiments/."""
+fake TPU slice (end to end here: tests/test_gpu_preset.py), benchmark, parameter counts (params.py), and what is live
+at a compiled step's peak (peak_buffers.py)."""
 import csv
 import importlib.metadata
 import json
@@ -540,29 +540,6 @@ def test_benchmark_decode_counts_every_layer_and_writes_every_key(tmp_path):
 
 
 @pytest.mark.slow
-def test_activations_per_layer_sees_value_residual_keep_no_more_than_baseline(tmp_path):
-  # Value residual carries V_1 through the layer scan; the stack's backward rebuilds it from the final one instead of
-  # saving it at every layer (a scan's own backward: one more activation a layer).
-  out = tmp_path / 'act.json'
-  r = script('experiments/activations_per_layer.py', '--rows=baseline_24,value_residual', '--layers=2,4,6',
-             '--batch=2', '--seq_len=16', f'--out={out}')
-  assert r.returncode == 0, r.stderr[-2000:]
-  rows = {row['name']: row['per_interval'] for row in json.loads(out.read_text())['rows']}
-  for base, value in zip(rows['baseline_24'], rows['value_residual']):  # 2 -> 4 and 4 -> 6 layers
-    assert base > 2  # the measure sees activations at all
-    assert abs(value - base) < 0.1, rows
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize('name', ['activations_per_layer', 'benchmark_checksums', 'maxtext_compare', 'peak_buffers'])
-def test_experiments_run_from_their_folder(name):
-  # scripts/experiments/ is not on the path of the scripts beside it: each finds scripts/common.py itself
-  r = script(f'experiments/{name}.py', '--help')  # absl's --help exits 1, argparse's 0
-  assert r.returncode in (0, 1) and 'Traceback' not in r.stderr, r.stderr[-2000:]
-  assert f'{name}.py' in r.stdout
-
-
-@pytest.mark.slow
 @needs_libtpu
 def test_peak_buffers_lists_the_saved_stacks_of_a_dumped_tpu_step(tmp_path):
   """A step compiled for a slice with an XLA dump; the script finds its buffers, the q, k, v stacks that
@@ -576,13 +553,13 @@ def test_peak_buffers_lists_the_saved_stacks_of_a_dumped_tpu_step(tmp_path):
                       *[f'--config.{k}={v}' for k, v in overrides.items()]],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
-  r = script('experiments/peak_buffers.py', f'--dump={tmp_path}', '--top=50')
+  r = script('peak_buffers.py', f'--dump={tmp_path}', '--top=50')
   assert r.returncode == 0, r.stderr[-3000:]
   packed, live = map(float, re.search(r'temporaries ([\d.]+) GB as packed, of which at most ([\d.]+) GB', r.stdout)
                      .groups())
   assert 0 < live <= packed
   assert len(re.findall(r'\n\s+[\d.]+ GB\s+\d+ x bf16\[3,4,128,32\] ', r.stdout)) >= 1, r.stdout  # q/k/v stacks
-  bad = script('experiments/peak_buffers.py', f'--dump={tmp_path / "none"}')
+  bad = script('peak_buffers.py', f'--dump={tmp_path / "none"}')
   assert bad.returncode != 0 and '--dump=' in bad.stderr
 
 
@@ -639,7 +616,7 @@ def test_peak_buffers_bytes_count_slices_in_place_updates_and_trips(tmp_path):
   write reads the 32-byte row and the index and writes its 16-byte bf16 update (52 B); the loop's test, 9 B. Times 3
   trips, plus the add's 3 x 128 B."""
   (tmp_path / 'module_0001.jit_train_step.after_optimizations.txt').write_text(TINY_HLO)
-  r = script('experiments/peak_buffers.py', f'--dump={tmp_path}', '--bytes')
+  r = script('peak_buffers.py', f'--dump={tmp_path}', '--bytes')
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.startswith('7.71e-07 GB accessed'), r.stdout
   rows = {tuple(line.split()[3:]): float(line.split()[0]) for line in r.stdout.splitlines()[1:]}
@@ -648,7 +625,7 @@ def test_peak_buffers_bytes_count_slices_in_place_updates_and_trips(tmp_path):
   (tmp_path / 'base').mkdir()  # the same program with a loop of 2 trips: each group adds one trip's bytes
   (tmp_path / 'base' / 'module_0001.jit_train_step.after_optimizations.txt').write_text(
       TINY_HLO.replace('constant(3)', 'constant(2)'))
-  r = script('experiments/peak_buffers.py', f'--dump={tmp_path}', '--bytes', f'--base={tmp_path / "base"}')
+  r = script('peak_buffers.py', f'--dump={tmp_path}', '--bytes', f'--base={tmp_path / "base"}')
   assert r.returncode == 0, r.stderr[-3000:]
   added = {tuple(line.split()[3:]): float(line.split()[2]) for line in r.stdout.splitlines()[2:]}
   assert added == {('forward', 'read'): 68e-9, ('backward', 'write'): 52e-9, ('forward', 'compare'): 9e-9,

@@ -3,7 +3,7 @@
   XLA_FLAGS="--xla_dump_to=DUMP --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step" \\
     python -m laurel.main --config=configs/c4_ablation.py:baseline_24 --compile_only --topology=v6e:4x4 \\
     --config.data.name=synthetic
-  python scripts/experiments/peak_buffers.py --dump=DUMP
+  python scripts/peak_buffers.py --dump=DUMP
 
 The TPU compiler packs every temporary into one allocation (its size is the highest offset a buffer reaches). This
 finds the instruction where the most bytes are live at once and lists those buffers, grouped by shape and the jax

@@ -1,8 +1,8 @@
 """The chunked cross-entropy's cost by the TPU compiler's own schedule estimate, on one v6e chip, compile-only.
 
-  .venv/bin/python scripts/experiments/loss_cycles.py                        # the working tree's cross_entropy.py
-  .venv/bin/python scripts/experiments/loss_cycles.py --rev=0c92939 --rev=   # the form before it, then the tree's
-  .venv/bin/python scripts/experiments/loss_cycles.py --chunk=128 --chunk=512
+  .venv/bin/python scripts/loss_cycles.py                        # the working tree's cross_entropy.py
+  .venv/bin/python scripts/loss_cycles.py --rev=0c92939 --rev=   # the form before it, then the tree's
+  .venv/bin/python scripts/loss_cycles.py --chunk=128 --chunk=512
 
 Compiles jax.value_and_grad of cross_entropy.chunked (x and the kernel; the accuracy count as an aux output) for one
 v6e chip, compile-only, at the paper preset's per-chip shape: 32 sequences of 1024 tokens, D=768, the tied

@@ -1,22 +1,18 @@
 """Where a train step's time goes by the TPU compiler's own schedule: one config compiled for a slice on this machine
 (no TPU), its estimated cycles per chip by group and its most expensive instructions, a layer loop's per trip.
 
-  python scripts/experiments/step_cycles.py --config=configs/c4_ablation.py:rw_lr_pa [--topology=v6e:4x4]
+  python scripts/step_cycles.py --config=configs/c4_ablation.py:rw_lr_pa [--topology=v6e:4x4]
       [--top=30] [--save_text=step.hlo] [--config.model.remat=full ...]
 
 Each instruction: cycles per step (per trip × trips), trips, result shape and layout, op_name. laurel.run.schedule
 counts; laurel.run.aot compiles (libtpu).
 """
 
-import pathlib
-import sys
-
+import common  # puts the repo root on sys.path
 from absl import app, flags
 from ml_collections import config_flags
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # scripts/: common
-import common  # noqa: E402  # puts the repo root on sys.path
-from laurel.run import aot  # noqa: E402  # pylint: disable=g-bad-import-order
+from laurel.run import aot
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'A config file and its row, as laurel.main takes it.')
 _TOPOLOGY = flags.DEFINE_string('topology', 'v6e:4x4', 'The slice to compile for.')

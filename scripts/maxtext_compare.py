@@ -1,11 +1,11 @@
 r"""MaxText's train step at Table 5's Baseline-24 shape, compiled by MaxText's own train_compile for a v6e 4x4, beside
 this project's `scripts/benchmark.py --topology=v6e:4x4` rows.
 
-  python scripts/experiments/maxtext_compare.py --maxtext=<MaxText checkout>
+  python scripts/maxtext_compare.py --maxtext=<MaxText checkout>
       --maxtext_python=<python of a venv with its deps>
       [--maxtext_commit=<sha>: where the checkout is no git work tree] [--settings=minimal_dot_product,...]
       [--out=results/maxtext_v6e_4x4.json]
-  python scripts/experiments/maxtext_compare.py --table_only   # the table from the committed JSONs, nothing compiled
+  python scripts/maxtext_compare.py --table_only   # the table from the committed JSONs, nothing compiled
 
 Each setting runs MaxText's `train_compile.main` in a subprocess of MaxText's python (JAX_PLATFORMS=cpu: libtpu's
 compiler on abstract devices, nothing runs) and reads the compiled step's memory_analysis() and cost_analysis().
@@ -62,7 +62,7 @@ SETTINGS = {'minimal_dot_product': ['remat_policy=minimal', 'attention=dot_produ
 TPU_ENV = {'JAX_PLATFORMS': 'cpu', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1', 'TPU_SKIP_MDS_QUERY': '1',
            'TPU_WORKER_HOSTNAMES': 'localhost', 'TPU_ACCELERATOR_TYPE': 'v6e-16'}
 MARK = 'MAXTEXT_COMPARE_RESULT '
-SCHEDULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'laurel', 'run', 'schedule.py')
+SCHEDULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'laurel', 'run', 'schedule.py')
 MATMUL = 8192  # the rate's matmul: bf16 [MATMUL, MATMUL] @ [MATMUL, MATMUL] on one chip
 V6E_HBM_BYTES_PER_S, V6E_CLOCK_HZ = 1638e9, 1.75e9
 # The splash kernels' FLOPs per chip and step: laurel.attention.attention_flops(32, 1024, 12, 64) * LAYERS, i.e. per
@@ -227,7 +227,7 @@ def main() -> None:
   parser.add_argument('--maxtext_python', help="python of a venv with MaxText's dependencies and libtpu")
   parser.add_argument('--maxtext_commit', help="MaxText's commit, where the checkout is no git work tree")
   parser.add_argument('--settings', default=','.join(SETTINGS), help=f'comma-separated, of {", ".join(SETTINGS)}')
-  results = os.path.join(os.path.dirname(__file__), '..', '..', 'results')
+  results = os.path.join(os.path.dirname(__file__), '..', 'results')
   parser.add_argument('--out', default=os.path.join(results, 'maxtext_v6e_4x4.json'))
   parser.add_argument('--table_only', action='store_true', help='print the table from the JSONs, compile nothing')
   args = parser.parse_args()
@@ -242,7 +242,7 @@ def main() -> None:
     git = subprocess.run(['git', '-C', args.maxtext, 'rev-parse', 'HEAD'], capture_output=True, text=True, check=False)
     if not (commit := args.maxtext_commit or os.path.exists(os.path.join(args.maxtext, '.git')) and git.stdout.strip()):
       parser.error(f'--maxtext={args.maxtext}: no git work tree; name its commit with --maxtext_commit')
-    command = ['python', 'scripts/experiments/maxtext_compare.py', '--maxtext=<maxtext>', '--maxtext_python=<python>',
+    command = ['python', 'scripts/maxtext_compare.py', '--maxtext=<maxtext>', '--maxtext_python=<python>',
                *[f'--maxtext_commit={args.maxtext_commit}'] * bool(args.maxtext_commit), f'--settings={args.settings}']
     measure(os.path.abspath(args.maxtext), args.maxtext_python, commit, names, args.out, shlex.join(command))
   table(args.out)
