@@ -6,8 +6,10 @@ import json
 import re
 import statistics
 
-import common  # puts the repo root on sys.path
+import cli  # puts the repo root on sys.path  # noqa: F401
+import launching
 import paper
+import tables
 from etils import epath
 
 from laurel.run import files
@@ -28,7 +30,7 @@ def collect(workdir: epath.Path, rows_in_order, with_paper: bool) -> list[dict]:
 
   rows = []
   for row in rows_in_order:
-    runs = {p.name: common.point_status(p) for p in sorted((workdir / row).glob('seed*'))}
+    runs = {p.name: launching.point_status(p) for p in sorted((workdir / row).glob('seed*'))}
     if not runs:
       continue
     paths = [workdir / row / seed / 'final.json' for seed, status in runs.items() if status == 'done']
@@ -76,7 +78,7 @@ def summarise(rows: list[dict], with_paper: bool) -> list[dict]:
   losses = {r['name']: r['test_losses'] for r in rows}
   for r in rows:
     r['params_m'] = r['params'] / 1e6 if r['params'] is not None else None
-    r['test_loss'], r['test_loss_std'] = common.mean_and_spread(r['test_losses'].values())
+    r['test_loss'], r['test_loss_std'] = tables.mean_and_spread(r['test_losses'].values())
     if with_paper:
       r.update({f'paper_{k}': paper.TABLE5[r['name']][k] for k in KEYS})
   base = next((r for r in rows if r['name'] == BASELINE), None)
@@ -91,7 +93,7 @@ def summarise(rows: list[dict], with_paper: bool) -> list[dict]:
                             if shared else None)
     r['paired_seeds'] = len(shared)
     own = losses[r['name']] if r['name'] != BASELINE else {}  # the reference has no difference of its own
-    r.update(common.paired_columns(own, losses.get(BASELINE, {}), 'test_loss'))
+    r.update(tables.paired_columns(own, losses.get(BASELINE, {}), 'test_loss'))
   return rows
 
 
@@ -130,7 +132,7 @@ def add_evals(workdir: epath.Path, rows):
   for r in rows:
     per_task = {}
     for path in sorted(workdir.glob(f"{r['name']}/seed*/eval_*.json")):
-      if common.point_status(path.parent) == 'done':
+      if launching.point_status(path.parent) == 'done':
         result = json.loads(path.read_text())
         for metric in EVAL_METRICS:
           if metric in result:
@@ -157,10 +159,10 @@ def claim(rows, preset: str) -> str:
   if not intervals:
     found = f'no row has two seeds paired with {BASELINE}, so no interval, and no difference is shown'
   elif resolved:
-    found = (f"the {common.CI_PERCENT} interval of the paired Δ loss against {BASELINE} excludes zero for "
+    found = (f"the {tables.CI_PERCENT} interval of the paired Δ loss against {BASELINE} excludes zero for "
              f"{', '.join(resolved)} only; the other rows are not told apart from it")
   else:
-    found = (f"no row's {common.CI_PERCENT} interval of the paired Δ loss against {BASELINE} excludes zero: no "
+    found = (f"no row's {tables.CI_PERCENT} interval of the paired Δ loss against {BASELINE} excludes zero: no "
              'row is told apart from it')
   return f"{SCALES.get(preset, f'**What this table can claim** ({preset} preset)')}; at this scale {found}."
 
@@ -169,11 +171,11 @@ def markdown(rows, command: str, with_paper: bool, preset: str) -> str:
   ratio = lambda v, digits=3: '—' if v is None else f'{v:.{digits}f}'  # a run resumed at its end times no step
   seeds = lambda r: f"{r['seeds']}" + (f" (failed: {', '.join(r['failed'])})" if r['failed'] else '')
   lines = [claim(rows, preset), '', f'Command: `{command}`', '',
-           f'| row | seeds | params | test loss | Δ loss vs {BASELINE} ({common.CI_PERCENT} CI) | pairs | resolved '
+           f'| row | seeds | params | test loss | Δ loss vs {BASELINE} ({tables.CI_PERCENT} CI) | pairs | resolved '
            '| peak mem (GB) | step (s) | params × | loss × | mem × | step × |', '|---' * 13 + '|']
-  lines += [f"| {r['name']} | {seeds(r)} | {common.integer(r['params'])} "
-            f"| {common.with_spread(r['test_loss'], r['test_loss_std'])} "
-            f"| {' | '.join(common.paired_cells(r, 'test_loss', reference=r['name'] == BASELINE))} "
+  lines += [f"| {r['name']} | {seeds(r)} | {tables.integer(r['params'])} "
+            f"| {tables.with_spread(r['test_loss'], r['test_loss_std'])} "
+            f"| {' | '.join(tables.paired_cells(r, 'test_loss', reference=r['name'] == BASELINE))} "
             f"| {ratio(r['peak_memory_gb'], 4)} | {ratio(r['step_time_s'])} | {ratio(r['params_m_ratio'])} "
             f"| {ratio(r['test_loss_ratio'])} | {ratio(r['peak_memory_gb_ratio'])} | {ratio(r['step_time_s_ratio'])} |"
             for r in rows]
@@ -183,7 +185,7 @@ def markdown(rows, command: str, with_paper: bool, preset: str) -> str:
               + ' |' for r in rows]
   lines += ['', f'× columns are ratios to {BASELINE} in the same table. Test loss is the mean ± sample std over '
             'seeds of the final eval loss on the held-out split (no ± for one seed). Δ loss is paired: each row '
-            f"minus {BASELINE} on the seeds both have (pairs), with the {common.CI_PERCENT} Student-t interval over "
+            f"minus {BASELINE} on the seeds both have (pairs), with the {tables.CI_PERCENT} Student-t interval over "
             'those seeds; resolved: the interval excludes zero (— below two pairs). loss × is the paired ratio. '
             'Peak memory is the compiled train step.'
             + (' eval_<task>_<metric>: laurel.serve.evaluate on the last checkpoint, mean over seeds.' if evals else ''),
@@ -204,7 +206,7 @@ def noise_line(rows) -> str:
   seeds = (f"{BASELINE}'s seed-to-seed std {base['test_loss_std']:.4f}" if base.get('test_loss_std') is not None
            else f'no seed-to-seed std of {BASELINE} (one seed)')
   paired = (f', the paired differences\' std {min(diff_sds):.4f}–{max(diff_sds):.4f}' if diff_sds else '')
-  if not (noise := common.eval_noise([r.get('held_out') for r in rows])):
+  if not (noise := tables.eval_noise([r.get('held_out') for r in rows])):
     return (f'Eval noise: not recorded by these runs (final.json\'s held_out, written since laurel.run.stats); '
             f'{seeds}{paired}.')
   return (f"Eval noise: {noise} (each row's median over its seeds; the same eval set for every run), beside "
@@ -216,7 +218,7 @@ def plot(rows, with_paper: bool, title: str):
   noise); the paired difference to Baseline-24 with its interval; the paper's losses beside them."""
   width = max(4.5, 0.55 * len(rows))  # per panel, so that the rotated row names do not overlap
   panels = 2 + with_paper
-  fig, axes = common.plt.subplots(1, panels, figsize=(width * panels, 4.8), squeeze=False)
+  fig, axes = tables.plt.subplots(1, panels, figsize=(width * panels, 4.8), squeeze=False)
   ours, diffs = axes[0, 0], axes[0, 1]
   for i, seed in enumerate(sorted({s for r in rows for s in r['test_losses']})):
     xs = [j for j, r in enumerate(rows) if seed in r['test_losses']]
@@ -232,7 +234,7 @@ def plot(rows, with_paper: bool, title: str):
   diffs.axhline(0, color='black', linewidth=0.8)
   diffs.set_ylabel(f'Δ test loss vs {BASELINE}')
   titled = [(ours, f'{title}: one line per seed'),
-            (diffs, f'paired Δ and its {common.CI_PERCENT} t-interval over seeds (green: excludes 0)')]
+            (diffs, f'paired Δ and its {tables.CI_PERCENT} t-interval over seeds (green: excludes 0)')]
   if with_paper:  # bars from zero: the difference itself, never a loss on a cut axis
     theirs = axes[0, 2]
     theirs.bar(range(len(rows)), [r['paper_test_loss'] - paper.TABLE5[BASELINE]['test_loss'] for r in rows],
@@ -242,7 +244,7 @@ def plot(rows, with_paper: bool, title: str):
     titled.append((theirs, "the paper's Δ (Table 5, at its scale: 157–179M params, ~10B tokens; one run, no "
                            'interval)'))
   for ax, text in titled:
-    common.fit_title(ax, text)
+    tables.fit_title(ax, text)
     ax.set_xticks(range(len(rows)), [r['name'] for r in rows], rotation=35, ha='right', rotation_mode='anchor')
   fig.tight_layout()
   return fig
@@ -256,13 +258,13 @@ def tables_written(paths) -> str:
 def provenance_recorder(launcher, configs: dict):
   """before(point) for run_points: <run>/provenance.json (the commit, device and corpus) as a run first starts."""
   from laurel.run import metrics_log  # pylint: disable=import-outside-toplevel  # jax: only where needed
-  corpora = {row: common.corpus_fingerprint(config.data) if not launcher.on_slice else None
+  corpora = {row: launching.corpus_fingerprint(config.data) if not launcher.on_slice else None
              for row, config in configs.items()}
 
   def record(point):
     path = point['dir'] / PROVENANCE
     if not path.exists():
-      device = launcher.accelerator if launcher.on_slice else common.local_device_kind()
+      device = launcher.accelerator if launcher.on_slice else launching.local_device_kind()
       files.write_text_atomic(path, json.dumps({'commit': metrics_log.code_commit(), 'device': device,
                                                 'corpus': corpora[point['row']]}) + '\n')
   return record, corpora

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import time
 
-import common  # puts the repo root on sys.path
+import cli  # puts the repo root on sys.path
 from laurel.run import gpu_workarounds  # pylint: disable=g-bad-import-order
 
 if __name__ == '__main__':  # before JAX starts a backend
@@ -44,7 +44,7 @@ from laurel.config_lib import InputError
 BASELINE = 'baseline_24'
 
 _OUT = flags.DEFINE_string('out', '', 'Write the results as JSON here (besides the table on stdout).')
-_TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to measure.')
+_TABLE = flags.DEFINE_enum('table', 'c4_ablation', cli.TABLES, 'configs/<table>.py: whose rows to measure.')
 _ROWS = flags.DEFINE_list('rows', None, "Rows to measure (default: all of the table's); baseline_24 is always added.")
 _PRESET = flags.DEFINE_enum('preset', 'paper', ['paper', 'tiny', 'gpu'], "Preset of the table's config.")
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Global batch (sequences). Default: 1 on CPU, else 32/device.')
@@ -272,7 +272,7 @@ def measure_slice(names) -> dict:
           'shape': shape_of(configs), 'rows': rows}
 
 
-def code_trees(root=common.ROOT) -> str | None:
+def code_trees(root=cli.ROOT) -> str | None:
   """The committed git trees of laurel/ and configs/, what a compiled step depends on; None without git or while
   either has uncommitted changes. Commits elsewhere (results, scripts, docs) leave it as it is."""
   git = lambda *args: subprocess.run(['git', '-C', str(root), *args], capture_output=True, text=True, check=False)
@@ -304,7 +304,7 @@ class KeptRows:
   def add(self, name, config, row):
     if self.path and self.stamp:
       self.rows[self.key(name, config)] = row
-      common.write_json_lines(self.path, [{'key': k, 'row': r} for k, r in self.rows.items()])
+      cli.write_json_lines(self.path, [{'key': k, 'row': r} for k, r in self.rows.items()])
 
   def discard(self):
     if self.path and self.path.exists():
@@ -384,15 +384,15 @@ def peak_flops_per_device() -> float | None:
 
 def write(result, start, table):
   # compile_s of a program read back from the cache is the time to read it.
-  result.update(command=common.command(), wall_s=round(time.time() - start, 1),
+  result.update(command=cli.command(), wall_s=round(time.time() - start, 1),
                 compilation_cache=compile_cache.directory() is not None)
   if jax.process_index() == 0:
     table(result)
     if _OUT.value:
       out = _OUT.value.replace('{device}', hardware.device_slug(result['device']['device_kind']))
-      common.write_json(out, result)
+      cli.write_json(out, result)
       print(f'wrote {out} ({result["wall_s"]:.0f}s)')
 
 
 if __name__ == '__main__':
-  app.run(common.main(main))
+  app.run(cli.main(main))

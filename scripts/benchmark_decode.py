@@ -13,7 +13,7 @@ to Baseline-24. The paper reports LAuReL's prefill and generation latency within
 import statistics
 import time
 
-import common  # puts the repo root on sys.path
+import cli  # puts the repo root on sys.path
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -23,7 +23,7 @@ from laurel.serve import generate
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
-_TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to measure.')
+_TABLE = flags.DEFINE_enum('table', 'c4_ablation', cli.TABLES, 'configs/<table>.py: whose rows to measure.')
 _PRESET = flags.DEFINE_enum('preset', 'paper', ['paper', 'tiny'], "Preset of the table's config.")
 _ROWS = flags.DEFINE_list('rows', None, "Rows (default: all of the table's); baseline_24 is always added.")
 _PROMPT_LEN = flags.DEFINE_integer('prompt_len', 128, 'Tokens per prompt.', lower_bound=1)
@@ -108,7 +108,7 @@ def main():
   for row in out:
     for k in [k for k in row if k != 'name']:
       row[f'{k}_ratio'] = round(row[k] / base[k], 4) if base[k] else None
-  result = {'command': common.command(), 'device': jax.devices()[0].device_kind, 'table': _TABLE.value,
+  result = {'command': cli.command(), 'device': jax.devices()[0].device_kind, 'table': _TABLE.value,
             'preset': _PRESET.value, 'prompt_len': _PROMPT_LEN.value, 'batch': _BATCH.value,
             'new_tokens': _NEW.value, 'rounds': _ROUNDS.value, 'rows': out}
   cols = ('params', 'prefill_s', 'decode_b1_s', f'decode_b{_BATCH.value}_s', 'kv_cache_bytes_b1',
@@ -117,9 +117,9 @@ def main():
   for row in out:
     print(row['name'].ljust(30) + ''.join(f"{row[c]:.4g} ({row[f'{c}_ratio']:.4f})".rjust(26) for c in cols))
   if _OUT.value:
-    common.write_json(_OUT.value, result)
+    cli.write_json(_OUT.value, result)
     print(f'wrote {_OUT.value}')
 
 
 if __name__ == '__main__':
-  app.run(common.main(main))
+  app.run(cli.main(main))

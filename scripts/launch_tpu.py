@@ -34,11 +34,12 @@ import tarfile
 import tempfile
 import time
 
-import common  # puts the repo root on sys.path
+import cli  # puts the repo root on sys.path
 from absl import app, flags
 
 from laurel import config_lib  # noqa: F401  # their flags: --compilation_cache, --mfu
 from laurel.run import compile_cache, cost
+from laurel.run.hardware import parse_accelerator
 
 _ACTION = flags.DEFINE_enum('action', 'train', ['train', 'logs', 'status', 'stop'], 'What to do; see above.')
 _CONFIG = flags.DEFINE_string('config', None, 'configs/<file>.py:<arg>, as for laurel.main.')
@@ -119,14 +120,14 @@ def setup_command(jax_requirement: str, repo_url: str | None, ref: str, install:
 def pack_working_tree(path: str):
   """The files git tracks or would add (not ignored), as they are on disk now, and COMMIT (laurel.train reads it)."""
   from laurel.run import metrics_log  # pylint: disable=import-outside-toplevel  # (see plan)
-  names = subprocess.run(['git', 'ls-files', '-z', '-co', '--exclude-standard'], cwd=common.ROOT, check=True,
+  names = subprocess.run(['git', 'ls-files', '-z', '-co', '--exclude-standard'], cwd=cli.ROOT, check=True,
                          capture_output=True).stdout.decode().split('\0')
   with tempfile.NamedTemporaryFile('w', suffix='.commit') as commit, tarfile.open(path, 'w:gz') as tar:
     commit.write(f'{metrics_log.code_commit() or "unknown"}\n')
     commit.flush()
     tar.add(commit.name, arcname='COMMIT')
-    for name in sorted(n for n in names if n and (common.ROOT / n).is_file()):
-      tar.add(common.ROOT / name, arcname=name)
+    for name in sorted(n for n in names if n and (cli.ROOT / n).is_file()):
+      tar.add(cli.ROOT / name, arcname=name)
 
 
 def _gcloud(verb: str, *extra: str, resource: str = 'tpu-vm') -> list[str]:
@@ -164,12 +165,12 @@ def finished_command() -> list[str]:
   check = ('import sys; from etils import epath; '
            "sys.exit(0 if (epath.Path(sys.argv[1]) / 'final.json').exists() else 1)")
   return ssh(_TPU.value, _ZONE.value, _PROJECT.value, f'cd {REMOTE_DIR} && '
-                    + common.shell_line([REMOTE_PYTHON, '-c', check, _WORKDIR.value]), worker='0')
+                    + cli.shell_line([REMOTE_PYTHON, '-c', check, _WORKDIR.value]), worker='0')
 
 
 def plan() -> list[tuple[str, list[str] | str]]:
   """[(what, command)]: a gcloud argv, or for 'pack' the tarball to write."""
-  common.require(tpu=_TPU, zone=_ZONE)
+  cli.require(tpu=_TPU, zone=_ZONE)
   tpu, zone, project, remote = _TPU.value, _ZONE.value, _PROJECT.value, REMOTE_DIR
   if _ACTION.value == 'logs':
     return [('logs', ssh(tpu, zone, project, f'tail -n 200 -F {remote}/{REMOTE_LOG}', worker='0'))]
@@ -184,18 +185,18 @@ def plan() -> list[tuple[str, list[str] | str]]:
     return [('stop', ssh(tpu, zone, project, f'if [ -f {pid} ]; then kill -TERM "$(cat {pid})" && echo '
                                                      '"$(hostname): stopping (checkpoint, then exit)"; fi'))]
   from laurel import step  # pylint: disable=import-outside-toplevel  # the model stack: logs, status, stop skip it
-  common.require(accelerator=_ACCELERATOR, **({'workdir': _WORKDIR, 'config': _CONFIG} if _TRAIN.value else {}))
-  accel = common.parse_accelerator(_ACCELERATOR.value, _TOPOLOGY.value)
+  cli.require(accelerator=_ACCELERATOR, **({'workdir': _WORKDIR, 'config': _CONFIG} if _TRAIN.value else {}))
+  accel = parse_accelerator(_ACCELERATOR.value, _TOPOLOGY.value)
   steps = create_steps(accel) if _CREATE.value else []
   steps += setup_steps() if _SETUP.value else []
   if _TRAIN.value:
     if accel['hosts'] > 1 and '://' not in _WORKDIR.value:  # each host would write its own checkpoints
       raise config_lib.InputError(f'--workdir={_WORKDIR.value!r}: a local directory, but the {accel["hosts"]} hosts '
                                   f'of {accel["name"]} must share the workdir: use gs://BUCKET/...')
-    spec = common.repo_spec(_CONFIG.value)
+    spec = cli.repo_spec(_CONFIG.value)
     config = config_lib.load(spec, _OVERRIDES)
     typed = step.validate_config(config, accel['chips'], accel['hosts']).config
-    for warning in step.check_overrides(typed, spec, common.override_values(config, _OVERRIDES)):  # as laurel.main
+    for warning in step.check_overrides(typed, spec, cli.override_values(config, _OVERRIDES)):  # as laurel.main
       print(warning, file=sys.stderr, flush=True)
     if _PREFLIGHT.value:  # before any gcloud command: a step that does not fit fails here, not on the slice
       if importlib.util.find_spec('libtpu') is None:  # --dry-run too: the check compiles
@@ -214,7 +215,7 @@ def plan() -> list[tuple[str, list[str] | str]]:
 def execute(what: str, cmd) -> int:
   """Runs (or with --dry-run prints) one step; returns its exit status."""
   print(f'# pack the working tree (git ls-files -co --exclude-standard) into {cmd}' if what == 'pack' else
-        f'# until ACTIVE (polled): {common.shell_line(cmd)}' if what == 'wait' else common.shell_line(cmd), flush=True)
+        f'# until ACTIVE (polled): {cli.shell_line(cmd)}' if what == 'wait' else cli.shell_line(cmd), flush=True)
   if _DRY_RUN.value:
     return 0
   if what == 'pack':
@@ -223,7 +224,7 @@ def execute(what: str, cmd) -> int:
   if what == 'wait':
     while (state := subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()) != 'ACTIVE':
       if state in ('FAILED', 'SUSPENDED'):
-        common.fail(f'queued resource {_TPU.value} is {state}')
+        cli.fail(f'queued resource {_TPU.value} is {state}')
       time.sleep(30)
     return 0
   return subprocess.run(cmd, check=False).returncode
@@ -232,10 +233,10 @@ def execute(what: str, cmd) -> int:
 def watch(steps):
   """Trains until the workdir holds final.json: after a run ends without it (a preemption), reruns it, first
   recreating the VM if it is gone. Bad input (exit 2) and divergence (3) end the watch: a rerun would repeat them."""
-  accel = common.parse_accelerator(_ACCELERATOR.value, _TOPOLOGY.value)
+  accel = parse_accelerator(_ACCELERATOR.value, _TOPOLOGY.value)
   for what, cmd in steps[:-1]:
     if code := execute(what, cmd):
-      common.fail(f'{what} failed (exit {code}): {common.shell_line(cmd)}', code=code)
+      cli.fail(f'{what} failed (exit {code}): {cli.shell_line(cmd)}', code=code)
   for restart in range(_MAX_RESTARTS.value + 1):
     code = execute(*steps[-1])
     if code in (2, 3) or _DRY_RUN.value:
@@ -253,7 +254,7 @@ def watch(steps):
                        resource='queued-resources' if _QUEUED.value else 'tpu-vm')
       for what, cmd in [('delete', delete), *create_steps(accel), *setup_steps()]:
         execute(what, cmd)
-  common.fail(f'gave up after {_MAX_RESTARTS.value} reruns', code=1)
+  cli.fail(f'gave up after {_MAX_RESTARTS.value} reruns', code=1)
 
 
 def launch():
@@ -263,7 +264,7 @@ def launch():
     return
   for what, cmd in steps:
     if (code := execute(what, cmd)) and what != 'state':
-      common.fail(f'{what} failed (exit {code}): {common.shell_line(cmd)}', code=code)
+      cli.fail(f'{what} failed (exit {code}): {cli.shell_line(cmd)}', code=code)
 
 
 def parse_flags(argv):
@@ -273,8 +274,8 @@ def parse_flags(argv):
   try:
     return flags.FLAGS([a for a in argv if not a.startswith('--config.')])
   except flags.Error as e:
-    common.fail(str(e))
+    cli.fail(str(e))
 
 
 if __name__ == '__main__':
-  app.run(common.main(launch), flags_parser=parse_flags)
+  app.run(cli.main(launch), flags_parser=parse_flags)

@@ -10,7 +10,7 @@ adds to the config's baseline row (beside the paper's figure), and its LAuReL pa
 
 import json
 
-import common  # puts the repo root on sys.path
+import cli  # puts the repo root on sys.path
 import jax
 import paper
 from absl import app, flags
@@ -101,4 +101,4 @@ def main():
 
 
 if __name__ == '__main__':
-  app.run(common.main(main), flags_parser=config_lib.parse_flags)
+  app.run(cli.main(main), flags_parser=config_lib.parse_flags)

@@ -46,8 +46,10 @@ log-likelihood for multiple choice.
 import json
 import os
 
+import cli  # puts the repo root on sys.path
 import ablation_table
-import common  # puts the repo root on sys.path
+import launching
+import tables
 from absl import app, flags
 from ablation_table import collect, from_json, markdown, plot
 from etils import epath
@@ -56,7 +58,7 @@ from laurel import config_lib
 from laurel.serve import evaluate
 from laurel.config_lib import InputError
 
-_TABLE = flags.DEFINE_enum('table', 'c4_ablation', common.TABLES, 'configs/<table>.py: whose rows to train.')
+_TABLE = flags.DEFINE_enum('table', 'c4_ablation', cli.TABLES, 'configs/<table>.py: whose rows to train.')
 _PRESET = flags.DEFINE_enum('preset', 'tiny', ['tiny', 'gpu', 'paper'], "Preset of the table's config.")
 _SEEDS = flags.DEFINE_integer('seeds', 2, 'Seeds per row.')
 _FIRST_SEED = flags.DEFINE_integer('first_seed', 0, 'The first seed: seeds --first_seed, +1, ... (--seeds of them), so '
@@ -76,14 +78,14 @@ _FROM_JSON = flags.DEFINE_list('from_json', None, "Only recompute a table's stat
                                'tables of different corpora are refused.')
 _EVALUATE = flags.DEFINE_multi_string('evaluate', [], "A laurel.serve.evaluate task for every finished run (repeatable).")
 _TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for --evaluate's TFDS tasks.")
-_LAUNCH = common.define_launch_flags()
+_LAUNCH = launching.define_launch_flags()
 
 
 def evaluate_runs(workdir: epath.Path, rows_in_order):
   """Scores each finished run on the --evaluate tasks it has no eval_<task>.json for."""
   for run in (p for row in rows_in_order for p in sorted((workdir / row).glob('seed*'))):
     todo = [t for t in _EVALUATE.value if not (run / f'eval_{evaluate.task_name(t)}.json').exists()]
-    if todo and common.point_status(run) == 'done':
+    if todo and launching.point_status(run) == 'done':
       print(f'= evaluate {run}: {", ".join(todo)}', flush=True)
       for result in evaluate.evaluate_run(str(run), todo, tfds_data_dir=_TFDS_DATA_DIR.value):
         print(json.dumps(result), flush=True)
@@ -95,13 +97,13 @@ def restate(table: str, all_rows, with_paper: bool):
   if unknown := [r['name'] for r in rows if r['name'] not in all_rows]:
     raise InputError(f'--from_json={_FROM_JSON.value[0]}: row {unknown[0]!r} is not in --table={table}')
   out = epath.Path(_OUT.value or epath.Path(_FROM_JSON.value[0]).parent)
-  common.hold_folder(out, 'out')
+  launching.hold_folder(out, 'out')
   preset = result.get('preset') or ablation_table.preset_of(result['command'], _PRESET.default)
-  stem, command, reruns = f'{table}_{preset}', common.command(), result.get('reruns', [])
+  stem, command, reruns = f'{table}_{preset}', cli.command(), result.get('reruns', [])
   text = markdown(rows, result['command'], with_paper, preset)
   text += ''.join(f"\nSeeds of rows {', '.join(r['rows'])} from: `{r['command']}`\n" for r in reruns)
   text += f'\nStatistics recomputed from the JSON: `{command}`\n'
-  written = common.write_results(out, stem, {'command': result['command'], 'preset': preset, 'reruns': reruns,
+  written = tables.write_results(out, stem, {'command': result['command'], 'preset': preset, 'reruns': reruns,
                                              'statistics_command': command, 'rows': rows}, rows, text,
                                  plot(rows, with_paper, f'{table}, this repo ({preset} preset)'))
   print(text + ablation_table.tables_written(written))
@@ -117,36 +119,36 @@ def reproduce():
     return
   if _SEEDS.value < 1 or _FIRST_SEED.value < 0:
     raise InputError(f'--seeds={_SEEDS.value} --first_seed={_FIRST_SEED.value}: give 1 or more seeds from 0 or more')
-  launcher, preset = common.Launcher(_LAUNCH), _PRESET.value
+  launcher, preset = launching.Launcher(_LAUNCH), _PRESET.value
   table_sets = [*([f'data.path={_DATA_PATH.value}'] if _DATA_PATH.value else []), *_SET.value]
-  if preset == 'paper' and 'data.path' not in map(common.override_field, table_sets) and not _COLLECT_ONLY.value:
+  if preset == 'paper' and 'data.path' not in map(cli.override_field, table_sets) and not _COLLECT_ONLY.value:
     raise InputError("--data_path is required with --preset=paper: the folder of C4 shards that "
                      "python -m laurel.prepare.c4 writes (docs/data.md), e.g. --data_path=gs://BUCKET/c4")
   specs = {row: config_lib.resolve_spec(f'{table}:{row},preset={preset}') for row in chosen}
-  sets = {row: common.sets_that_apply(spec, table_sets) for row, spec in specs.items()}
+  sets = {row: launching.sets_that_apply(spec, table_sets) for row, spec in specs.items()}
   # A bad --set, or a batch the devices cannot take, fails here, before anything runs.
   configs = {row: launcher.load(spec, sets[row]) for row, spec in specs.items()}
   for task in _EVALUATE.value:
     evaluate.check_task(task)
   workdir = epath.Path(_WORKDIR.value or f'runs/{table}_{preset}')  # local or gs://
-  out, stem, command = epath.Path(_OUT.value or workdir), f'{table}_{preset}', common.command()
+  out, stem, command = epath.Path(_OUT.value or workdir), f'{table}_{preset}', cli.command()
   title = f'{table}, this repo ({preset} preset)'
   written = []
 
   def write_tables():
     if rows := collect(workdir, all_rows, with_paper):
-      written[:] = common.write_results(out, stem, {'command': command, 'preset': preset, 'rows': rows}, rows,
+      written[:] = tables.write_results(out, stem, {'command': command, 'preset': preset, 'rows': rows}, rows,
                                         markdown(rows, command, with_paper, preset), plot(rows, with_paper, title))
     return rows
 
   seeds = [] if _COLLECT_ONLY.value else range(_FIRST_SEED.value, _FIRST_SEED.value + _SEEDS.value)
   # Seed-major, so that every row has a first seed early. Every row of a seed has its data order (config.seed).
   points = [{'name': f'{row}/seed{seed}', 'row': row, 'dir': workdir / row / f'seed{seed}', 'config': specs[row],
-             'overrides': common.config_flags([f'seed={seed}', *sets[row]])} for seed in seeds for row in chosen]
+             'overrides': cli.config_flags([f'seed={seed}', *sets[row]])} for seed in seeds for row in chosen]
   record = lambda point: None
   if launcher.launch != 'print' or _COLLECT_ONLY.value:  # it writes: one script at a time in these folders
     for folder, flag in {os.fspath(out): 'out', os.fspath(workdir): 'workdir'}.items():
-      common.hold_folder(folder, flag)
+      launching.hold_folder(folder, flag)
     record, corpora = ablation_table.provenance_recorder(launcher, configs)
     ablation_table.check_corpora(workdir, corpora)
   failed = launcher.run(points, 'train.log', write_tables, record)
@@ -157,8 +159,8 @@ def reproduce():
   if write_tables():
     print((out / f'{stem}.md').read_text() + ablation_table.tables_written(written))
   if failed:
-    common.fail(f'{len(failed)} run(s) failed: {", ".join(failed)}', code=1)
+    cli.fail(f'{len(failed)} run(s) failed: {", ".join(failed)}', code=1)
 
 
 if __name__ == '__main__':
-  app.run(common.main(reproduce))
+  app.run(cli.main(reproduce))

@@ -8,7 +8,9 @@ Each instruction: cycles per step (per trip × trips), trips, result shape and l
 counts; laurel.run.aot compiles (libtpu).
 """
 
-import common  # puts the repo root on sys.path
+import sys
+
+import cli  # puts the repo root on sys.path
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -56,4 +58,4 @@ def main():
 
 
 if __name__ == '__main__':
-  app.run(common.main(main))
+  app.run(cli.main(main))

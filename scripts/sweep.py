@@ -30,8 +30,10 @@ import math
 import re
 import statistics
 
-import common  # puts the repo root on sys.path
+import cli  # puts the repo root on sys.path
+import launching
 import numpy as np
+import tables
 from absl import app, flags
 from etils import epath
 
@@ -49,7 +51,7 @@ _SET = flags.DEFINE_multi_string('set', [], '<field>=<value> override for every 
 _COLLECT_ONLY = flags.DEFINE_bool('collect_only', False, 'Only collect finished points into the results.')
 _REFERENCE = flags.DEFINE_string('reference', None, 'The values (one per --field, comma-separated) of the point every '
                                  'other is compared with on the same seeds; default: the first.')
-_LAUNCH = common.define_launch_flags()
+_LAUNCH = launching.define_launch_flags()
 
 
 def parse_grid(fields, values) -> dict[str, list[str]]:
@@ -68,7 +70,7 @@ def parse_grid(fields, values) -> dict[str, list[str]]:
 
 def check_fields(config_spec: str, fields, sets) -> None:
   """A one-line InputError for a --field the config lacks, naming the field most like it."""
-  known = config_lib.dotted_fields(config_lib.load(config_spec, common.config_flags(sets)))
+  known = config_lib.dotted_fields(config_lib.load(config_spec, cli.config_flags(sets)))
   for f in fields:
     if f not in known:
       raise InputError(f'--field={f}: unknown config field{config_lib.did_you_mean(f, {k: k for k in known})}')
@@ -83,7 +85,7 @@ def plan_points(workdir: str, config_spec: str, grid: dict, seeds, sets, launche
     values = dict(zip(grid, combination))
     for seed in (seeds or [None]):
       seed_part = [] if seed is None else [f'seed={seed}']
-      overrides = common.config_flags([*sets, *(f'{f}={v}' for f, v in values.items()), *seed_part])
+      overrides = cli.config_flags([*sets, *(f'{f}={v}' for f, v in values.items()), *seed_part])
       config = json.loads(launcher.load(config_spec, overrides).to_json_best_effort())
       name = re.sub(r'[^\w.,=+-]', '_', ','.join([*(f'{f.split(".")[-1]}={v}' for f, v in values.items()),
                                                   *seed_part]))
@@ -121,7 +123,7 @@ def collect(points, fields: list[str], metric: str) -> dict:
   over its runs."""
   rows, best = [], f'best_{metric}'
   for p in points:
-    row = {**p['values'], 'seed': p['seed'], 'point': p['name'], 'status': common.point_status(p['dir'])}
+    row = {**p['values'], 'seed': p['seed'], 'point': p['name'], 'status': launching.point_status(p['dir'])}
     if row['status'] == 'done':
       final = json.loads((p['dir'] / 'final.json').read_text())
       row.update({metric: final.get(metric), best: best_evaluation(p['dir'], metric, final.get(metric))})
@@ -140,8 +142,8 @@ def collect(points, fields: list[str], metric: str) -> dict:
     group = [r for r in done if all(r[f] == v for f, v in values) and r.get(metric) is not None]
     entry = {**dict(values), 'runs': len(group), 'reference': values == reference}
     for key in (metric, best):
-      entry[key], entry[f'{key}_std'] = common.mean_and_spread(r[key] for r in group if r.get(key) is not None)
-    entry.update(common.paired_columns(by_seed(values), by_seed(reference), metric))
+      entry[key], entry[f'{key}_std'] = tables.mean_and_spread(r[key] for r in group if r.get(key) is not None)
+    entry.update(tables.paired_columns(by_seed(values), by_seed(reference), metric))
     for key in ('params', 'median_step_time_s'):
       xs = [r[key] for r in group if isinstance(r.get(key), (int, float))]
       entry[key] = statistics.median(xs) if xs else None
@@ -171,7 +173,7 @@ def reference_combination(combinations: list[tuple], fields: list[str]) -> tuple
 
 def markdown(result: dict) -> str:
   def fmt(x, std=None):
-    text = ('–' if x is None else common.integer(x) if isinstance(x, int) else f'{x:.4f}' if isinstance(x, float)
+    text = ('–' if x is None else tables.integer(x) if isinstance(x, int) else f'{x:.4f}' if isinstance(x, float)
             else str(x))
     return text + ('' if std is None else f' ± {std:.4f}')
   fields, metric, best = result['fields'], result['metric'], f'best_{result["metric"]}'
@@ -180,15 +182,15 @@ def markdown(result: dict) -> str:
   lines = [f'# Sweep of {" × ".join(f"`{f}`" for f in fields)}: `{result["config"]}`', '',
            f'`{metric}` (final evaluation) and `{best}` (best evaluation of the run), mean ± std over runs (no ± for '
            f'one run). Δ: `{metric}` minus the reference point\'s ({reference}) on the same seeds, with the '
-           f'{common.CI_PERCENT} Student-t interval over those seeds (pairs); resolved: the interval excludes zero.'
+           f'{tables.CI_PERCENT} Student-t interval over those seeds (pairs); resolved: the interval excludes zero.'
            + (f' Overrides: {", ".join(f"`{s}`" for s in result["set"])}.' if result['set'] else ''), '',
-           f'| {head} | runs | {metric} | Δ {metric} ({common.CI_PERCENT} CI) | pairs | resolved | {best} | params '
+           f'| {head} | runs | {metric} | Δ {metric} ({tables.CI_PERCENT} CI) | pairs | resolved | {best} | params '
            '| step (s) |', '|---' * (len(fields) + 8) + '|']
   lines += [f'| {" | ".join(s[f] for f in fields)} | {s["runs"]} | {fmt(s[metric], s[metric + "_std"])} '
-            f'| {" | ".join(common.paired_cells(s, metric, reference=s["reference"]))} '
+            f'| {" | ".join(tables.paired_cells(s, metric, reference=s["reference"]))} '
             f'| {fmt(s[best], s[best + "_std"])} | {fmt(s["params"])} | {fmt(s["median_step_time_s"])} |'
             for s in result['summary']]
-  if noise := common.eval_noise([r.get('held_out') for r in result['points']]):
+  if noise := tables.eval_noise([r.get('held_out') for r in result['points']]):
     lines += ['', f'Eval noise: {noise} (over the points\' runs).']
   lines += ['', f'| point | status | {metric} |', '|---|---|---|']
   lines += [f'| {r["point"]} | {r["status"]} | {fmt(r.get(metric))} |' for r in result['points']]
@@ -202,7 +204,7 @@ def plot(result: dict):
   key = result['metric'] if result['reduce'] == 'final' else f'best_{result["metric"]}'
   label = key.replace('best_', 'best ')
   summary = [s for s in result['summary'] if s[key] is not None]
-  fig, ax = common.plt.subplots(figsize=(5, 3.5) if len(fields) == 1 else (6, 4.5))
+  fig, ax = tables.plt.subplots(figsize=(5, 3.5) if len(fields) == 1 else (6, 4.5))
   if len(fields) == 1:
     values, runs = grid[fields[0]], {s['runs'] for s in summary}
     ax.errorbar([values.index(s[fields[0]]) for s in summary], [s[key] for s in summary],
@@ -228,19 +230,19 @@ def plot(result: dict):
       image = ax.imshow(np.where(np.isnan(cells), np.nan, 0.0), cmap='Greys', aspect='auto', vmin=0.0, vmax=1.0)
     for (i, j), value in np.ndenumerate(cells):  # black or white text, whichever contrasts more with the cell
       shade = image.get_array()[i, j]
-      light = np.isnan(value) or common.luminance(image.cmap(image.norm(shade))) > common.EQUAL_CONTRAST_LUMINANCE
+      light = np.isnan(value) or tables.luminance(image.cmap(image.norm(shade))) > tables.EQUAL_CONTRAST_LUMINANCE
       ax.text(j, i, '–' if np.isnan(value) else f'{value:.4f}', ha='center', va='center', fontsize=8,
               color='black' if light else 'white')
     ax.set(xticks=range(len(xs)), xticklabels=xs, xlabel=x_field, yticks=range(len(ys)), yticklabels=ys,
            ylabel=y_field)
   title = result['config'].split('/')[-1]
   if len(fields) > 1:
-    eval_noise = f" (the eval's own {common.CI_PERCENT} interval is {noise:.4f} wide)" if noise else ''
-    title += (f': the colours span at least {noise:.4f}, the widest {common.CI_PERCENT} interval of a Δ (the noise), '
+    eval_noise = f" (the eval's own {tables.CI_PERCENT} interval is {noise:.4f} wide)" if noise else ''
+    title += (f': the colours span at least {noise:.4f}, the widest {tables.CI_PERCENT} interval of a Δ (the noise), '
               'so cells of one colour are not told apart' if paired else
               f': no interval of a Δ (it needs two seeds or more per point){eval_noise}, so the cells are not '
               'coloured by rank; --seeds=0,1,2 gives intervals')
-  common.fit_title(ax, title, fontsize=8)
+  tables.fit_title(ax, title, fontsize=8)
   fig.tight_layout()
   return fig
 
@@ -259,27 +261,27 @@ def colour_noise(result: dict) -> tuple[float | None, bool]:
 
 
 def sweep():
-  common.require(config=_CONFIG, field=_FIELD, values=_VALUES, workdir=_WORKDIR)
-  launcher, grid = common.Launcher(_LAUNCH), parse_grid(_FIELD.value, _VALUES.value)
+  cli.require(config=_CONFIG, field=_FIELD, values=_VALUES, workdir=_WORKDIR)
+  launcher, grid = launching.Launcher(_LAUNCH), parse_grid(_FIELD.value, _VALUES.value)
   points = plan_points(_WORKDIR.value, _CONFIG.value, grid, _SEEDS.value, _SET.value, launcher)
   reference_combination(combinations_of(points), list(grid))  # a bad --reference fails before anything runs
   if launcher.launch == 'print' and not _COLLECT_ONLY.value:  # the commands only; nothing is read or written
     launcher.run(points, 'sweep.log')
     return
-  common.hold_folder(_WORKDIR.value, 'workdir')  # one sweep at a time in a workdir
+  launching.hold_folder(_WORKDIR.value, 'workdir')  # one sweep at a time in a workdir
   if not _COLLECT_ONLY.value:
     for point in points:
       check_not_another_run(point)
     launcher.run(points, 'sweep.log')
   result = collect(points, list(grid), _METRIC.value)
-  common.write_results(_WORKDIR.value, 'sweep', result, result['points'], markdown(result), plot(result))
+  tables.write_results(_WORKDIR.value, 'sweep', result, result['points'], markdown(result), plot(result))
   counts = {s: sum(r['status'] == s for r in result['points']) for s in ('done', 'partial', 'failed', 'missing')}
   print(f'collected {len(points)} points ({", ".join(f"{n} {s}" for s, n in counts.items() if n)}) into '
         f'{_WORKDIR.value}/sweep.{{csv,json,md,png}}', flush=True)
   if counts['failed']:
-    common.fail(f'{counts["failed"]} point(s) failed: '
+    cli.fail(f'{counts["failed"]} point(s) failed: '
                 f'{", ".join(r["point"] for r in result["points"] if r["status"] == "failed")}', code=1)
 
 
 if __name__ == '__main__':
-  app.run(common.main(sweep))
+  app.run(cli.main(sweep))

@@ -131,16 +131,17 @@ def test_a_kill_inside_the_final_write_leaves_a_run_that_finishes(tmp_path, torn
 
 def test_a_kill_inside_a_table_write_keeps_the_old_table(tmp_path, torn_writes):
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  import common  # pylint: disable=import-outside-toplevel
+  import cli  # pylint: disable=import-outside-toplevel
+  import tables  # pylint: disable=import-outside-toplevel
   rows = [{'row': 'rw', 'loss': 3.0}]
-  common.write_results(tmp_path, 'sweep', {'rows': rows}, rows, '| rw | 3.0 |\n', plt.figure())
-  common.write_json(tmp_path / 'bench.json', {'rows': rows})
+  tables.write_results(tmp_path, 'sweep', {'rows': rows}, rows, '| rw | 3.0 |\n', plt.figure())
+  cli.write_json(tmp_path / 'bench.json', {'rows': rows})
   before = _files(tmp_path)
   torn_writes('sweep.json', 'sweep.csv', 'sweep.md', 'bench.json')
   with pytest.raises(KeyboardInterrupt):
-    common.write_results(tmp_path, 'sweep', {'rows': []}, [], '', plt.figure())
+    tables.write_results(tmp_path, 'sweep', {'rows': []}, [], '', plt.figure())
   with pytest.raises(KeyboardInterrupt):
-    common.write_json(tmp_path / 'bench.json', {'rows': []})
+    cli.write_json(tmp_path / 'bench.json', {'rows': []})
   assert _files(tmp_path) == before
 
 

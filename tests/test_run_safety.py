@@ -167,14 +167,14 @@ def test_only_bad_input_is_a_one_line_error(module, error, bad_input):
 
 def test_scripts_turn_only_bad_input_into_one_line():
   sys.path.insert(0, str(ROOT / 'scripts'))
-  import common  # pylint: disable=import-outside-toplevel
+  import cli  # pylint: disable=import-outside-toplevel
   def raise_(error):
     raise error
   with pytest.raises(SystemExit) as exit_info:
-    common.main(lambda: raise_(config_lib.InputError('--x=1: bad')))(['script'])
+    cli.main(lambda: raise_(config_lib.InputError('--x=1: bad')))(['script'])
   assert exit_info.value.code == 2
   with pytest.raises(ValueError, match='a library bug'):
-    common.main(lambda: raise_(ValueError('a library bug')))(['script'])
+    cli.main(lambda: raise_(ValueError('a library bug')))(['script'])
   with pytest.raises(config_lib.InputError):  # every validator raises the dedicated type
     step.validate_config(load_config(SPEC, {**TINY_LM, 'steps': 0}), num_devices=1)
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, fake_gcs_env, needs_libtpu
+from laurel.run.hardware import parse_accelerator
 
 sys.path.insert(0, str(ROOT / 'scripts'))
-import common  # noqa: E402  (scripts/common.py)
 
 # TINY_LM as --set overrides, smaller still: the sweep runs laurel.main once per point.
 TINY_SETS = {'model.d_model': 32, 'model.num_heads': 4, 'model.d_ff': 64, 'model.num_layers': 2,
@@ -170,16 +170,16 @@ def test_launch_tpu_preflight_compiles_for_the_slice_before_any_gcloud_command()
 
 
 def test_accelerator_names():
-  assert {k: common.parse_accelerator('v6e-16')[k] for k in ('chips', 'hosts', 'topology')} == {
+  assert {k: parse_accelerator('v6e-16')[k] for k in ('chips', 'hosts', 'topology')} == {
       'chips': 16, 'hosts': 4, 'topology': '4x4'}
-  assert common.parse_accelerator('v5e-8')['create_flags'] == ['--accelerator-type=v5litepod-8']
-  assert common.parse_accelerator('v5litepod-8')['hosts'] == 1
-  assert {k: common.parse_accelerator('v4-32')[k] for k in ('chips', 'hosts', 'topology')} == {
+  assert parse_accelerator('v5e-8')['create_flags'] == ['--accelerator-type=v5litepod-8']
+  assert parse_accelerator('v5litepod-8')['hosts'] == 1
+  assert {k: parse_accelerator('v4-32')[k] for k in ('chips', 'hosts', 'topology')} == {
       'chips': 16, 'hosts': 4, 'topology': '2x2x4'}
-  assert common.parse_accelerator('v4-16', '1x2x4')['create_flags'] == ['--type=v4', '--topology=1x2x4']
+  assert parse_accelerator('v4-16', '1x2x4')['create_flags'] == ['--type=v4', '--topology=1x2x4']
   for bad in (('v4-12',), ('v6e-16', '2x8'), ('v4-16', '2x2x4'), ('tpu-v6e-16',), ('v6e:2x8',), ('v6e:3x3',)):
     with pytest.raises(ValueError):
-      common.parse_accelerator(*bad)
+      parse_accelerator(*bad)
 
 
 @pytest.mark.parametrize('topology, accelerator', [('v6e:4x4', ('v6e-16',)), ('v5e:2x4', ('v5litepod-8',)),
@@ -187,10 +187,10 @@ def test_accelerator_names():
                                                    ('v5p:2x2x2', ('v5p-16',))])
 def test_one_spelling_of_a_slice_everywhere(topology, accelerator):
   """The launcher takes the TPU compiler's spelling too; pre-flight and the benchmark take Cloud TPU's (one parser)."""
-  assert common.parse_accelerator(topology) == common.parse_accelerator(*accelerator)
+  assert parse_accelerator(topology) == parse_accelerator(*accelerator)
   with pytest.raises(ValueError, match=r"^--accelerator='v6e:2x8': Cloud TPU has no such v6e slice; 16 chips are "
                                        r'v6e:4x4$'):
-    common.parse_accelerator('v6e:2x8')
+    parse_accelerator('v6e:2x8')
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The tables' statistics and printed forms (scripts/common.py, sweep.py, reproduce_c4_ablation.py): paired
+"""The tables' statistics and printed forms (scripts/tables.py, sweep.py, reproduce_c4_ablation.py): paired
 differences with their intervals and resolved marks, no ± for one seed, integer parameter counts, titles that fit;
 the configs' rows against the paper's tables; the links into results/."""
 import json
@@ -16,7 +16,8 @@ from scripts import paper
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 import ablation_table  # noqa: E402  (scripts/ablation_table.py: reproduce_c4_ablation.py's tables)
-import common  # noqa: E402  (scripts/common.py)
+import launching  # noqa: E402  (scripts/launching.py: where the runs of a table train)
+import tables  # noqa: E402  (scripts/tables.py: the tables' statistics, figures and files)
 
 
 def titles_outside(figure):
@@ -33,34 +34,34 @@ def titles_outside(figure):
 
 def test_paired_columns_and_cells_by_hand():
   # Differences 0.1, 0.2, 0.3 (tests/test_stats.py's hand case): [-0.0484, +0.4484], not resolved.
-  row = common.paired_columns({'seed0': 2.1, 'seed1': 2.7, 'seed2': 3.3}, {'seed0': 2.0, 'seed1': 2.5, 'seed2': 3.0},
+  row = tables.paired_columns({'seed0': 2.1, 'seed1': 2.7, 'seed2': 3.3}, {'seed0': 2.0, 'seed1': 2.5, 'seed2': 3.0},
                               'test_loss')
   assert row['test_loss_diff_n'] == 3 and not row['test_loss_resolved']
-  assert common.paired_cells(row, 'test_loss') == ['+0.2000 [−0.0484, +0.4484]', '3', 'no']
-  row = common.paired_columns({'a': 0.9, 'b': 0.88, 'c': 0.89}, {'a': 1.0, 'b': 1.0, 'c': 1.0}, 'x')
-  assert common.paired_cells(row, 'x') == ['−0.1100 [−0.1348, −0.0852]', '3', 'yes']
-  one = common.paired_columns({'seed0': 1.5}, {'seed0': 1.25}, 'x')
-  assert common.paired_cells(one, 'x') == ['+0.2500', '1', '—']
-  assert common.paired_cells(common.paired_columns({'s': 1.0}, {}, 'x'), 'x') == ['—', '0', '—']
-  assert common.paired_cells(one, 'x', reference=True) == ['(reference)', '—', '—']
+  assert tables.paired_cells(row, 'test_loss') == ['+0.2000 [−0.0484, +0.4484]', '3', 'no']
+  row = tables.paired_columns({'a': 0.9, 'b': 0.88, 'c': 0.89}, {'a': 1.0, 'b': 1.0, 'c': 1.0}, 'x')
+  assert tables.paired_cells(row, 'x') == ['−0.1100 [−0.1348, −0.0852]', '3', 'yes']
+  one = tables.paired_columns({'seed0': 1.5}, {'seed0': 1.25}, 'x')
+  assert tables.paired_cells(one, 'x') == ['+0.2500', '1', '—']
+  assert tables.paired_cells(tables.paired_columns({'s': 1.0}, {}, 'x'), 'x') == ['—', '0', '—']
+  assert tables.paired_cells(one, 'x', reference=True) == ['(reference)', '—', '—']
 
 
 def test_one_seed_prints_no_spread_and_counts_print_as_integers():
-  assert common.mean_and_spread([2.5]) == (2.5, None)
-  assert common.with_spread(*common.mean_and_spread([2.5])) == '2.5000'
-  assert common.with_spread(*common.mean_and_spread([1.0, 3.0])) == '2.0000 ± 1.4142'
-  assert common.with_spread(None, None) == '—'
-  assert common.integer(1024652.0) == common.integer(1024652) == '1,024,652'
+  assert tables.mean_and_spread([2.5]) == (2.5, None)
+  assert tables.with_spread(*tables.mean_and_spread([2.5])) == '2.5000'
+  assert tables.with_spread(*tables.mean_and_spread([1.0, 3.0])) == '2.0000 ± 1.4142'
+  assert tables.with_spread(None, None) == '—'
+  assert tables.integer(1024652.0) == tables.integer(1024652) == '1,024,652'
 
 
 def test_long_titles_are_wrapped_to_fit_the_figure():
-  fig, axes = common.plt.subplots(1, 2, figsize=(4, 3))
+  fig, axes = tables.plt.subplots(1, 2, figsize=(4, 3))
   for ax in axes:
-    common.fit_title(ax, 'residual_designs, this repo (tiny preset): one line per seed, and a few words more')
+    tables.fit_title(ax, 'residual_designs, this repo (tiny preset): one line per seed, and a few words more')
   fig.tight_layout()
   fig.canvas.draw()
   assert not titles_outside(fig) and '\n' in axes[0].get_title()
-  common.plt.close(fig)
+  tables.plt.close(fig)
 
 
 def sweep_result(tmp_path, seeds):
@@ -166,7 +167,7 @@ def test_reproduce_plot_titles_fit_their_figure():
       fig = ablation_table.plot(rows[:n], with_paper, 'residual_designs, this repo (tiny preset)')
       fig.canvas.draw()
       assert not titles_outside(fig), (path, n, titles_outside(fig))
-      common.plt.close(fig)
+      tables.plt.close(fig)
 
 
 @pytest.mark.slow
@@ -208,16 +209,16 @@ def test_every_link_between_the_docs_and_results_reaches_its_file_and_heading():
 
 
 def test_several_runs_on_one_accelerator_each_get_their_share_of_its_memory(tmp_path, monkeypatch):
-  assert 'XLA_PYTHON_CLIENT_MEM_FRACTION' not in common.child_env(1, {})
-  assert common.child_env(3, {})['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.300'
-  kept = common.child_env(3, {'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'})  # one's own memory setting stays
+  assert 'XLA_PYTHON_CLIENT_MEM_FRACTION' not in launching.child_env(1, {})
+  assert launching.child_env(3, {})['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.300'
+  kept = launching.child_env(3, {'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'})  # one's own memory setting stays
   assert 'XLA_PYTHON_CLIENT_MEM_FRACTION' not in kept and kept['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'
   # What the runs get: each child of a --jobs=2 table writes its environment's share into its folder.
-  for name in common.MEMORY_VARIABLES:
+  for name in launching.MEMORY_VARIABLES:
     monkeypatch.delenv(name, raising=False)
   points = [{'name': f'p{i}', 'dir': epath_of(tmp_path / f'p{i}')} for i in range(2)]
   show = "import os, sys; open(sys.argv[1], 'w').write(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
-  failed = common.run_points(points, 'run.log', lambda p: [sys.executable, '-c', show, str(p['dir'] / 'share')],
+  failed = launching.run_points(points, 'run.log', lambda p: [sys.executable, '-c', show, str(p['dir'] / 'share')],
                              jobs=2)
   assert failed == [] and [(p['dir'] / 'share').read_text() for p in points] == ['0.450', '0.450']
 
@@ -229,13 +230,13 @@ def epath_of(path):
 
 @pytest.mark.parametrize('text, seconds', [('600', 600), ('90s', 90), ('10m', 600), ('1h30m', 5400), ('2h', 7200)])
 def test_time_limits_read_as_seconds_or_durations(text, seconds):
-  assert common.parse_duration(text) == seconds
+  assert launching.parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize('text', ['', 'soon', '10x', '0', '-5'])
 def test_a_bad_time_limit_is_one_line(text):
   with pytest.raises(config_lib.InputError, match=r'^--time_limit=.*: (not a duration|must be more than 0 s)'):
-    common.parse_duration(text)
+    launching.parse_duration(text)
 
 
 # A run that saves on SIGTERM (as laurel.train does), after setting off its table's time limit (SIGALRM to the
@@ -250,7 +251,7 @@ time.sleep(300)
 
 def test_the_time_limit_stops_the_running_point_with_a_checkpoint_and_starts_no_other(tmp_path, capsys):
   points = [{'name': f'p{i}', 'dir': epath_of(tmp_path / f'p{i}')} for i in range(2)]
-  failed = common.run_points(points, 'run.log',
+  failed = launching.run_points(points, 'run.log',
                              lambda p: [sys.executable, '-c', SAVES_ON_SIGTERM, str(p['dir'] / 'checkpoint')],
                              time_limit=600)
   assert failed == [] and (tmp_path / 'p0' / 'checkpoint').read_text() == 'saved'
@@ -262,21 +263,21 @@ def test_a_point_another_process_finished_is_reported_finished_not_failed(tmp_pa
   """The other sweep's run finished the point while this one's attempt was refused (the lease's exit 5) or failed."""
   finish_elsewhere = "import sys, pathlib; pathlib.Path(sys.argv[1]).write_text('{}'); sys.exit(int(sys.argv[2]))"
   points = [{'name': f'p{code}', 'dir': epath_of(tmp_path / f'p{code}')} for code in (5, 1)]
-  failed = common.run_points(points, 'run.log', lambda p: [sys.executable, '-c', finish_elsewhere,
+  failed = launching.run_points(points, 'run.log', lambda p: [sys.executable, '-c', finish_elsewhere,
                                                            str(p['dir'] / 'final.json'), p['name'][1:]])
   out = capsys.readouterr().out
   assert failed == [] and out.count('finished by another process') == 2 and 'failed' not in out
   assert not list(tmp_path.glob('*/failed.json'))
   # A failed.json an earlier attempt left in a point that is finished now goes as the point is skipped.
   (tmp_path / 'p1' / 'failed.json').write_text('{"exit": 1}')
-  assert common.run_points(points, 'run.log', lambda p: ['false']) == []
-  assert not (tmp_path / 'p1' / 'failed.json').exists() and common.point_status(points[1]['dir']) == 'done'
+  assert launching.run_points(points, 'run.log', lambda p: ['false']) == []
+  assert not (tmp_path / 'p1' / 'failed.json').exists() and launching.point_status(points[1]['dir']) == 'done'
 
 
 def test_a_second_script_on_one_folder_is_refused_naming_the_first(tmp_path):
-  common.hold_folder(tmp_path, 'workdir')
+  launching.hold_folder(tmp_path, 'workdir')
   with pytest.raises(config_lib.InputError) as refused:
-    common.hold_folder(tmp_path / '.', 'out')  # another spelling of the folder
+    launching.hold_folder(tmp_path / '.', 'out')  # another spelling of the folder
   message = str(refused.value)
   assert message.startswith(f'--out={tmp_path}: pid {os.getpid()} on ') and message.count('\n') == 0
   assert 'writes there; wait until it ends, or give another --out' in message
@@ -319,7 +320,7 @@ def test_the_papers_bars_start_at_zero_on_an_axis_that_holds_zero(tmp_path):
   gap = paper.TABLE5['baseline_28']['test_loss'] - paper.TABLE5['baseline_24']['test_loss']
   assert heights[1] == pytest.approx(gap)
   assert "the paper's Δ (Table 5, at its scale" in theirs.get_title().replace('\n', ' ')
-  common.plt.close(fig)
+  tables.plt.close(fig)
 
 
 def provenance(seeds, corpus):
@@ -356,7 +357,7 @@ def test_tables_of_several_machines_merge_seed_by_seed_and_refuse_another_corpus
 def test_each_run_records_its_commit_device_and_corpus_and_a_workdir_of_another_corpus_is_refused(tmp_path,
                                                                                                  monkeypatch):
   from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(common, 'local_device_kind', lambda: 'cpu')
+  monkeypatch.setattr(launching, 'local_device_kind', lambda: 'cpu')
   record, corpora = ablation_table.provenance_recorder(SimpleNamespace(on_slice=False),
                                                        {'baseline_24': SimpleNamespace(data=SimpleNamespace(
                                                            name='synthetic', path=''))})
@@ -377,7 +378,7 @@ def test_a_corpus_fingerprint_follows_its_files_names_and_sizes(tmp_path):
   for folder, size in (('a', 10), ('b', 10), ('c', 11)):
     (tmp_path / folder).mkdir()
     (tmp_path / folder / 'one.txt').write_text('x' * size)
-  prints = [common.corpus_fingerprint(SimpleNamespace(name='text', path=f'{tmp_path}/{folder}/*.txt'))
+  prints = [launching.corpus_fingerprint(SimpleNamespace(name='text', path=f'{tmp_path}/{folder}/*.txt'))
             for folder in 'abc']
   assert prints[0] == prints[1] != prints[2] and len(prints[0]) == 16
 
@@ -412,7 +413,7 @@ def test_the_sweep_heatmaps_colours_span_at_least_the_noise():
   assert norm.vmax - norm.vmin == pytest.approx(0.13) and norm.vmin == pytest.approx(3.0)
   title = figure.axes[0].get_title().replace('\n', ' ')
   assert 'the colours span at least 0.1300, the widest 95% interval of a Δ (the noise)' in title
-  common.plt.close(figure)
+  tables.plt.close(figure)
 
 
 def test_a_one_seed_sweep_heatmap_ranks_no_cell_and_says_why():
@@ -436,7 +437,7 @@ def test_a_one_seed_sweep_heatmap_ranks_no_cell_and_says_why():
   assert 'interval of a Δ (the noise)' not in title
   assert title.endswith(": no interval of a Δ (it needs two seeds or more per point) (the eval's own 95% interval is "
                         '0.0039 wide), so the cells are not coloured by rank; --seeds=0,1,2 gives intervals')
-  common.plt.close(figure)
+  tables.plt.close(figure)
 
 
 @pytest.mark.slow

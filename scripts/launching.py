@@ -1,96 +1,30 @@
-"""Helpers shared by the scripts in this folder: error handling, result files, and where a table's runs train
-(here, or on a TPU slice through launch_tpu.py)."""
+"""Where the runs of a table or a sweep train (here, one or more at a time, or on a TPU slice through
+launch_tpu.py), one script at a time in a folder, and what each run trained on (reproduce_c4_ablation.py, sweep.py,
+ablation_table.py)."""
 
 import concurrent.futures
-import csv
 import fcntl
 import functools
 import hashlib
-import io
 import json
 import os
 import pathlib
 import re
-import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 
-import matplotlib
-from absl import flags, logging
-from etils import epath
+import cli  # puts the repo root on sys.path
+from absl import flags
 
-matplotlib.use('Agg')  # figures go to files
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
-  sys.path.insert(0, str(ROOT))
-from laurel import config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.run import console, files, process, stats
-from laurel.run.hardware import parse_accelerator  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
-from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-
-
-def main(body):
-  """absl's main for `body()`: no stray arguments; the CPU where libtpu is installed but no accelerator is present
-  (console.quiet_start: not libtpu's errors on stderr); an InputError (bad input) ends the script as one line
-  `error: ...`; anything else keeps its traceback."""
-  def run(argv):
-    if len(argv) > 1:
-      fail(f'unexpected arguments: {" ".join(argv[1:])}')
-    console.quiet_start()
-    logging.set_verbosity(logging.WARNING)
-    try:
-      body()
-    except config_lib.InputError as e:
-      fail(str(e))
-  return run
-
-
-TABLES = ('c4_ablation', 'residual_designs')  # the LM tables: configs/<table>.py, each with a baseline_24 row
-
-
-def write_json(path: str, result: dict):
-  """`result` as indented JSON at `path` (local or gs://), its directory made as needed."""
-  epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
-  files.write_text_atomic(path, json.dumps(result, indent=2) + '\n')
-
-
-def write_json_lines(path, rows: list[dict]):
-  """`rows` as JSON lines at `path`, written whole (not every filesystem appends)."""
-  files.write_text_atomic(path, ''.join(json.dumps(r) + '\n' for r in rows))
-
-
-def command() -> str:
-  """This script's command line, as typed in the repo root."""
-  return shlex.join(['python', os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
-
-
-def require(**flag_holders):
-  if missing := [name for name, holder in flag_holders.items() if not holder.value]:
-    raise config_lib.InputError(f'--{missing[0]} is required')
-
-
-def config_flags(sets) -> list[str]:
-  """--set values, <field>=<value> (or --config.<field>=<value>), as laurel.main's --config.<field>=<value>."""
-  return [f'--config.{s.removeprefix("--").removeprefix("config.")}' for s in sets]
-
-
-def override_field(override: str) -> str:
-  """The dotted field of <field>=<value> or --config.<field>=<value>."""
-  return override.split('=', 1)[0].removeprefix('--').removeprefix('config.')
-
-
-def override_values(config, overrides) -> dict:
-  """{field: its value in the ConfigDict `config`} of <field>=<value> overrides, as step.check_overrides reads them."""
-  get = lambda dotted: functools.reduce(lambda node, part: node[part], dotted.split('.'), config)
-  return {f: get(f) for f in map(override_field, overrides)}
+from laurel import config_lib
+from laurel.run import files, process
+from laurel.run.hardware import parse_accelerator
+from cli import (ROOT, command, config_flags, fail, override_field, override_values, repo_spec, require, shell_line,
+                 typed)
 
 
 def sets_that_apply(spec: str, sets) -> list[str]:
@@ -102,92 +36,6 @@ def sets_that_apply(spec: str, sets) -> list[str]:
     if override_field(s) in unused:
       print(f'{spec}: --set={s} left out: {unused[override_field(s)]}', file=sys.stderr, flush=True)
   return [s for s in sets if override_field(s) not in unused]
-
-
-# The luminance at which black and white text contrast equally (WCAG 2 contrast ratios, both about 4.6).
-EQUAL_CONTRAST_LUMINANCE = (1.05 * 0.05) ** 0.5 - 0.05
-
-
-def luminance(rgba) -> float:
-  """Relative luminance of an sRGB colour (WCAG 2): 0 black, 1 white."""
-  linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]]
-  return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
-
-
-def write_results(directory, stem: str, result: dict, rows: list[dict], markdown: str, figure) -> list[epath.Path]:
-  """<stem>.json (`result`), .csv (`rows`, the keys whose values are not dicts), .md and .png in `directory`, each
-  replaced whole (laurel.run.files); returns their paths."""
-  directory = epath.Path(directory)  # local or gs://
-  directory.mkdir(parents=True, exist_ok=True)
-  columns = [k for k in dict.fromkeys(k for r in rows for k in r) if not any(isinstance(r.get(k), dict) for r in rows)]
-  table, png = io.StringIO(), io.BytesIO()
-  writer = csv.DictWriter(table, columns, extrasaction='ignore', lineterminator='\n')
-  writer.writeheader()
-  writer.writerows(rows)
-  figure.savefig(png, format='png', dpi=120)
-  plt.close(figure)
-  for suffix, text in (('json', json.dumps(result, indent=2) + '\n'), ('csv', table.getvalue()), ('md', markdown)):
-    files.write_text_atomic(directory / f'{stem}.{suffix}', text)
-  files.write_bytes_atomic(directory / f'{stem}.png', png.getvalue())
-  return [directory / f'{stem}.{suffix}' for suffix in ('md', 'csv', 'json', 'png')]
-
-
-# Statistics and their printed forms, shared by the tables (reproduce_c4_ablation.py, sweep.py).
-CI_PERCENT = f'{stats.LEVEL:.0%}'
-
-
-def paired_columns(values: dict, reference: dict, key: str) -> dict:
-  """<key>_diff (mean of values[s] - reference[s] over the seeds s both have), its t-interval (<key>_diff_low,
-  _high; None below 2 seeds), the seed count <key>_diff_n and <key>_resolved (the interval excludes zero)."""
-  d = stats.paired_difference(values, reference)
-  return {f'{key}_diff': d and d.mean, f'{key}_diff_n': d.n if d else 0, f'{key}_diff_sd': d and d.sd,
-          f'{key}_diff_low': d and d.low, f'{key}_diff_high': d and d.high, f'{key}_resolved': bool(d and d.resolved)}
-
-
-def mean_and_spread(values) -> tuple[float | None, float | None]:
-  """(mean, sample std) of `values`; the std is None below 2 values, so a table prints no ± for one seed."""
-  values = list(values)
-  return (statistics.fmean(values) if values else None), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def with_spread(mean, std, digits: int = 4) -> str:
-  """'2.1728 ± 0.0650', or '2.1728' without a std, '—' without a mean."""
-  return '—' if mean is None else f'{mean:.{digits}f}' + ('' if std is None else f' ± {std:.{digits}f}')
-
-
-def paired_cells(row: dict, key: str, reference: bool = False, digits: int = 4) -> list[str]:
-  """A table's cells for paired_columns: '+0.0012 [−0.0034, +0.0058]' (the mean alone for one seed), the seed
-  count, and 'yes' where the interval excludes zero ('—' without an interval); '(reference)' for the reference."""
-  if reference:
-    return ['(reference)', '—', '—']
-  mean, low, high = (row.get(f'{key}_diff{part}') for part in ('', '_low', '_high'))
-  sign = lambda v: f'{v:+.{digits}f}'.replace('-', '−')
-  diff = '—' if mean is None else sign(mean) + ('' if low is None else f' [{sign(low)}, {sign(high)}]')
-  resolved = '—' if low is None else 'yes' if row[f'{key}_resolved'] else 'no'
-  return [diff, str(row.get(f'{key}_diff_n') or 0), resolved]
-
-
-def integer(value) -> str:
-  """A count as an integer with thousands separators ('1,018,496'), whatever type it was read as."""
-  return '—' if value is None else f'{round(value):,}'
-
-
-def eval_noise(held_out: list[dict]) -> str | None:
-  """The eval set's size and its own noise from the runs' final.json held_out (laurel.train), or None if none has
-  it: 'the eval set is 2,097,152 tokens in 32 batches; the standard error of a run's eval loss over its batches is
-  0.0012–0.0015'."""
-  held_out = [h for h in held_out if (h or {}).get('loss_se') is not None]
-  if not held_out:
-    return None
-  ses, unit = [h['loss_se'] for h in held_out], next(k for k in held_out[0] if k not in ('loss_se', 'batches'))
-  return (f"the eval set is {integer(held_out[0][unit])} {unit} in {integer(held_out[0]['batches'])} batches; the "
-          f"standard error of a run's eval loss over its batches is {min(ses):.4f}–{max(ses):.4f}")
-
-
-def fit_title(ax, title: str, fontsize: float = 10):
-  """The axes' title, wrapped to the width of the axes so that it fits its figure (about 0.6 em a character)."""
-  width_points = ax.get_position().width * ax.figure.get_figwidth() * 72
-  ax.set_title(textwrap.fill(title, max(12, int(width_points / (0.6 * fontsize)))), fontsize=fontsize)
 
 
 # Of one accelerator's memory, the share that the runs training on it at once split between them (--jobs).
@@ -375,15 +223,6 @@ def point_status(point_dir) -> str:
   return next((s for s, n in zip(('done', 'failed', 'partial'), names) if (point_dir / n).exists()), 'missing')
 
 
-def typed(cmd: list[str]) -> list[str]:
-  """A command as one types it in the repo root: `python`, and paths inside the repo relative to it, as arguments
-  or as a --flag's value (a fresh clone elsewhere has them there too)."""
-  def relative(arg):
-    flag, sep, value = arg.partition('=') if arg.startswith('--') else ('', '', arg)
-    return flag + sep + os.path.relpath(value, ROOT) if value.startswith(f'{ROOT}{os.sep}') else arg
-  return ['python' if a == sys.executable else relative(a) for a in cmd]
-
-
 LAUNCH_TPU = str(ROOT / 'scripts' / 'launch_tpu.py')
 
 
@@ -458,20 +297,3 @@ class Launcher:
       if code := subprocess.run(cmd, check=False).returncode:
         fail(f'setting up the slice failed (exit {code}): {shell_line(typed(cmd))}', code=code)
     return run_points(points, log_name, self.command, after, before, self.jobs, self.time_limit)
-
-
-def repo_spec(spec: str) -> str:
-  """A config spec as the TPU hosts can read it: relative to the repository root, or a shipped config's name."""
-  resolved = config_lib.resolve_spec(spec)
-  path, sep, arg = resolved.partition(':')
-  if not os.path.isabs(path):
-    return resolved
-  if not pathlib.Path(path).is_relative_to(ROOT):
-    raise config_lib.InputError(f'--config={spec!r}: outside the repository, so the TPU hosts do not have it')
-  return f'{pathlib.Path(path).relative_to(ROOT)}{sep}{arg}'
-
-
-def shell_line(cmd: list[str]) -> str:
-  """The command as one shell line; --flag=value arguments quote only the value, as one would type them."""
-  return ' '.join(m.group(1) + shlex.quote(m.group(2)) if (m := re.fullmatch(r'(--[\w-]+=)(.*)', arg, re.S))
-                  else shlex.quote(arg) for arg in cmd)
