@@ -6,12 +6,16 @@ import io
 import json
 import os
 import pathlib
+import runpy
 import shutil
 import socket
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
+from absl import flags, logging
+from absl.testing import flagsaver
 
 from conftest import TEST_XLA_FLAGS
 from laurel import config_lib
@@ -126,6 +130,63 @@ def call_main(main, *args) -> tuple[int, str, str]:
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     status = main(['laurel', *map(str, args)])
   return status, out.getvalue(), err.getvalue()
+
+
+def run_script(name: str, *args, cwd=None, env=None) -> subprocess.CompletedProcess:
+  """`python scripts/<name> ARGS` run in this process, for a test of what it prints, writes and exits with, not of its
+  process: the script executed afresh as __main__ (absl parses its flags; a flag of a name that another module
+  defined, sweep.py's and reproduce_c4_ablation.py's --workdir, is put aside meanwhile), its stdout, stderr and exit
+  status captured, in `cwd`; `env` is the environment of what it starts (this process's jax has started already).
+  Its flags, the folders it locked (scripts/launching.py) and absl's verbosity are left as they were."""
+  path, verbosity = ROOT / 'scripts' / name, logging.get_verbosity()
+  out, err, status = io.StringIO(), io.StringIO(), 0
+  if env is not None:
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.devices()  # the backend starts with the suite's devices, whatever XLA_FLAGS `env` gives
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(_flags_of_a_fresh_script(str(path)))
+    stack.enter_context(mock.patch.object(sys, 'argv', [str(path), *map(str, args)]))
+    stack.enter_context(mock.patch.object(sys, 'path', [str(path.parent), *sys.path]))
+    stack.enter_context(mock.patch.dict(os.environ, env or {}, clear=env is not None))
+    stack.enter_context(contextlib.chdir(cwd or ROOT))
+    stack.enter_context(contextlib.redirect_stdout(out))
+    stack.enter_context(contextlib.redirect_stderr(err))
+    held = list(getattr(sys.modules.get('launching'), '_HELD_LOCKS', []))
+    try:
+      runpy.run_path(str(path), run_name='__main__')
+    except SystemExit as e:
+      status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+      logging.set_verbosity(verbosity)
+      if (locks := getattr(sys.modules.get('launching'), '_HELD_LOCKS', None)) is not None:
+        for handle in locks[len(held):]:  # the lock a process holds until it ends: this one goes on
+          handle.close()
+        locks[len(held):] = []
+  return subprocess.CompletedProcess([name, *args], status, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _flags_of_a_fresh_script(script: str):
+  """absl's FLAGS as the process of `script` would have them: the flags it defines, the launch flags
+  (scripts/launching.py) among them, replace those of the same names meanwhile and are removed after; the flags
+  defined before, and their values, come back."""
+  every, saved, displaced = flags.FLAGS, flagsaver.save_flag_values(), {}
+  define = flags.FlagValues.__setitem__
+
+  def displacing(self, name, flag):
+    if self is every and name in every._flags() and name not in displaced:  # pylint: disable=protected-access
+      displaced[name] = every._flags().pop(name)  # pylint: disable=protected-access
+    define(self, name, flag)
+  try:
+    with mock.patch.object(flags.FlagValues, '__setitem__', displacing):
+      yield
+  finally:
+    for module in (script, 'launching'):  # both define their flags again on the next run
+      for flag in list(every.flags_by_module_dict().get(module, [])):
+        if every._flags().get(flag.name) is flag:  # pylint: disable=protected-access
+          delattr(every, flag.name)
+    every._flags().update(displaced)  # pylint: disable=protected-access
+    flagsaver.restore_flag_values({**flagsaver.save_flag_values(), **saved})
 
 
 def metrics(workdir) -> list[dict]:

@@ -256,7 +256,6 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
       f"error: --output='{out}': was prepared with validation_fraction=0.1 (now 0.2); use another --output\n"))
 
 
-@pytest.mark.slow
 def test_prepare_text_after_a_failed_attempt_the_corrected_command_reuses_the_output(tmp_path, sp_model):
   """Two text files of 40 lines: one document per file puts none in validation (refused); the retry with one per line
   writes into the same --output, without the first attempt's shards. A finished output is still never overwritten."""

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, run_script
 from laurel import config_lib
 from scripts import paper
 
@@ -116,7 +116,6 @@ def tiny_table(path, seeds):
   path.write_text(json.dumps({'command': 'python scripts/reproduce_c4_ablation.py --preset=tiny', 'rows': rows}))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize('seeds, row', [
     # baseline_28 - baseline_24 = 0.1, 0.2, 0.3: the hand case, +0.2000 [−0.0484, +0.4484].
     (([2.0, 2.5, 3.0], [2.1, 2.7, 3.3]),
@@ -124,9 +123,7 @@ def tiny_table(path, seeds):
     (([2.0], [1.9]), '| baseline_28 | 1 | 1,182,592 | 1.9000 | −0.1000 | 1 | — |')])
 def test_reproduce_restates_a_tables_json_with_intervals(tmp_path, seeds, row):
   tiny_table(tmp_path / 'c4_ablation_tiny.json', seeds)
-  r = subprocess.run([sys.executable, 'scripts/reproduce_c4_ablation.py',
-                      f'--from_json={tmp_path / "c4_ablation_tiny.json"}'], cwd=ROOT, capture_output=True, text=True,
-                     env=cli_env(), timeout=300)
+  r = run_script('reproduce_c4_ablation.py', f'--from_json={tmp_path / "c4_ablation_tiny.json"}')
   assert r.returncode == 0, r.stderr[-2000:]
   text = (tmp_path / 'c4_ablation_tiny.md').read_text()
   assert row in text and '± 0.0000' not in text and '| baseline_24 | ' in text
@@ -136,7 +133,6 @@ def test_reproduce_restates_a_tables_json_with_intervals(tmp_path, seeds, row):
   assert result['rows'][0]['params'] == 1018496 and 'statistics_command' in result
 
 
-@pytest.mark.slow
 def test_reproduce_replaces_rerun_rows_and_names_their_command(tmp_path):
   """A second table's baseline_28 replaces the first's: its interval is computed against the first's baseline_24,
   and the table names the command that reran it."""
@@ -148,8 +144,7 @@ def test_reproduce_replaces_rerun_rows_and_names_their_command(tmp_path):
                rows=[r for r in rerun['rows'] if r['name'] == 'baseline_28'])
   (tmp_path / 'rerun' / 'c4_ablation_tiny.json').write_text(json.dumps(rerun))
   tables = f'{tmp_path / "c4_ablation_tiny.json"},{tmp_path / "rerun" / "c4_ablation_tiny.json"}'
-  r = subprocess.run([sys.executable, 'scripts/reproduce_c4_ablation.py', f'--from_json={tables}'], cwd=ROOT,
-                     capture_output=True, text=True, env=cli_env(), timeout=300)
+  r = run_script('reproduce_c4_ablation.py', f'--from_json={tables}')
   assert r.returncode == 0, r.stderr[-2000:]
   text = (tmp_path / 'c4_ablation_tiny.md').read_text()
   assert '| baseline_28 | 3 | 1,182,592 | 2.7000 ± 0.6000 | +0.2000 [−0.0484, +0.4484] | 3 | no |' in text, text
@@ -170,11 +165,9 @@ def test_reproduce_plot_titles_fit_their_figure():
       tables.plt.close(fig)
 
 
-@pytest.mark.slow
 def test_sweep_bad_reference_is_one_line_before_anything_runs(tmp_path):
-  r = subprocess.run([sys.executable, 'scripts/sweep.py', '--config=configs/c4_ablation.py:rw_lr,preset=tiny',
-                      '--field=model.laurel.rank', '--values=4,8', '--reference=16', f'--workdir={tmp_path}'],
-                     cwd=ROOT, capture_output=True, text=True, env=cli_env(), timeout=300)
+  r = run_script('sweep.py', '--config=configs/c4_ablation.py:rw_lr,preset=tiny', '--field=model.laurel.rank',
+                 '--values=4,8', '--reference=16', f'--workdir={tmp_path}')
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
       "error: --reference='16': not a point of the grid (give one value per --field, in order, e.g. 4)")
   assert not list(tmp_path.iterdir())
@@ -442,16 +435,16 @@ def test_a_one_seed_sweep_heatmap_ranks_no_cell_and_says_why():
 
 @pytest.mark.slow
 def test_the_paper_preset_needs_its_data_path_and_prints_it_in_every_command():
-  command = [sys.executable, 'scripts/reproduce_c4_ablation.py', '--preset=paper', '--launch=print',
-             '--rows=baseline_24,rw', '--seeds=2', '--first_seed=3']
-  shell = {k: v for k, v in cli_env().items() if k != 'JAX_PLATFORMS'}  # JAX picks its platform, libtpu's included
-  run = lambda *args: subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True, env=shell,
-                                     timeout=300)
-  r = run()
+  """The commands in a subprocess: what a fresh process prints on stderr as JAX picks its platform (not libtpu's
+  noise)."""
+  args = ['--preset=paper', '--launch=print', '--rows=baseline_24,rw', '--seeds=2', '--first_seed=3']
+  r = run_script('reproduce_c4_ablation.py', *args)
   assert r.returncode == 2 and r.stderr.strip().splitlines() == [
       'error: --data_path is required with --preset=paper: the folder of C4 shards that python -m laurel.prepare.c4 '
       'writes (docs/data.md), e.g. --data_path=gs://BUCKET/c4']
-  r = run('--data_path=gs://bucket/c4')
+  shell = {k: v for k, v in cli_env().items() if k != 'JAX_PLATFORMS'}  # JAX picks its platform, libtpu's included
+  r = subprocess.run([sys.executable, 'scripts/reproduce_c4_ablation.py', *args, '--data_path=gs://bucket/c4'],
+                     cwd=ROOT, capture_output=True, text=True, env=shell, timeout=300)
   assert r.returncode == 0 and r.stderr == '', r.stderr[-2000:]  # not libtpu's `E0000 ... INVALID_ARGUMENT` lines
   lines = r.stdout.splitlines()
   assert len(lines) == 4 and all(line.endswith(' --config.data.path=gs://bucket/c4') for line in lines)
