@@ -1,6 +1,6 @@
 """The scripts' shared command line: the repository root on the path, bad input as one line, a command as typed in
-the repository root, --set overrides as laurel.main's --config.<field>=<value>, and JSON result files. Every script
-in this folder imports it first."""
+the repository root, --set overrides as laurel.main's --config.<field>=<value>, and JSON result files. A script that
+uses it imports it before laurel."""
 
 import functools
 import json
