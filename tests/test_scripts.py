@@ -549,7 +549,7 @@ def test_peak_buffers_lists_the_saved_stacks_of_a_dumped_tpu_step(tmp_path):
   overrides = {**{k: v for k, v in TINY_SETS.items() if k.startswith(('model.', 'data.'))}, 'model.remat': 'save_qkv',
                'model.dtype': 'bfloat16', 'data.seq_len': 128, 'batch_size': 16, 'model.num_layers': 3}
   r = subprocess.run([sys.executable, '-m', 'laurel.main', '--config=configs/c4_ablation.py:baseline_24,preset=tiny',
-                      '--compile_only', '--topology=v6e:2x2', '--mfu=0.4',  # --mfu: no roofline compiles to dump
+                      '--compile_only', '--topology=v6e:2x2', '--mfu=0.4',
                       *[f'--config.{k}={v}' for k, v in overrides.items()]],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
