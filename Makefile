@@ -31,7 +31,7 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
-# The inner loop: every test but the slow ones (end to end, or longer than about 4 s; pytest -m slow).
+# The inner loop: every test but the slow ones (end to end, or long: docs/testing.md; pytest -m slow).
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist worksteal -m 'not slow' tests
 

@@ -65,6 +65,7 @@ def _activations_per_layer(row: str, layers=(2, 4, 6), batch=2, seq_len=16) -> l
   return [(t1 - t0) / (n1 - n0) / activation for t0, t1, n0, n1 in zip(temps, temps[1:], layers, layers[1:])]
 
 
+@pytest.mark.slow
 def test_value_residual_keeps_no_more_activations_per_layer_than_baseline():
   # Value residual carries V_1 through the layer scan; the stack's backward rebuilds it from the final one instead of
   # saving it at every layer (a scan's own backward: one more activation a layer, 9.0 against 8.0 at d335885).

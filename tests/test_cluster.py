@@ -149,6 +149,7 @@ def test_a_peer_that_stops_beating_ends_the_run_in_one_line_naming_it(capsys):
                                                  '0.4 s; it died, or its host did. Process 0 ends too'), lines
 
 
+@pytest.mark.slow
 def test_a_peer_that_beats_or_finished_is_never_lost(capsys):
   assert not _watch_until_it_ends(_KeyValueStore(), seconds=1.5)
   store = _KeyValueStore()

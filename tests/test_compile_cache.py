@@ -115,6 +115,7 @@ def test_a_second_run_reads_the_compiled_step_from_the_cache(tmp_path):
   assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.name in entries} == entries  # none rewritten
 
 
+@pytest.mark.slow
 def test_a_resume_reads_the_step_back_unless_steps_changed():
   """What the README says of a resume: the logging, eval and checkpoint cadence leave the compiled step as it was
   (its cache key, the lowered program, the same); another `steps` changes the schedule compiled into it."""

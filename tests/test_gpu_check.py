@@ -61,6 +61,7 @@ def test_gpu_check_takes_only_its_parts():
   assert result.returncode == 2 and result.stderr == 'error: part=everything: must be tests, bench, profile or all\n'
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(gpu_present(), reason='a GPU is here: make gpu-check would run')
 def test_gpu_check_without_a_gpu_is_one_line_and_writes_nothing(tmp_path):
   """A copy of the script in an empty tree, so that whatever it writes (results/versions.log) shows."""

@@ -54,6 +54,7 @@ HOLDER = ('import sys, time\nfrom laurel.run import lease\n'
           'held = lease.Lease(sys.argv[1], heartbeat_s=0.02).acquire()\nprint("held", flush=True)\ntime.sleep(600)\n')
 
 
+@pytest.mark.slow
 def test_a_stopped_holder_on_this_host_is_never_taken_over(tmp_path, capsys):
   child = subprocess.Popen([sys.executable, '-c', HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                            env={**os.environ, 'PYTHONPATH': str(ROOT)})

@@ -199,6 +199,7 @@ def test_attention_implementations_match_the_reference_BxLxHxK(impl):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_splash_attention_in_the_lm_keeps_packed_documents_apart_BxLxV():
   cfg = dataclasses.replace(BY_ID['rw_lr_pa_block'], attention='splash')
   params = _random_params(BY_ID['rw_lr_pa_block'], 3)  # the same parameters; shapes drawn at an 8-token length

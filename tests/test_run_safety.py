@@ -461,6 +461,7 @@ def test_the_watchdog_limit_covers_the_first_step_and_the_median():
   assert 0.02 * 4 <= watchdog.limit() < 1.0  # 4 x the median step time, the warm-up steps left out
 
 
+@pytest.mark.slow
 def test_the_watchdog_counts_no_stall_while_the_process_was_stopped(monkeypatch):
   """SIGSTOP then SIGCONT (a suspended job) stops the watchdog's thread too: its poll comes back late by the pause,
   which is then no stall; a stall after the resumption still fires."""

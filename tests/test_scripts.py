@@ -640,6 +640,7 @@ def test_maxtext_compare_restates_its_table_from_the_committed_jsons():
   assert 'MaxText minimal_dot_product' in names and 'laurel baseline_24 (save_qkv, xla)' in names, r.stdout
 
 
+@pytest.mark.slow
 def test_make_params_prints_the_results_table():
   result = run_script('params.py', '--table=c4_ablation')
   assert result.returncode == 0, result.stderr[-2000:]

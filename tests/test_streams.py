@@ -77,6 +77,7 @@ def test_mhc_init_coefficients_NxTxN():
                              rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_mhc_init_tilt_breaks_stream_symmetry():
   # Why H_pre starts tilted to stream k mod n: with equal streams, φ = 0 and a uniform H_pre = 1/n, every stream
   # gets the same gradient (b_post's entries agree), so the streams would never part.

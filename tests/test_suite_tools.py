@@ -3,6 +3,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
 
 TESTS = '''
@@ -22,6 +24,7 @@ def test_busy_in_a_subprocess():
 '''
 
 
+@pytest.mark.slow
 def test_cpu_times_reports_each_tests_own_and_subprocess_seconds(tmp_path):
   (tmp_path / 'test_timed.py').write_text(TESTS)
   r = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-n', '0', '-p', 'conftest', '-p', 'no:cacheprovider',
