@@ -74,6 +74,12 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_and_exit_cleanly(tmp_path, signum)
   assert saved and max(saved) >= 3
 
 
+def _as_from_a_shell():
+  for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+    signal.signal(signum, signal.SIG_DFL)
+  signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which('make') is None, reason='needs make')
 def test_ctrl_c_through_make_train_saves_and_make_ends_on_the_signal_as_the_readme_says(tmp_path):
@@ -85,13 +91,17 @@ def test_ctrl_c_through_make_train_saves_and_make_ends_on_the_signal_as_the_read
   args = ' '.join(f'--config.{k}={v}' for k, v in {**TINY_LM, 'steps': 100_000}.items())
   make = ['make', '-C', str(ROOT), 'train', f'VENV={venv}', f'PY={sys.executable}', f'CONFIG={SPEC}',
           f'WORKDIR={tmp_path / "run"}', f'ARGS={args}']
+  # make starts as from a terminal's shell: default signal dispositions and none blocked, whatever this worker's
+  # earlier tests left (make keeps an inherited SIG_IGN for SIGINT, and a blocked mask crosses exec).
+  worker = {s.name: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}
+  worker['blocked'] = signal.pthread_sigmask(signal.SIG_BLOCK, [])
   proc = subprocess.Popen(make, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True)
+                          start_new_session=True, preexec_fn=_as_from_a_shell)
   _wait_for(lambda: (tmp_path / 'run' / 'metrics.jsonl').exists() and max(losses(tmp_path / 'run'), default=0) >= 3,
             proc)
   os.killpg(proc.pid, signal.SIGINT)
   out, err = proc.communicate(timeout=120)
-  assert proc.returncode == -signal.SIGINT, err[-2000:]
+  assert proc.returncode == -signal.SIGINT, (worker, err[-2000:])
   assert '\ninterrupted (Ctrl-C): saved checkpoint ' in out and checkpoint_steps(tmp_path / 'run')
   readme = ' '.join((ROOT / 'README.md').read_text().split())
   assert ('Through `make train` the run saves and exits the same way, and make then exits 130 on the Ctrl-C it got '
