@@ -117,7 +117,7 @@ def test_a_second_run_reads_the_compiled_step_from_the_cache(tmp_path):
 
 @pytest.mark.slow
 def test_a_resume_reads_the_step_back_unless_steps_changed():
-  """What the README says of a resume: the logging, eval and checkpoint cadence leave the compiled step as it was
+  """What docs/training.md says of a resume: the logging, eval and checkpoint cadence leave the compiled step as it was
   (its cache key, the lowered program, the same); another `steps` changes the schedule compiled into it."""
   def lowered(**overrides):
     task = step.validate_config(load_config(SPEC, {**TINY_LM, **overrides}), num_devices=1, process_count=1)
@@ -127,7 +127,7 @@ def test_a_resume_reads_the_step_back_unless_steps_changed():
   first = lowered(steps=6)
   assert lowered(steps=6, log_every=3, eval_every=5, checkpoint_every=4) == first
   assert lowered(steps=12) != first
-  readme = ' '.join((ROOT / 'README.md').read_text().split())
+  readme = ' '.join((ROOT / 'docs' / 'training.md').read_text().split())
   assert ('a resume with the same config' in readme and 'A resume with another `--config.steps` compiles the step '
           'again, since the learning-rate schedule\'s length is compiled into it') in readme
 
