@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from laurel import flash
+from laurel import flash, sharding
 from laurel.config_lib import DTYPES, InputError
 
 ATTENTION = ('xla', 'dot_product', 'cudnn', 'flash', 'splash', 'auto')
@@ -57,16 +57,11 @@ def attention_impl(cfg, length: int) -> str:
   """`cfg.attention`, 'auto' resolved for the platform the step is compiled for (the mesh's, else the backend's)."""
   if cfg.attention != 'auto':
     return cfg.attention
-  platform = _platform()
+  platform = sharding.platform()
   impl = AUTO_ATTENTION.get(platform, 'xla')
   if impl in BLOCKED and not splash_block(length) or impl == 'cudnn' and cudnn_unsupported(cfg, platform):
     return 'xla'
   return impl
-
-
-def _platform() -> str:
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  return device.platform if device else jax.default_backend()
 
 
 def xla_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, mask_Bx1xLxL=None, scores_dtype=jnp.float32):
@@ -117,7 +112,7 @@ def cudnn_unsupported(cfg, platform: str | None = None) -> str | None:
   if not cfg.max_segments:
     return ("model.max_segments=0: model.attention='cudnn' needs a bound on the documents packed per row (cuDNN "
             'keeps softmax statistics for each); set one, e.g. 16, and the loader packs at most that many')
-  platform = platform or _platform()
+  platform = platform or sharding.platform()
   if platform not in ('gpu', 'cuda'):
     return f"model.attention='cudnn': needs an NVIDIA GPU; the step is compiled for {platform}"
   try:
@@ -164,28 +159,22 @@ def cudnn_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, max_segmen
 
 
 def _per_device(attend_here, args, axes: tuple, impl: str, heads: int):
-  """attend_here(*args) on each device's rows and heads (shard_map: the partitioner cannot split a kernel), q, k, v
-  and the output with logical `axes`; the batch padded with empty rows (segment 0) to divide its axis."""
+  """attend_here(*args) on each device's rows and heads (sharding.per_device): q, k, v and the output with logical
+  `axes`, then segment ids and positions by row; each row's whole sequence on one device, the heads divided."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return attend_here(*args)
-  spec = nn.logical_to_mesh_axes(axes)
-  parts = {name: math.prod(mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ()))
-           for name, p in zip(axes, spec)}
-  mesh_axes = dict(zip(axes, spec))
-  if parts['act_len'] > 1:
-    raise ValueError(f"model.attention={impl!r}: needs each row's whole sequence on a device, but the logical axis "
-                     f"rules shard act_len over {mesh_axes['act_len']} ({parts['act_len']} ways)")
-  if heads % parts['act_heads']:
-    raise ValueError(f"model.num_heads={heads}: model.attention={impl!r} shards heads over {mesh_axes['act_heads']} "
-                     f"({parts['act_heads']} ways), which must divide them")
-  batch = args[0].shape[0]
-  pad = -batch % parts['act_batch']  # empty rows (segment 0) that make the batch divide; their outputs are cut off
-  args = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in args]
-  rows = jax.P(spec[0], None)  # segment ids, positions
-  sharded = jax.shard_map(attend_here, mesh=mesh, in_specs=(spec, spec, spec) + (rows,) * (len(args) - 3),
-                          out_specs=spec, check_vma=False)
-  return sharded(*args)[:batch]
+  if not mesh.empty:
+    spec = nn.logical_to_mesh_axes(axes)
+    ways = {name: math.prod(mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ()))
+            for name, p in zip(axes, spec)}
+    mesh_axes = dict(zip(axes, spec))
+    if ways['act_len'] > 1:
+      raise ValueError(f"model.attention={impl!r}: needs each row's whole sequence on a device, but the logical "
+                       f"axis rules shard act_len over {mesh_axes['act_len']} ({ways['act_len']} ways)")
+    if heads % ways['act_heads']:
+      raise ValueError(f"model.num_heads={heads}: model.attention={impl!r} shards heads over "
+                       f"{mesh_axes['act_heads']} ({ways['act_heads']} ways), which must divide them")
+  rows = ('act_batch', None)  # segment ids (padding rows: segment 0, empty), positions
+  return sharding.per_device(attend_here, args, (axes,) * 3 + (rows,) * (len(args) - 3), axes)
 
 
 def flash_attention(q_BxLxE, k_BxLxE, v_BxLxE, segment_ids_BxL, positions_BxL, head_width: int, rope_base: float):
@@ -193,7 +182,7 @@ def flash_attention(q_BxLxE, k_BxLxE, v_BxLxE, segment_ids_BxL, positions_BxL, h
   they are) inside the kernels."""
   rotary = flash.Rotary(head_width, 1 / math.sqrt(head_width), None if positions_BxL is None else rope_base)
   positions_BxL = jnp.zeros_like(segment_ids_BxL) if positions_BxL is None else positions_BxL
-  interpret = _platform() != 'tpu'
+  interpret = sharding.platform() != 'tpu'
   attend_here = lambda q, k, v, s, p: flash.flash_attention(q, k, v, s, p, rotary, interpret)
   return _per_device(attend_here, (q_BxLxE, k_BxLxE, v_BxLxE, segment_ids_BxL, positions_BxL),
                      ('act_batch', 'act_len', 'act_heads'), 'flash', q_BxLxE.shape[-1] // head_width)
@@ -209,7 +198,7 @@ def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL):
   split a kernel). Sequence-minor tiles, so a head width of 64 is not padded to 128 lanes."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=import-outside-toplevel
   _, length, heads, _ = q_BxLxHxK.shape
-  block, interpret = splash_block(length), _platform() != 'tpu'
+  block, interpret = splash_block(length), sharding.platform() != 'tpu'
   if not block:  # LMTask.validate checks data.seq_len; this catches a direct call
     raise InputError(f"model.attention='splash': needs a length that is a multiple of 128, not {length}")
   tiles = ('q', 'kv', 'kv_compute', 'q_dkv', 'kv_dkv', 'kv_dkv_compute', 'q_dq', 'kv_dq')

@@ -4,6 +4,7 @@ import math
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -57,3 +58,33 @@ def global_batch(local_batch: dict, mesh) -> dict:
   """Per-process numpy batch -> global jax.Arrays sharded over data x fsdp (multi-host safe)."""
   return {k: jax.make_array_from_process_local_data(batch_sharding(mesh), np.asarray(v))
           for k, v in local_batch.items()}
+
+
+def platform() -> str:
+  """The platform being traced for: the abstract mesh's devices' (a TPU slice compiled on this machine), else JAX's
+  default backend."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return device.platform if device else jax.default_backend()
+
+
+def per_device(fn, args, axes, out_axes):
+  """fn(*args) on each device's share under shard_map (the partitioner cannot split a Pallas kernel). `axes`: the
+  args' logical axes; `out_axes`: the output's (a tuple of them: the outputs'). The batch (`act_batch`) is padded
+  with zero rows to divide its mesh axes and cut back after; an arg without it is whole on every device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*args)
+  several = isinstance(out_axes[0], tuple)
+  outs = out_axes if several else (out_axes,)
+  in_specs = tuple(nn.logical_to_mesh_axes(names) for names in axes)
+  out_specs = tuple(nn.logical_to_mesh_axes(names) for names in outs)
+  batch_axis = lambda names: names.index('act_batch')
+  batch_mesh_axes = in_specs[0][batch_axis(axes[0])]
+  parts = math.prod(mesh.shape[a] for a in ((batch_mesh_axes,) if isinstance(batch_mesh_axes, str)
+                                            else batch_mesh_axes or ()))
+  batch = args[0].shape[batch_axis(axes[0])]
+  pad = lambda x, names: jnp.pad(x, [(0, -batch % parts if name == 'act_batch' else 0) for name in names])
+  out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs if several else out_specs[0],
+                      check_vma=False)(*map(pad, args, axes))
+  cut = lambda x, names: jax.lax.slice_in_dim(x, 0, batch, axis=batch_axis(names))
+  return tuple(map(cut, out, outs)) if several else cut(out, out_axes)

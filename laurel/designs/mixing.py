@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from laurel import sharding
+
 F32 = jnp.float32
 SUBLANES = 8
 BLOCK_BYTES = 6 << 20  # the streams one grid step reads and writes (most tokens a step takes within this)
@@ -28,7 +30,7 @@ def mix(a_NxKxBxL, h_NxBxLxD, b_KxBxL=None, y_BxLxD=None, kernel=None, through=F
   coefficients a (N, B, L); `through`: (that, H), H passed on unchanged so that the backward kernel adds this mix's
   gradient of H to the one H gets downstream in place (XLA's sum of the two would be one more pass over both).
   `kernel`: the Pallas kernels, interpreted off TPU (None: on TPU, where the length is a multiple of 128)."""
-  tpu, single = _platform() == 'tpu', a_NxKxBxL.ndim == 3
+  tpu, single = sharding.platform() == 'tpu', a_NxKxBxL.ndim == 3
   a_NxKxBxL = a_NxKxBxL[:, None] if single else a_NxKxBxL
   if not (tpu and h_NxBxLxD.shape[2] % 128 == 0 if kernel is None else kernel):
     out = jnp.einsum('nkbl,nbld->kbld', a_NxKxBxL.astype(h_NxBxLxD.dtype), h_NxBxLxD, preferred_element_type=F32)
@@ -52,35 +54,15 @@ def mix(a_NxKxBxL, h_NxBxLxD, b_KxBxL=None, y_BxLxD=None, kernel=None, through=F
 ACT = ('act_batch', 'act_len', 'act_embed')
 
 
-def _platform() -> str:
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  return device.platform if device else jax.default_backend()
-
-
 def _per_device(fn, args, axes, out_axes):
-  """fn(*args) on each device's rows (shard_map: the partitioner cannot split a kernel), the batch padded with zero
-  rows to divide its mesh axes; `axes`: the args' logical axes, `out_axes` the output's (a tuple of them: outputs').
-  Only the batch may be sharded; an arg without it is whole on every device."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return fn(*args)
-  several = isinstance(out_axes[0], tuple)
-  outs = out_axes if several else (out_axes,)
-  specs = [nn.logical_to_mesh_axes(a) for a in (*axes, *outs)]
-  for spec, names in zip(specs, (*axes, *outs)):
-    if any(p is not None for p, name in zip(spec, names) if name != 'act_batch'):
-      raise ValueError(f'laurel.designs.mixing: the kernels take whole rows, but the logical axis rules shard {names} as '
-                       f'{spec}')
-  batch_axis = lambda names: names.index('act_batch')
-  spec = specs[0][batch_axis(axes[0])]
-  parts = math.prod(mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec or ()))
-  batch = args[0].shape[batch_axis(axes[0])]
-  pad = lambda x, names: jnp.pad(x, [(0, -batch % parts if name == 'act_batch' else 0) for name in names])
-  out_specs = tuple(specs[len(axes):])
-  out = jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs[:len(axes)]), out_specs=out_specs if several else
-                      out_specs[0], check_vma=False)(*map(pad, args, axes))
-  cut = lambda x, names: jax.lax.slice_in_dim(x, 0, batch, axis=batch_axis(names))
-  return tuple(map(cut, out, outs)) if several else cut(out, out_axes)
+  """sharding.per_device for kernels that take whole rows: only the batch may be sharded."""
+  if not jax.sharding.get_abstract_mesh().empty:
+    for names in (*axes, *(out_axes if isinstance(out_axes[0], tuple) else (out_axes,))):
+      spec = nn.logical_to_mesh_axes(names)
+      if any(p is not None for p, name in zip(spec, names) if name != 'act_batch'):
+        raise ValueError(f'laurel.designs.mixing: the kernels take whole rows, but the logical axis rules shard '
+                         f'{names} as {spec}')
+  return sharding.per_device(fn, args, axes, out_axes)
 
 
 def _tokens(length: int, width: int, streams: int, itemsize: int) -> int:
@@ -203,7 +185,7 @@ def normed_product(h_NxBxLxD, phi_NxDxC, kernel=None, through=False):
   """RMSNorm(vec H)·φ per token over its n·D, (C, B, L) float32: the product of H itself, divided by the RMS after
   (the mHC paper's reordering, §4.3.1), so that one pass over the n streams gives both; `through`, `kernel`: as
   `mix`'s. mHC's coefficients before their biases (eq. 7), DeepSeek-V4's read-out weights'."""
-  tpu = _platform() == 'tpu'
+  tpu = sharding.platform() == 'tpu'
   if not (tpu and h_NxBxLxD.shape[2] % 128 == 0 if kernel is None else kernel):
     h32 = h_NxBxLxD.astype(F32)
     n, d = h32.shape[0], h32.shape[-1]
