@@ -200,13 +200,12 @@ class MHCLiteSite(MHCSite):
     return np.log(np.full(k, 0.5 / k) + np.eye(k)[0] / 2)  # over the permutations: logical axis 'stream'
 
   def h_res(self, logits_RxX):
-    return jnp.einsum('r...,rji->ij...', jax.nn.softmax(logits_RxX, axis=0),
-                      jnp.asarray(permutations(self.spec.expansion), F32))
+    return lite_h_res(logits_RxX, self.spec.expansion)
 
 
-def lite_h_res(logits_R, n: int):
-  """mHC-lite's H_res = Σ_r a_r P_rᵀ, a = softmax(logits) over the n! permutations, the permutations' axis last."""
-  return jnp.einsum('...r,rji->...ij', jax.nn.softmax(logits_R, axis=-1), jnp.asarray(permutations(n), F32))
+def lite_h_res(logits_RxX, n: int):
+  """mHC-lite's H_res = Σ_r a_r P_rᵀ, a = softmax(logits) over the n! permutations (the first axis): (n, n, ...)."""
+  return jnp.einsum('r...,rji->ij...', jax.nn.softmax(logits_RxX, axis=0), jnp.asarray(permutations(n), F32))
 
 
 class V4Readout(nn.Module):
@@ -292,10 +291,12 @@ def _hc_diagnostics(spec, chain, sites) -> dict:
 
 def _mhc_diagnostics(spec, chain, sites) -> dict:
   """Per site, ‖H_res − I‖_F of H_res's static part (b_res alone, the input's term left out)."""
-  b_res = sites['b_res'].astype(F32)
-  h_res = (lite_h_res(b_res, spec.expansion) if spec.design == 'mhc_lite'  # sinkhorn: the n×n axes first
-           else jnp.moveaxis(sinkhorn(jnp.moveaxis(b_res, (-2, -1), (0, 1)), spec.sinkhorn_iters), (0, 1), (-2, -1)))
-  return {'mixing': distance_from_identity(h_res)}
+  b_res = sites['b_res'].astype(F32)  # the sites first; H_res's axes first in lite_h_res and sinkhorn
+  if spec.design == 'mhc_lite':
+    h_res = lite_h_res(jnp.moveaxis(b_res, -1, 0), spec.expansion)
+  else:
+    h_res = sinkhorn(jnp.moveaxis(b_res, (-2, -1), (0, 1)), spec.sinkhorn_iters)
+  return {'mixing': distance_from_identity(jnp.moveaxis(h_res, (0, 1), (-2, -1)))}
 
 
 def _frac_diagnostics(spec, chain, sites) -> dict:
