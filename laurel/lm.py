@@ -140,7 +140,8 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x, out_scale=None, shared=None):
-    """`out_scale` multiplies the kernel, not the output; `shared`: the group's kernel, plus this layer's delta."""
+    """`out_scale`: the output times it, with a scaled kernel's gradients (`_scaled_dot`); `shared`: the group's
+    kernel, plus this layer's delta."""
     (shape, _, n_in, _), dtype = self.spec, DTYPES[self.cfg.dtype]
     kernel = kernel_param(self, 'kernel', self.spec) if shared is None else shared + self.layer_delta()
     if self.flat:
