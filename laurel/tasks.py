@@ -166,7 +166,7 @@ class LMTask(Task):
     else:
       sites = _stack([_stack([params[f'layers_{i}'].get(name, {}) for name in names])
                       for i in range(cfg.num_layers)])
-    return designs.report(design, spec, chain, sites)
+    return design.diagnostics(spec, chain, sites)
 
 
 class ClassificationTask(Task):
@@ -225,7 +225,7 @@ class ClassificationTask(Task):
                             resnet.EXPANSION * cfg.base_width * 2 ** (s - 1), DTYPES[cfg.param_dtype],
                             embed_axis='conv_out')
       sites = _stack([_stack([params[f'stage{s}_block{j}'].get(design.section, {})]) for j in range(blocks)])
-      out.update({f'stage{s}_{name}': value for name, value in designs.report(design, spec, chain, sites).items()})
+      out.update({f'stage{s}_{name}': value for name, value in design.diagnostics(spec, chain, sites).items()})
     return out
 
 

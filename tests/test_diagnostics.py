@@ -22,7 +22,7 @@ def report_of(name, spec, params) -> dict:
   stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
   sites = stack([stack([params.get(f'layers_{l}', {}).get(f'site{t}', {}) for t in range(T)])
                  for l in range(LAYERS)])
-  return jax.device_get(designs.report(design, spec, chain, sites))
+  return jax.device_get(design.diagnostics(spec, chain, sites))
 
 
 def random_params(task, seed=0) -> dict:

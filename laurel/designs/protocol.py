@@ -218,12 +218,6 @@ def unused_fields(spec, prefix: str) -> dict[str, str]:
   return out
 
 
-def report(design: Design, spec, chain, sites) -> dict:
-  """The design's diagnostics of its chain's output and its sites' parameters, each (layers, sites per layer, ...);
-  {} for a design that reports nothing."""
-  return {} if design.diagnostics is None else design.diagnostics(spec, chain, sites)
-
-
 def per_site(values):
   """(layers, sites per layer, ...) -> (sites, ...), the sites in chain order."""
   return values.reshape((-1,) + values.shape[2:])
