@@ -18,7 +18,7 @@ def shifted_targets(tokens_BxL, segment_ids_BxL):
   return targets_BxL, weights_BxL
 
 
-@jax.named_scope('loss')  # where laurel.run.schedule counts its time
+@jax.named_scope('loss')  # where laurel.plan.schedule counts its time
 def _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype, grads: bool):
   """The sums, and with `grads` the gradients of Σ weight·nll with respect to x and the kernel."""
   b, length, d = x_BxLxD.shape

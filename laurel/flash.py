@@ -5,7 +5,7 @@ rotation there), so q and k reach HBM once, as projected, and their gradients le
 
 Three Pallas kernels (forward, dk/dv, dq), each tiled over (batch, head group, one block axis) with the other block
 axis innermost, and each with a pl.CostEstimate of the blocks it visits: the TPU compiler schedules no cycles for a
-kernel, so laurel.run.schedule counts it from that estimate. Every kernel works on scores transposed, keys by
+kernel, so laurel.plan.schedule counts it from that estimate. Every kernel works on scores transposed, keys by
 queries, so that a query's statistics (its log-sum-exp, the backward's rowsum(dO·O)) are rows, not columns. Blocks
 above the diagonal are neither computed nor fetched. Off TPU the kernels are interpreted (the tests compare them with
 laurel.attention's xla path).

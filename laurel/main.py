@@ -33,7 +33,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from laurel import config_lib, step, train
-from laurel.run import aot, cluster, compile_cache, cost, saved_config
+from laurel.run import cluster, compile_cache, saved_config
+from laurel.plan import aot, cost
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and final.json.')

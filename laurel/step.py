@@ -1,5 +1,5 @@
 """The train step: the typed config (TrainConfig, built once at the edge by build_config), the optimizer, and the
-step compiled ahead of time (laurel.run.cost counts its FLOPs and bytes)."""
+step compiled ahead of time (laurel.plan.cost counts its FLOPs and bytes)."""
 
 import dataclasses
 import functools
@@ -207,7 +207,7 @@ def make_train_fns(task):
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros[:2])
       (grads, metrics, model_state), _ = jax.lax.scan(body, (*zeros, state.model_state), micro)
       grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['loss'][1], 1.0), grads)
-    with jax.named_scope('optimizer'):  # the TPU compiler's estimate groups by it (laurel.run.schedule)
+    with jax.named_scope('optimizer'):  # the TPU compiler's estimate groups by it (laurel.plan.schedule)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     out = {name: s / jnp.maximum(w, 1.0) for name, (s, w) in metrics.items()}

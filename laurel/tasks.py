@@ -44,7 +44,7 @@ class Task:
     return 0
 
   def unestimated_kernel_flops(self, batch_size: int) -> float:
-    """FLOPs of a train step's kernels that carry no cost estimate (laurel.run.schedule counts them from this)."""
+    """FLOPs of a train step's kernels that carry no cost estimate (laurel.plan.schedule counts them from this)."""
     return 0.0
 
   def design_report(self, params) -> dict:

@@ -19,7 +19,8 @@ from etils import epath
 
 from laurel import sharding
 from laurel.config_lib import InputError, to_dict
-from laurel.run import checkpoint, checksums, console, hardware, lease, metric_writers, process
+from laurel.run import checkpoint, checksums, console, lease, metric_writers, process
+from laurel.plan import hardware
 from laurel.run.checkpoint import run_dir
 from laurel.run.files import remove_temporaries, utc, write_text_atomic
 from laurel.run.metrics_log import MetricsLog, code_commit, config_line, interval_mean, median_step_time, summary

@@ -38,7 +38,8 @@ from absl import app, flags
 from etils import epath
 
 from laurel import config_lib, sharding, step
-from laurel.run import aot, compile_cache, cost, hardware
+from laurel.run import compile_cache
+from laurel.plan import aot, cost, hardware
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'
@@ -59,7 +60,7 @@ _FULL_SEQ_LEN = flags.DEFINE_integer('full_shape_seq_len', 1024, 'Full-shape tok
 _VARIANTS = flags.DEFINE_list('variants', [], 'Baseline-24 once more per <field>=<value>, timed with the rows '
                                '(e.g. model.loss_chunk=0,model.attention=xla); named "baseline_24 <field>=<value>".')
 _PEAK = flags.DEFINE_float('peak_flops', None, "Dense bf16 peak FLOP/s per device for MFU and HFU (default: "
-                           "laurel.run.hardware's figure for the device; none for CPUs).", lower_bound=1)
+                           "laurel.plan.hardware's figure for the device; none for CPUs).", lower_bound=1)
 _PROFILE = flags.DEFINE_string('profile', '', 'Also trace a few steps of the --profile_rows into this folder and '
                                'print their ops by time, grouped: attention, loss, residual (LAuReL), optimizer (step_profile).')
 _PROFILE_ROWS = flags.DEFINE_list('profile_rows', ['baseline_24', 'rw_lr'], 'The rows --profile traces.')
@@ -216,7 +217,7 @@ def print_table(result):
 
 
 # --topology's table: per-chip figures of the TPU compiler; ratios to baseline_24. The estimated step: the compiler's
-# schedule (laurel.run.schedule) at the chip's clock; `% rate`: model FLOPs per cycle over the compiler's own rate for a
+# schedule (laurel.plan.schedule) at the chip's clock; `% rate`: model FLOPs per cycle over the compiler's own rate for a
 # large matmul.
 SLICE_COLUMNS = {'name': 'row', 'params': 'params', 'peak_gb': 'peak GB', 'peak_memory_ratio': 'ratio',
                  'paper_peak_memory_gb': 'Table5 GB', 'paper_peak_memory_ratio': 'ratio', 'cycles_m': 'Mcycles',
@@ -227,7 +228,7 @@ SLICE_COLUMNS = {'name': 'row', 'params': 'params', 'peak_gb': 'peak GB', 'peak_
 
 def measure_slice(names) -> dict:
   """Every row (or, with --vary, Baseline-24 at every value of one field) compiled by the TPU compiler for
-  --topology on this machine (laurel.run.aot); nothing runs."""
+  --topology on this machine (laurel.plan.aot); nothing runs."""
   accel = hardware.parse_accelerator(_TOPOLOGY.value, flag='--topology')
   topology = f'{accel["generation"]}:{accel["topology"]}'  # v6e-16 -> v6e:4x4
   if _VARY.value:

@@ -13,7 +13,7 @@ Jobs, each in its own process under a time limit (a hang or a crash costs that j
                    A/B: the `gpu` job with one thing changed (AB below), timed only
   gpu_rw_lr_pa     RW+LR+PA at the `gpu` preset, timed and traced: LAuReL's ops beside the baseline's
 The JSON (--out; {device}: the device kind) holds the device and versions, each job's step times, tokens/s, MFU
-(laurel.run.hardware's peak), compile time, peak memory, and its profile; and each A/B job's step time over the `gpu`
+(laurel.plan.hardware's peak), compile time, peak memory, and its profile; and each A/B job's step time over the `gpu`
 job's. A job that fails or runs out of time is recorded with its output's last lines.
 
 Device time on an H200 (estimated): a job starts Python and JAX (~10 s), compiles one step (~20-40 s; the jobs share
@@ -51,7 +51,8 @@ from absl import app, flags  # noqa: E402
 
 import step_profile  # noqa: E402
 from laurel import config_lib, sharding, step  # noqa: E402
-from laurel.run import compile_cache, files, hardware
+from laurel.run import compile_cache, files
+from laurel.plan import hardware
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _OUT = flags.DEFINE_string('out', 'results/gpu_profile_{device}.json', 'The JSON; {device}: the device kind.')

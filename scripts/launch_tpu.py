@@ -13,7 +13,7 @@ with jax[tpu] at this machine's version (--jax), gcsfs and the repo (--nosetup s
 ~/laurel/train.pid), or in the foreground with --nodetach. --watch runs it in the foreground and, until the workdir
 holds final.json, reruns it after a preemption (recreating a preempted VM and setting it up again); the run resumes
 from its last checkpoint. The config and overrides are first checked for the slice, then the step is compiled for it
-on this machine (laurel.run.aot.preflight, needs libtpu; --nopreflight skips it): bad input, or a step that does not
+on this machine (laurel.plan.aot.preflight, needs libtpu; --nopreflight skips it): bad input, or a step that does not
 fit the chips' HBM, fails before any gcloud command; one that fits prints its HBM per chip and what the run will
 cost (tokens per step, step and wall time, chip-hours; --mfu=F sets the utilisation assumed). The compiler's figures
 are kept in the compilation cache (--compilation_cache), so the same pre-flight again does not compile the step.
@@ -38,8 +38,9 @@ import cli  # puts the repo root on sys.path
 from absl import app, flags
 
 from laurel import config_lib  # noqa: F401  # their flags: --compilation_cache, --mfu
-from laurel.run import compile_cache, cost
-from laurel.run.hardware import parse_accelerator
+from laurel.run import compile_cache
+from laurel.plan import cost
+from laurel.plan.hardware import parse_accelerator
 
 _ACTION = flags.DEFINE_enum('action', 'train', ['train', 'logs', 'status', 'stop'], 'What to do; see above.')
 _CONFIG = flags.DEFINE_string('config', None, 'configs/<file>.py:<arg>, as for laurel.main.')
@@ -203,7 +204,7 @@ def plan() -> list[tuple[str, list[str] | str]]:
         raise config_lib.InputError(f"--preflight: compiling the step for {accel['name']} here needs libtpu (pip "
                                     "install -e '.[tpu]'); --nopreflight launches (or with --dry-run prints) without "
                                     'this check')
-      from laurel.run import aot  # pylint: disable=import-outside-toplevel
+      from laurel.plan import aot  # pylint: disable=import-outside-toplevel
       compile_cache.setup()
       aot.compile_only_process()
       print(aot.preflight(config, f'{accel["generation"]}:{accel["topology"]}'), file=sys.stderr, flush=True)

@@ -22,7 +22,7 @@ from absl import flags
 
 from laurel import config_lib
 from laurel.run import files, process
-from laurel.run.hardware import parse_accelerator
+from laurel.plan.hardware import parse_accelerator
 from cli import (ROOT, command, config_flags, fail, override_field, override_values, repo_spec, require, shell_line,
                  typed)
 

@@ -6,7 +6,7 @@
 
 Compiles jax.value_and_grad of cross_entropy.chunked (x and the kernel; the accuracy count as an aux output) for one
 v6e chip, compile-only, at the paper preset's per-chip shape: 32 sequences of 1024 tokens, D=768, the tied
-32768×768 float32 table used in bfloat16, x in bfloat16. Prints the estimated cycles (laurel.run.schedule) in all and
+32768×768 float32 table used in bfloat16, x in bfloat16. Prints the estimated cycles (laurel.plan.schedule) in all and
 of one trip of the chunk loop, the peak memory and the most expensive instructions.
 """
 
@@ -17,7 +17,7 @@ import tempfile
 
 from absl import app, flags
 
-from laurel.run import aot
+from laurel.plan import aot
 
 _REV = flags.DEFINE_multi_string('rev', [''], "Git revisions whose laurel/cross_entropy.py to compile ('': the "
                                  'working tree).')
@@ -62,7 +62,7 @@ def compiled_loss(cross_entropy, chunk: int, device):
 
 def main(_):
   aot.compile_only_process()
-  from laurel.run import schedule  # pylint: disable=import-outside-toplevel
+  from laurel.plan import schedule  # pylint: disable=import-outside-toplevel
   device = aot.slice_devices('v6e:1x1')[0]
   for rev in _REV.value:
     cross_entropy = cross_entropy_at(rev)

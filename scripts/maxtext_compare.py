@@ -9,13 +9,13 @@ this project's `scripts/benchmark.py --topology=v6e:4x4` rows.
 
 Each setting runs MaxText's `train_compile.main` in a subprocess of MaxText's python (JAX_PLATFORMS=cpu: libtpu's
 compiler on abstract devices, nothing runs) and reads the compiled step's memory_analysis() and cost_analysis().
-FLOPs and bytes are counted as laurel/run/aot.py counts them: XLA counts a scanned layer body once, so every setting is
+FLOPs and bytes are counted as laurel/plan/aot.py counts them: XLA counts a scanned layer body once, so every setting is
 compiled a second time with the layer scan unrolled by 2 and totals = c1 + (layers - 1) * (c2 - c1). MaxText's
 config has no knob for that: its decoder's scan takes an `unroll` argument (NNXDecoder._apply_layers_sequentially)
 that the worker sets for the second compile. Splash (flash) attention is a custom call whose matmuls XLA does not
 count, so its FLOPs leave the attention kernel out, here as in benchmark.py.
 
-Cycles: the compiled step's text (`as_text()`, the unroll-1 compile) counted by laurel/run/schedule.py as this project
+Cycles: the compiled step's text (`as_text()`, the unroll-1 compile) counted by laurel/plan/schedule.py as this project
 counts its own step: every instruction's `estimated_cycles` (the compiler's own schedule estimate), a loop's body
 times its trip count. The rates are the same compiler's: flops_per_cycle = 2 * 8192^3 / the estimated cycles of one
 bf16 8192x8192 @ 8192x8192 matmul compiled for one chip of the same v6e slice; bytes_per_cycle = v6e's HBM bandwidth
@@ -58,7 +58,7 @@ SETTINGS = {'minimal_dot_product': ['remat_policy=minimal', 'attention=dot_produ
             'minimal_flash_seq_minor': ['remat_policy=minimal', 'attention=flash', *SEQ_MINOR],
             'full_flash': ['remat_policy=full', 'attention=flash'],
             'save_qkv_proj_dot_product': ['remat_policy=save_qkv_proj', 'attention=dot_product']}
-# What libtpu's start-up would otherwise ask a TPU VM's metadata server (as laurel/run/aot.py sets it).
+# What libtpu's start-up would otherwise ask a TPU VM's metadata server (as laurel/plan/aot.py sets it).
 TPU_ENV = {'JAX_PLATFORMS': 'cpu', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1', 'TPU_SKIP_MDS_QUERY': '1',
            'TPU_WORKER_HOSTNAMES': 'localhost', 'TPU_ACCELERATOR_TYPE': 'v6e-16'}
 MARK = 'MAXTEXT_COMPARE_RESULT '
@@ -72,7 +72,7 @@ ATTENTION_FLOPS = LAYERS * 3 * 4 * B * H * (L * (L + 1) // 2) * K
 
 
 def load_schedule():
-  """laurel/run/schedule.py by its path (standard library only: MaxText's python has no laurel)."""
+  """laurel/plan/schedule.py by its path (standard library only: MaxText's python has no laurel)."""
   import importlib.util  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location('laurel_schedule', SCHEDULE)
   module = importlib.util.module_from_spec(spec)
@@ -187,7 +187,7 @@ def measure(maxtext: str, python: str, commit: str, names: list, out: str, comma
                 'procedure': 'each row is MaxText\'s train_compile as `command` (run in <maxtext>/src), per chip; '
                              'FLOPs and bytes per step = c1 + (layers - 1) * (c2 - c1), c2 with the decoder scan '
                              'unrolled by 2; cycles per step: the c1 program\'s as_text() counted by '
-                             'laurel/run/schedule.py (`cycles_command`, see the script\'s docstring)',
+                             'laurel/plan/schedule.py (`cycles_command`, see the script\'s docstring)',
                 'rows': sorted(rows.values(), key=lambda r: list(SETTINGS).index(r['name']))}
       with open(out, 'w', encoding='utf-8') as f:
         json.dump(result, f, indent=1)

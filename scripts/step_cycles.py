@@ -4,8 +4,8 @@
   python scripts/step_cycles.py --config=configs/c4_ablation.py:rw_lr_pa [--topology=v6e:4x4]
       [--top=30] [--save_text=step.hlo] [--config.model.remat=full ...]
 
-Each instruction: cycles per step (per trip × trips), trips, result shape and layout, op_name. laurel.run.schedule
-counts; laurel.run.aot compiles (libtpu).
+Each instruction: cycles per step (per trip × trips), trips, result shape and layout, op_name. laurel.plan.schedule
+counts; laurel.plan.aot compiles (libtpu).
 """
 
 import sys
@@ -14,7 +14,7 @@ import cli  # puts the repo root on sys.path
 from absl import app, flags
 from ml_collections import config_flags
 
-from laurel.run import aot
+from laurel.plan import aot
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'A config file and its row, as laurel.main takes it.')
 _TOPOLOGY = flags.DEFINE_string('topology', 'v6e:4x4', 'The slice to compile for.')
@@ -27,7 +27,7 @@ def main():
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from laurel import sharding, step  # pylint: disable=import-outside-toplevel
-  from laurel.run import hardware, schedule  # pylint: disable=import-outside-toplevel
+  from laurel.plan import hardware, schedule  # pylint: disable=import-outside-toplevel
   config = step.build_config(_CONFIG.value)  # the data is not read: the step is only lowered
   accel = hardware.parse_accelerator(_TOPOLOGY.value, flag='--topology')
   chip, devices = hardware.TPUS[accel['generation']], aot.slice_devices(_TOPOLOGY.value)

@@ -1,4 +1,4 @@
-"""laurel.run.aot: the train step compiled by the TPU compiler for a slice this machine does not have (libtpu)."""
+"""laurel.plan.aot: the train step compiled by the TPU compiler for a slice this machine does not have (libtpu)."""
 import dataclasses
 import re
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, needs_libtpu
 from laurel import attention, sharding, step
-from laurel.run import aot, hardware
+from laurel.plan import aot, hardware
 
 # Table 5's model shrunk to compile in seconds; 4 scanned layers so the loop accounting has iterations to count.
 SMALL = {**TINY_LM, 'model.num_layers': 4, 'model.dtype': 'bfloat16', 'model.remat': 'dots_no_batch',
@@ -35,7 +35,7 @@ def test_slice_sizes_are_cloud_tpus(topology, size):
 @pytest.mark.parametrize('generation, topology', [('v4', 'v4:2x2x1'), ('v5e', 'v5e:2x2'), ('v5p', 'v5p:2x2x1'),
                                                   ('v6e', 'v6e:2x4')])
 def test_the_chip_table_names_the_chips_libtpu_compiles_for(generation, topology):
-  """laurel.run.hardware's row of a generation is the chip libtpu compiles for (its peak FLOP/s and HBM are looked up
+  """laurel.plan.hardware's row of a generation is the chip libtpu compiles for (its peak FLOP/s and HBM are looked up
   by this name), with as many chips and processes as the slice has."""
   devices = aot.slice_devices(topology)
   assert {d.device_kind for d in devices} == {hardware.TPUS[generation].device_kind}

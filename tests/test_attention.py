@@ -18,7 +18,7 @@ import pytest
 
 from helpers import TINY_LM, load_config, on_gpu
 from laurel import attention, lm, step, tasks
-from laurel.run import hardware
+from laurel.plan import hardware
 
 LEN = 128  # splash attention's key tiles are 128 tokens
 

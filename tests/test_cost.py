@@ -1,8 +1,8 @@
-"""laurel.run.cost: what the pre-flight says a run will cost, checked against figures worked out by hand."""
+"""laurel.plan.cost: what the pre-flight says a run will cost, checked against figures worked out by hand."""
 import pytest
 from absl.testing import flagsaver
 
-from laurel.run import cost
+from laurel.plan import cost
 
 # A v6e-16 run: 6e15 model FLOPs and 256 x 1024 tokens a step, 1,000 steps, 918 TFLOP/s per chip.
 RUN = {'model_flops': 6e15, 'units_per_step': 256 * 1024, 'steps': 1000, 'chips': 16, 'peak_flops': 918e12}

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import needs_libtpu
 from laurel import attention, flash, lm, step
-from laurel.run import aot, schedule
+from laurel.plan import aot, schedule
 
 
 @pytest.fixture(scope='module')
@@ -93,7 +93,7 @@ def test_flash_runs_per_device_on_a_mesh():
 @needs_libtpu
 def test_the_tpu_compiler_lowers_the_kernels_each_with_its_cost_estimate(tpu_chip):
   """Forward and backward in bfloat16 at 512-position blocks compile for a v6e chip; the step's three kernel calls
-  carry cost estimates (laurel.run.schedule counts none as missing), and what they estimate is what they compute:
+  carry cost estimates (laurel.plan.schedule counts none as missing), and what they estimate is what they compute:
   the visited blocks' products."""
   batch, length, width, head_width = 2, 1024, 768, 64
   shape = jax.ShapeDtypeStruct((batch, length, width), jnp.bfloat16, sharding=tpu_chip)

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from helpers import ROOT, cli_env, gpu_present
-from laurel.run import console, gpu_workarounds, hardware
+from laurel.run import console, gpu_workarounds
+from laurel.plan import hardware
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 import step_profile  # noqa: E402  (scripts/step_profile.py)

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import load_config, needs_libtpu
 from laurel import cross_entropy, lm, tasks
-from laurel.run import aot, schedule
+from laurel.plan import aot, schedule
 
 VOCAB, D, LEN, BATCH = 37, 8, 12, 3
 # Row 0: two documents, then padding; row 1: one document; row 2: three documents.
@@ -214,7 +214,7 @@ def test_remat_policies_give_the_same_gradients(policy):
 @needs_libtpu
 @pytest.mark.slow
 def test_compiler_costs_count_every_loss_chunk():
-  """XLA counts the chunk loop's body once; laurel.run.aot adds the other chunks. The chunked loss makes all its
+  """XLA counts the chunk loop's body once; laurel.plan.aot adds the other chunks. The chunked loss makes all its
   products in the forward pass (its backward only scales saved gradients), so the step costs what the unchunked one
   does."""
   shape = {**TINY, 'model.num_layers': 2, 'model.scan_layers': True, 'model.dtype': 'bfloat16', 'data.seq_len': 128,

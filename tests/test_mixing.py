@@ -11,7 +11,7 @@ import pytest
 from helpers import needs_libtpu
 from laurel import step
 from laurel.designs import mixing
-from laurel.run import aot, schedule
+from laurel.plan import aot, schedule
 
 
 def _inputs(n, k, batch, length, width, seed=0):

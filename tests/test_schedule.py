@@ -1,4 +1,4 @@
-"""laurel.run.schedule: the TPU compiler's estimated cycles of a program, a loop's body counted once per trip, kernels
+"""laurel.plan.schedule: the TPU compiler's estimated cycles of a program, a loop's body counted once per trip, kernels
 by their cost estimates. First on hand-written compiled text (the answer known by construction), then on what libtpu
 compiles for a chip this machine does not have."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import TINY_LM, load_config, needs_libtpu
-from laurel.run import aot, hardware, schedule
+from laurel.plan import aot, hardware, schedule
 
 CONFIG = '{"flag_configs":[],"window_config":{"estimated_cycles":"%d","iteration_bounds":["1"]}}'
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, fake_gcs_env, needs_libtpu, run_script
-from laurel.run.hardware import parse_accelerator
+from laurel.plan.hardware import parse_accelerator
 
 sys.path.insert(0, str(ROOT / 'scripts'))
 

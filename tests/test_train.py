@@ -20,7 +20,8 @@ import pytest
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, cluster_env, free_port,
                      load_config, losses, metrics, run_cli, tree_snapshot)
 from laurel import config_lib, designs, step, train
-from laurel.run import console, cost, hardware, metrics_log, process
+from laurel.run import console, metrics_log, process
+from laurel.plan import cost, hardware
 
 
 def _wait_for(predicate, proc, timeout=240):

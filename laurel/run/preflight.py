@@ -12,7 +12,7 @@ from laurel import config_lib, data, image_data
 from laurel.config_lib import InputError, build, require
 from laurel.run import console, metric_writers
 from laurel.run.files import is_remote
-from laurel.run.hardware import available_host_bytes, peak_memory_bytes
+from laurel.plan.hardware import available_host_bytes, peak_memory_bytes
 
 
 def check_inputs(task, workdir: epath.Path) -> None:

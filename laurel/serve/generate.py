@@ -16,7 +16,7 @@ from absl import flags
 
 from laurel import data, lm
 from laurel.config_lib import InputError
-from laurel.run import hardware
+from laurel.plan import hardware
 from laurel.serve import evaluate, loader
 
 FLAGS = flags.FLAGS

@@ -1,5 +1,5 @@
 """What a step and a run cost: a train step's FLOPs and bytes as XLA counts them (step_costs, step_flops), and a
-run's cost as the pre-flight states it, from the TPU compiler's estimate of the step (laurel.run.schedule) or an
+run's cost as the pre-flight states it, from the TPU compiler's estimate of the step (laurel.plan.schedule) or an
 assumed MFU (--mfu, a flag of laurel.main and scripts/launch_tpu.py)."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from absl import flags
 from laurel import cross_entropy, sharding
 from laurel.config_lib import DTYPES, InputError
 from laurel.run.console import duration
-from laurel.run.hardware import xla_costs
+from laurel.plan.hardware import xla_costs
 from laurel.step import make_train_fns
 
 _MFU = flags.DEFINE_float(
@@ -56,7 +56,7 @@ def step_costs(task, costs_of, mesh=None, lowered_costs=None) -> tuple[float, fl
   """(FLOPs, bytes accessed) of one train step of `task`, from `costs_of(t)`, XLA's costs of the step of a task t
   (per device of `mesh`). XLA counts a loop's body once, so: one micro-batch per step; a scanned layer stack at
   scan_unroll 1 and 2, the difference added for every further layer (odd: all unrolled); the loss's chunks after the
-  first compiled alone, their costs by `lowered_costs(lowered)` where given (laurel.run.aot keeps them)."""
+  first compiled alone, their costs by `lowered_costs(lowered)` where given (laurel.plan.aot keeps them)."""
   task = _with(task, scan_unroll=1)
   totals = costs_of(task)
   if not any(totals):  # the backend gives no count (a lowered step under the CUDA and TPU plug-ins): nor do we

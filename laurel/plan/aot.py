@@ -1,10 +1,14 @@
 """The train step compiled for a TPU slice ('v6e:4x4' or 'v6e-16') on a machine without one: libtpu's compiler on
 compile-only devices. compile_for_slice gives its figures, the step time among them as the compiler schedules it
-(laurel.run.schedule); preflight, the report before a launch."""
+(laurel.plan.schedule); preflight, the report before a launch."""
 
+import contextlib
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
+import pathlib
 import re
 import sys
 
@@ -13,9 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from laurel import sharding, step
-from laurel.run import compile_cache, console, cost, schedule
+from laurel.run import compile_cache, console, files
+from laurel.plan import cost, schedule
 from laurel.config_lib import InputError
-from laurel.run.hardware import TPUS, TPU, parse_accelerator, xla_costs
+from laurel.plan.hardware import TPUS, TPU, parse_accelerator, xla_costs
 
 MEMORY = ('peak_memory_bytes', 'argument_bytes', 'output_bytes', 'alias_bytes', 'temp_bytes')
 
@@ -62,20 +67,36 @@ def _compiler_key(devices) -> list[str]:
   return [slice_desc, jax.__version__, libtpu, os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', '')]
 
 
+def _record(key_parts: list[str], figures) -> dict:
+  """`figures()`, kept as JSON under the compilation cache keyed by `key_parts` and read back next time: a
+  compile-only TPU client cannot load an executable back from the cache, so the compiler's figures are kept instead."""
+  if compile_cache.directory() is None:
+    return figures()
+  path = pathlib.Path(compile_cache.directory(), 'preflight',
+                      hashlib.sha256('\0'.join(key_parts).encode()).hexdigest() + '.json')
+  with contextlib.suppress(OSError, ValueError):  # none yet, or unreadable: compile
+    return json.loads(path.read_text())
+  result = figures()
+  with contextlib.suppress(OSError):  # a read-only cache costs the next run a compile, not this one its result
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_text_atomic(path, json.dumps(result) + '\n')
+  return result
+
+
 def matmul_rate(devices) -> float:
   """The TPU compiler's FLOPs per cycle for one bfloat16 8192³ product on one chip of `devices`: its own rate for a
-  large matmul, at which laurel.run.schedule counts the kernels it does not schedule."""
+  large matmul, at which laurel.plan.schedule counts the kernels it does not schedule."""
   n = 8192
   chip = jax.sharding.NamedSharding(jax.sharding.Mesh(devices[:1], ('chip',)), jax.P())
   square = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=chip)
   lowered = jax.jit(jnp.matmul).lower(square, square)
   figures = lambda: {'cycles': schedule.estimate(lowered.compile().as_text(), 1.0, 1.0).compiler_cycles}
-  return 2 * n ** 3 / compile_cache.record([lowered.as_text(), *_compiler_key(devices[:1])], figures)['cycles']
+  return 2 * n ** 3 / _record([lowered.as_text(), *_compiler_key(devices[:1])], figures)['cycles']
 
 
 def _kept(lowered, devices, topology: str, chip: TPU, rate: float, kernel_flops: float = 0.0) -> dict:
   """The TPU compiler's figures of a program (MEMORY, FLOPs and bytes accessed, its schedule's estimate at the matmul
-  `rate`, kernels without a cost estimate counted as `kernel_flops`), kept by compile_cache.record keyed by the
+  `rate`, kernels without a cost estimate counted as `kernel_flops`), kept by _record keyed by the
   program, the slice and the compiler; DoesNotFit where it ran out of HBM."""
   def figures():
     try:
@@ -92,7 +113,7 @@ def _kept(lowered, devices, topology: str, chip: TPU, rate: float, kernel_flops:
             'schedule': schedule.as_dict(est)}
 
   key = [lowered.as_text(), *_compiler_key(devices), str(rate), str(kernel_flops)]
-  kept = compile_cache.record(key, figures)
+  kept = _record(key, figures)
   if 'resource_exhausted' in kept:
     raise _not_fitting(topology, chip, kept['resource_exhausted'])
   return kept
