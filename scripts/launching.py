@@ -151,7 +151,7 @@ def run_points(points: list[dict], log_name: str, command, after=lambda: None, b
     if proc.returncode and not stop:
       if (point_dir / 'final.json').exists():
         print(f'{tag} finished by another process (exit {proc.returncode} here); see {log}', flush=True)
-      elif proc.returncode == process.HELD:
+      elif proc.returncode == process.BAD_INPUT and 'in use by another run' in ''.join(output):
         print(f'{tag} left to the run that holds it (exit {proc.returncode}); see {log}', flush=True)
       else:
         print(f'{tag} failed (exit {proc.returncode}); see {log}', flush=True)

@@ -64,12 +64,12 @@ def sp_model(tmp_path_factory):
 
 @pytest.fixture(scope='session')
 def trained_run(tmp_path_factory):
-  """A run of helpers.SPEC trained through the command line (helpers.TRAINED: checkpoints 3, 6 and 9), once per test
-  process. Tests only read it; one that changes it works on a copy (shutil.copytree)."""
-  from helpers import SPEC, TRAINED, run_cli  # pylint: disable=import-outside-toplevel  # helpers imports this module
+  """A run of helpers.SPEC trained through the command line in this process (helpers.TRAINED: checkpoints 3, 6 and
+  9), once per test process. Tests only read it; one that changes it works on a copy (shutil.copytree)."""
+  from helpers import SPEC, TRAINED, cli_args  # pylint: disable=import-outside-toplevel  # helpers imports this module
+  from laurel import main  # pylint: disable=import-outside-toplevel
   workdir = tmp_path_factory.mktemp('trained') / 'run'
-  result = run_cli(SPEC, workdir, TRAINED)
-  assert result.returncode == 0, result.stderr[-2000:]
+  assert main.main(['laurel-train', *cli_args(SPEC, workdir, TRAINED)[3:]]) == 0
   return workdir
 
 

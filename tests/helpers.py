@@ -117,6 +117,19 @@ def run_cli(spec, workdir, overrides, num_devices=1, timeout=300, extra=()):
                         capture_output=True, text=True, timeout=timeout)
 
 
+def train_cli(capsys, spec, workdir, overrides, *extra) -> tuple[int, str, str]:
+  """laurel-train's command line run in this process (laurel.main.main), as cli_args writes it, with no cluster's
+  variables: (exit status, stdout, stderr)."""
+  from laurel import main  # pylint: disable=import-outside-toplevel  # jax: only where needed
+  hidden = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(CLUSTER_VARIABLES)}
+  capsys.readouterr()
+  try:
+    status = main.main(['laurel-train', *cli_args(spec, workdir, overrides)[3:], *extra])
+  finally:
+    os.environ.update(hidden)
+  return status, *capsys.readouterr()
+
+
 def run_python(code: str, env=None, timeout=300, **kwargs):
   """`python -c code` in the repository root, with the tests' environment (cli_env) unless `env`."""
   return subprocess.run([sys.executable, '-c', code], env=env or cli_env(), cwd=ROOT, capture_output=True, text=True,

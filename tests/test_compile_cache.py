@@ -8,7 +8,6 @@ import sys
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, needs_libtpu

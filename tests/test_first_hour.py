@@ -82,7 +82,7 @@ def test_a_workdir_of_another_model_is_refused_before_compiling(tmp_path, monkey
   """Its config.json says so: the checkpoint's own record is read only after compiling (7.5 s on 2 cores)."""
   workdir = tmp_path / 'run'
   workdir.mkdir()
-  checkpoint.guard_config(typed_config(SPEC, TINY_LM), workdir)  # no checkpoint yet: writes config.json
+  checkpoint.guard_config(typed_config(SPEC, TINY_LM), workdir)()  # no checkpoint yet: config.json written
   (workdir / 'checkpoints' / '3').mkdir(parents=True)
   monkeypatch.setattr(train, 'compile_step', lambda *_: pytest.fail('compiled'))
   with pytest.raises(config_lib.InputError, match=r"^--workdir='.+': holds checkpoints of a different task/model "
@@ -95,7 +95,7 @@ def test_a_workdir_of_another_design_is_refused_naming_the_design_first(tmp_path
   """Not ten `model.laurel.* (now None)` lines before the decisive `model.stream.design='laurel' (now 'residual')`."""
   workdir = tmp_path / 'run'
   workdir.mkdir()
-  checkpoint.guard_config(typed_config(SPEC, TINY_LM), workdir)  # an RW+LR+PA run
+  checkpoint.guard_config(typed_config(SPEC, TINY_LM), workdir)()  # an RW+LR+PA run
   (workdir / 'checkpoints' / '3').mkdir(parents=True)
   with pytest.raises(config_lib.InputError) as refused:
     checkpoint.guard_config(typed_config('configs/c4_ablation.py:baseline_24,preset=tiny', TINY_LM), workdir)
@@ -173,7 +173,7 @@ def test_a_run_of_an_outside_design_is_read_back_from_the_file_it_recorded(tanh_
   config = config_lib.load('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tanh_gate:tanh_gate'])
   workdir = tmp_path / 'run'
   workdir.mkdir()
-  checkpoint.guard_config(step.build_config(config), workdir)  # writes config.json, as a run does before compiling
+  checkpoint.guard_config(step.build_config(config), workdir)()  # config.json, as a run writes it
   saved = json.loads((workdir / 'config.json').read_text())
   assert (saved['design_file'], saved['design_sha256']) == (str(tanh_gate), file_sha256(tanh_gate))
   sys.path.remove(str(tanh_gate.parent))  # a later command, without PYTHONPATH

@@ -79,9 +79,9 @@ class _Recorder:
 
 def test_progress_reports_steps_per_sec_every_interval_and_at_the_last_step():
   recorder = _Recorder()
-  progress = metric_writers.Progress(recorder, every=3, total=7)
+  progress = train.Progress(recorder, every=3, total=7)
   for done in range(3, 8):  # a run resumed at step 2
-    progress.after_step(done)
+    progress.after_step(None, done, None)
   assert recorder.calls == [(6, ['steps_per_sec', 'uptime']), (7, ['steps_per_sec', 'uptime'])]
 
 
@@ -89,12 +89,12 @@ def test_profiler_traces_the_configured_steps_only(monkeypatch):
   calls = []
   monkeypatch.setattr(jax.profiler, 'start_trace', lambda logdir: calls.append(('start', logdir)))
   monkeypatch.setattr(jax.profiler, 'stop_trace', lambda: calls.append('stop'))
-  profiler = metric_writers.Profiler('/profile', (2, 4))
+  profiler = train.Profiler('/profile', (2, 4))
   for done in range(1, 7):
-    profiler.after_step(done)
+    profiler.after_step(None, done, None)
     calls.append(done)
   assert calls == [1, ('start', '/profile'), 2, 3, 'stop', 4, 5, 6]
-  metric_writers.Profiler('/profile', ()).after_step(2)
+  train.Profiler("/profile", ()).after_step(None, 2, None)
   assert len(calls) == 8
 
 

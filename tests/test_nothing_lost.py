@@ -1,6 +1,7 @@
 """Nothing lost and nothing wrong accepted (issue 40): run files written atomically, SIGTERM before the loop, only
-finite checkpoints called good, no silent restart from zero, the config signature in every checkpoint, the bad
-inputs refused before compiling, interrupted sweeps that keep their point, and checksummed array files."""
+finite checkpoints called good, a fresh start only where no checkpoint is good, the config signature in every
+checkpoint, the bad inputs refused before compiling, interrupted sweeps that keep their point, and checksummed
+files."""
 import builtins
 import dataclasses
 import json
@@ -10,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import zlib
 
 import jax
 import numpy as np
@@ -18,8 +18,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, losses, typed_config
-from laurel import config_lib, step, train
-from laurel.run import checkpoint, checksums, metrics_log, preflight, saved_config
+from laurel import config_lib, main, step, train
+from laurel.run import checkpoint, metrics_log, preflight, process, saved_config
 from laurel.serve import loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -84,6 +84,23 @@ def test_a_kill_inside_the_config_writes_keeps_both_files(tmp_path, torn_writes)
     assert [json.loads(l)['step'] for l in after['config_history.jsonl'].splitlines()] in ([0], [0, 6])
 
 
+def test_a_kill_between_the_history_and_config_writes_records_the_entry_once(tmp_path, monkeypatch):
+  config = typed_config(SPEC, TINY_LM)
+  write = checkpoint.write_text_atomic
+
+  def killed_at_config(path, text):
+    if path.name == 'config.json':
+      raise KeyboardInterrupt
+    write(path, text)
+  monkeypatch.setattr(checkpoint, 'write_text_atomic', killed_at_config)
+  with pytest.raises(KeyboardInterrupt):
+    checkpoint.guard_config(config, tmp_path)()
+  monkeypatch.setattr(checkpoint, 'write_text_atomic', write)
+  checkpoint.guard_config(config, tmp_path)()  # the rerun
+  assert (tmp_path / 'config.json').exists()
+  assert len((tmp_path / 'config_history.jsonl').read_text().splitlines()) == 1
+
+
 def test_a_torn_config_json_is_rewritten_and_refused_in_one_line_where_it_is_read(tmp_path, capsys):
   # A torn copy (written by other means than this project's atomic writes) no longer ends every rerun in a traceback.
   config = typed_config(SPEC, TINY_LM)
@@ -98,14 +115,12 @@ def test_a_torn_config_json_is_rewritten_and_refused_in_one_line_where_it_is_rea
   assert json.loads((tmp_path / 'config.json').read_text()) == json.loads(whole)
 
 
-@pytest.mark.slow
-def test_a_config_file_that_is_not_python_is_one_line(tmp_path):
+def test_a_config_file_that_is_not_python_is_one_line(tmp_path, capsys):
   (tmp_path / 'notes.py').write_text('Table 5 \u2212 the C4 ablation\n')
-  result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={tmp_path / "notes.py"}',
-                           f'--workdir={tmp_path / "run"}'], capture_output=True, text=True, env=cli_env(), cwd=ROOT)
-  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+  assert main.main(['laurel-train', f'--config={tmp_path / "notes.py"}', f'--workdir={tmp_path / "run"}']) == 2
+  assert capsys.readouterr().err.splitlines() == [
       f'error: --config={tmp_path / "notes.py"}: not a Python config file (invalid character '
-      "'\u2212' (U+2212), line 1)"], result.stderr
+      "'\u2212' (U+2212), line 1)"]
 
 
 def test_a_kill_inside_the_metrics_rewrite_keeps_every_line(tmp_path, torn_writes):
@@ -158,10 +173,11 @@ TERM_WHILE_COMPILING = (
 
 
 @pytest.mark.slow
-def test_sigterm_while_compiling_is_one_line_and_status_143(tmp_path):
+@pytest.mark.process
+def test_sigterm_while_compiling_is_one_line_and_status_130(tmp_path):
   result = subprocess.run([sys.executable, '-c', TERM_WHILE_COMPILING, str(tmp_path / 'run')], env=cli_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+  assert result.returncode == process.INTERRUPTED, result.stderr[-2000:]
   assert result.stderr.strip().splitlines() == [
       'terminated (SIGTERM): exited; nothing was lost (rerun the same command to start or resume)']
 
@@ -209,7 +225,7 @@ def test_a_non_finite_state_is_never_saved_nor_named_good(tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_a_non_finite_checkpoint_of_older_code_is_moved_aside(tmp_path, monkeypatch):
+def test_a_non_finite_checkpoint_of_older_code_is_moved_aside(tmp_path, monkeypatch, capsys):
   config = load_config(SPEC, {**TINY_LM, 'steps': 3, 'checkpoint_every': 1})
   monkeypatch.setattr(checkpoint, 'is_finite', lambda state: True, raising=False)  # the old code checked nothing
   _poisoning_compile_step(monkeypatch, at_call=3)
@@ -218,6 +234,7 @@ def test_a_non_finite_checkpoint_of_older_code_is_moved_aside(tmp_path, monkeypa
   assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [1, 2, 3]
   final = train.train(config, str(tmp_path))
   assert final['step'] == 3 and [p.name.split('.')[0] for p in (tmp_path / 'unreadable_checkpoints').iterdir()] == ['3']
+  assert 'warning: checkpoint 3 is damaged (its state is not finite); moved to ' in capsys.readouterr().err
 
 
 # 3. No silent restart, no half-fresh start; a missing data-iterator file is damage.
@@ -236,25 +253,21 @@ def _truncate_arrays(checkpoint_dir):
 
 
 @pytest.mark.slow
-def test_no_silent_restart_when_every_checkpoint_is_unreadable(two_checkpoints, tmp_path, capsys):
+def test_where_no_checkpoint_is_good_every_one_is_moved_aside_and_the_run_starts_afresh(two_checkpoints, tmp_path,
+                                                                                        capsys):
+  """Each damaged checkpoint is one line, moved aside, never deleted; with none left the run starts at step 0, its
+  input included, and its first line says which were moved."""
   workdir = tmp_path / 'run'
   shutil.copytree(two_checkpoints[0], workdir)
   (workdir / 'final.json').unlink()
   for step in (3, 6):
     _truncate_arrays(workdir / 'checkpoints' / str(step))
-  config = load_config(SPEC, {**TINY_LM, 'checkpoint_every': 3})
-  refused = (f"--workdir={str(workdir)!r}: no readable checkpoint: steps 3, 6 moved to "
-             f"{workdir / 'unreadable_checkpoints'}; pass --allow_fresh_start to train from step 0")
-  for _ in range(2):  # the rerun too: nothing is left to restore, and it still stops
-    with pytest.raises(config_lib.InputError, match=re.escape(refused)):
-      train.train(config, str(workdir))
-  assert not list((workdir / 'checkpoints').iterdir()) and losses(workdir) == two_checkpoints[1]
-  logged = (workdir / 'metrics.jsonl').read_text()
-  train.train(config, str(workdir), allow_fresh_start=True)
-  text = (workdir / 'metrics.jsonl').read_text()
-  assert text.startswith(logged)  # the old lines kept, then the new ones with why
-  assert json.loads(text[len(logged):].splitlines()[0]) | {'fresh_start_after': [3, 6], 'step': 1} == \
-      json.loads(text[len(logged):].splitlines()[0])
+  train.train(load_config(SPEC, {**TINY_LM, 'checkpoint_every': 3}), str(workdir))
+  err = capsys.readouterr().err
+  assert err.count('warning: checkpoint') == 2 and 'warning: checkpoint 3 is damaged (state/' in err
+  assert sorted(p.name.split('.')[0] for p in (workdir / 'unreadable_checkpoints').iterdir()) == ['3', '6']
+  first = json.loads((workdir / 'metrics.jsonl').read_text().splitlines()[0])
+  assert first['step'] == 1 and first['moved_aside'] == [6, 3]
   assert losses(workdir) == two_checkpoints[1]  # fresh, the input's position included: the same losses again
 
 
@@ -266,8 +279,10 @@ def test_a_missing_data_iterator_file_is_damage(two_checkpoints, tmp_path, capsy
     path.unlink()
   train.train(load_config(SPEC, {**TINY_LM, 'steps': 7, 'checkpoint_every': 3}), str(workdir))
   out = capsys.readouterr()
-  assert 'checkpoint 6 is unreadable (ValueError: File ' in out.err and 'resumed from checkpoint 3' in out.out
-  assert checkpoint.quarantined_steps(workdir) == [6] and max(losses(workdir)) == 7
+  assert 'checkpoint 6 is damaged (data/process_0-of-1.json is missing)' in out.err
+  assert 'resumed from checkpoint 3' in out.out
+  assert [p.name.split('.')[0] for p in (workdir / 'unreadable_checkpoints').iterdir()] == ['6']
+  assert max(losses(workdir)) == 7
   same = lambda run: {s: l for s, l in run.items() if s <= 4}  # 7 steps: the cosine decays on from step 5
   assert same(losses(workdir)) == same(two_checkpoints[1])
 
@@ -326,24 +341,19 @@ def test_a_text_corpus_of_empty_files_is_refused(tmp_path):
                          num_devices=1)
 
 
-@pytest.mark.slow
-def test_an_override_without_a_config_file_says_so_and_a_spaced_config_resolves():
-  run = lambda *args: subprocess.run([sys.executable, '-m', 'laurel.main', *args], env=cli_env(), cwd=ROOT,
-                                     capture_output=True, text=True, timeout=300)
-  result = run('--config.steps=30', '--workdir=unused')
-  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-      'error: --config.steps: --config is required (the config file whose field it overrides)'], result.stderr
-  result = run('--config', 'c4_ablation:rw_lr,preset=tiny', '--config.steps=70', '--print_config')
-  assert result.returncode == 0 and json.loads(result.stdout)['steps'] == 70, result.stderr[-2000:]
+def test_an_override_without_a_config_file_says_so_and_a_spaced_config_resolves(capsys):
+  assert main.main(['laurel-train', '--config.steps=30', '--workdir=unused']) == 2
+  assert capsys.readouterr().err.splitlines() == [
+      'error: --config.steps: --config is required (the config file whose field it overrides)']
+  assert main.main(['laurel-train', '--config', 'c4_ablation:rw_lr,preset=tiny', '--config.steps=70',
+                    '--print_config']) == 0
+  assert json.loads(capsys.readouterr().out)['steps'] == 70
 
 
-@pytest.mark.slow
-def test_a_flag_with_no_value_names_it():
-  result = subprocess.run([sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=tiny',
-                           '--print_config', '--config.steps'], env=cli_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-      'error: --config.steps: no value; write --config.steps=<value>'], result.stderr[-2000:]
+def test_a_flag_with_no_value_names_it(capsys):
+  assert main.main(['laurel-train', '--config=c4_ablation:rw_lr,preset=tiny', '--print_config',
+                    '--config.steps']) == 2
+  assert capsys.readouterr().err.splitlines() == ['error: --config.steps: no value; write --config.steps=<value>']
 
 
 @pytest.mark.slow
@@ -444,37 +454,30 @@ def test_a_flipped_byte_in_an_array_file_is_damage(two_checkpoints, tmp_path, ca
       pass
   train.train(config, str(workdir))
   out = capsys.readouterr()
-  assert re.search(r'checkpoint 6 is unreadable \(state/\S+: content checksum mismatch', out.err), out.err[-2000:]
-  assert 'resumed from checkpoint 3' in out.out and checkpoint.quarantined_steps(workdir) == [6]
-  assert [p.name for p in (workdir / 'checkpoints' / '3').glob('checksums.*')] == ['checksums.process_0.json']
+  assert re.search(r'checkpoint 6 is damaged \(state/\S+: content checksum mismatch', out.err), out.err[-2000:]
+  assert 'resumed from checkpoint 3' in out.out
+  assert [p.name.split('.')[0] for p in (workdir / 'unreadable_checkpoints').iterdir()] == ['6']
 
 
 def test_checksums_name_the_changed_missing_or_cut_file(tmp_path, monkeypatch):
-  state = tmp_path / 'state'
-  (state / 'ocdbt.process_1' / 'd').mkdir(parents=True)
-  (state / 'd').mkdir()
-  (state / 'd' / 'a').write_bytes(b'abcd' * 1000)
-  (state / 'ocdbt.process_1' / 'd' / 'b').write_bytes(b'written by process 1')
-  monkeypatch.setattr(checksums.jax, 'process_count', lambda: 2)
-  checksums.record(tmp_path)
-  assert json.loads((tmp_path / 'checksums.process_0.json').read_text())['files'].keys() == {'state/d/a'}  # its own
-  assert checksums.verify(tmp_path)[1] is None
-  for algorithm in ('xxh3_64', 'crc32'):  # a gs:// file is streamed: the same hash as the local memory map's
-    with open(state / 'd' / 'a', 'rb') as f:  # in chunks that split the file (gs:// reads checksums.CHUNK bytes)
-      streamed = checksums._hash(iter(lambda: f.read(7), b''), algorithm)  # pylint: disable=cell-var-from-loop
-      assert f'{streamed:08x}' == checksums.checksum(state / 'd' / 'a', algorithm)
-  (state / 'd' / 'a').write_bytes(b'abce' + b'abcd' * 999)
-  assert checksums.verify(tmp_path)[1].startswith('state/d/a: content checksum mismatch (xxh3_64 ')
-  (state / 'd' / 'a').write_bytes(b'abcd')
-  assert checksums.verify(tmp_path)[1] == 'state/d/a has 4 bytes, 4000 when saved'
-  (state / 'd' / 'a').unlink()
-  assert checksums.verify(tmp_path)[1] == 'state/d/a is missing'
-  (state / 'd' / 'a').write_bytes(b'')
-  crc32_listing = {'state/d/a': [0, 0], 'state/d/e': [zlib.crc32(b'xyz'), 3]}  # as written before XXH3
-  (state / 'd' / 'e').write_bytes(b'xyz')
-  (tmp_path / 'checksums.process_0.json').write_text(json.dumps(crc32_listing))
-  assert checksums.verify(tmp_path)[1] is None
-  (state / 'd' / 'e').write_bytes(b'xyw')
-  assert checksums.verify(tmp_path)[1].startswith('state/d/e: content checksum mismatch (crc32 ')
-  (tmp_path / 'checksums.process_0.json').unlink()
-  assert checksums.verify(tmp_path)[1] is None  # a checkpoint saved before checksums: taken as it is
+  """Each host checks its share of the files (process_count 2 here: process 0 the first, third, ...)."""
+  (tmp_path / 'state' / 'd').mkdir(parents=True)
+  for name in ('a', 'b', 'c'):
+    (tmp_path / 'state' / 'd' / name).write_bytes(b'abcd' * 1000)
+  (tmp_path / checkpoint.METADATA).write_text(json.dumps({'item_handlers': {}, 'commit_timestamp_nsecs': 1}))
+  checkpoint.record(tmp_path, tmp_path)
+  (tmp_path / checkpoint.COMMITTED).write_text(f'Checkpoint commit was successful to {tmp_path}')
+  (tmp_path / checkpoint.METADATA).write_text(json.dumps({'item_handlers': {}, 'commit_timestamp_nsecs': 2}))
+  assert checkpoint.damage(tmp_path) is None  # the commit's own writes as the list foresaw them
+  a = tmp_path / 'state' / 'd' / 'a'
+  a.write_bytes(b'abce' + b'abcd' * 999)
+  assert checkpoint.damage(tmp_path).startswith('state/d/a: content checksum mismatch (xxh3_64 ')
+  a.write_bytes(b'abcd')
+  assert checkpoint.damage(tmp_path) == 'state/d/a has 4 bytes, 4000 when saved'
+  a.unlink()
+  assert checkpoint.damage(tmp_path) == 'state/d/a is missing'
+  monkeypatch.setattr(checkpoint.jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 1)  # its share: the second, fourth, ... listed
+  assert checkpoint.damage(tmp_path) is None
+  (tmp_path / 'state' / 'd' / 'b').write_bytes(b'')
+  assert checkpoint.damage(tmp_path) == 'state/d/b has 0 bytes, 4000 when saved'

@@ -3,7 +3,9 @@ moved aside only for damage, bad input told apart from bugs, a resume past a tor
 appends, no-op fields refused, resuming from the saved config, inference that reads only the sharded parameters, and
 a watchdog for hung steps."""
 import dataclasses
+import errno
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -11,7 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
+import types
 
 import jax
 import numpy as np
@@ -19,11 +21,12 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import (ROOT, SPEC, TINY_LM, TRAINED, cli_env, fake_gcs_env, load_config, losses, run_cli, run_python,
+from helpers import (CLUSTER_VARIABLES, ROOT, SPEC, TINY_LM, TRAINED, cli_args, cli_env, fake_gcs_env, load_config,
+                     losses, run_python, train_cli,
                      tree_snapshot, typed_config)
-from laurel import config_lib, data, designs, step, train
+from laurel import config_lib, data, designs, main, step, train
 from laurel.designs import StreamSpec
-from laurel.run import checkpoint, checksums, metrics_log, preflight, process, saved_config
+from laurel.run import checkpoint, cluster, metrics_log, preflight, process, saved_config
 from laurel.serve import loader
 from laurel.serve import evaluate, generate
 
@@ -35,51 +38,51 @@ def run_with_three_checkpoints(trained_run):  # conftest's, trained once per tes
 
 # 1. A TPU VM trains alone only where its slice provably has one host.
 
-TPU_START = ('import jax, sys\n'
-             'from laurel import main, train\nfrom laurel.run import cluster\n'
-             'def refuse(*a, **k): raise RuntimeError("no coordinator answered")\n'
-             'jax.distributed.initialize = refuse\n'
-             'cluster.on_tpu_vm = lambda: True\n'
-             'train.train = lambda *a, **k: print("TRAINED ALONE") or {}\n'
-             f'sys.argv = ["laurel", "--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny", "--workdir=unused"]\n'
-             'main.run()\n')
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize('hosts, trains', [({'TPU_WORKER_HOSTNAMES': 'w0,w1,w2,w3'}, False),
                                            ({'GCE_METADATA_IP': '127.0.0.1:9'}, False),  # the host count is unknown
                                            ({'TPU_WORKER_HOSTNAMES': 'w0'}, True)])
-def test_a_failed_start_on_a_tpu_vm_trains_alone_only_on_one_host(hosts, trains):
-  env = {k: v for k, v in cli_env().items() if not k.startswith(('TPU_', 'GCE_', 'MEGASCALE'))}
-  result = run_python(TPU_START, {**env, **hosts})
+def test_a_failed_start_on_a_tpu_vm_trains_alone_only_on_one_host(monkeypatch, capsys, caplog, hosts, trains):
+  for name in [n for n in os.environ if n.startswith(('TPU_', 'GCE_', 'MEGASCALE', *CLUSTER_VARIABLES))]:
+    monkeypatch.delenv(name)
+  for name, value in hosts.items():
+    monkeypatch.setenv(name, value)
+
+  def refuse(**_):
+    raise RuntimeError('no coordinator answered')
+  monkeypatch.setattr(jax.distributed, 'initialize', refuse)
+  monkeypatch.setattr(cluster, 'on_tpu_vm', lambda: True)
+  monkeypatch.setattr(train, 'train', lambda *a, **k: print('TRAINED ALONE') or {})
+  status = main.main(['laurel-train', f'--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny', '--workdir=unused'])
+  out, err = capsys.readouterr()
   if trains:
-    assert result.returncode == 0 and 'TRAINED ALONE' in result.stdout, result.stderr[-2000:]
-    assert 'running as one process' in result.stderr
+    assert status == 0 and 'TRAINED ALONE' in out, err[-2000:]
+    assert 'running as one process' in caplog.text
   else:
-    assert result.returncode == 4 and 'TRAINED ALONE' not in result.stdout, result.stderr[-2000:]
-    lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
+    assert status == process.ERROR and 'TRAINED ALONE' not in out, err[-2000:]
+    lines = [l for l in err.splitlines() if l.startswith('error:')]
     assert len(lines) == 1 and 'jax.distributed.initialize() failed' in lines[0] and 'no coordinator' in lines[0]
 
 
 # 2. Only a checkpoint whose own data is missing or corrupt is moved aside; the log keeps every line.
 
 @pytest.mark.slow
-def test_damaged_checkpoints_are_moved_aside_and_the_log_is_kept(run_with_three_checkpoints, tmp_path):
+def test_damaged_checkpoints_are_moved_aside_and_no_step_is_logged_twice(run_with_three_checkpoints, tmp_path,
+                                                                          capsys):
   workdir = tmp_path / 'run'
   shutil.copytree(run_with_three_checkpoints, workdir)
-  logged = (workdir / 'metrics.jsonl').read_text()
+  logged = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
   data_file = max((workdir / 'checkpoints' / '9' / 'state').rglob('d/*'), key=lambda p: p.stat().st_size)
   data_file.write_bytes(data_file.read_bytes()[:data_file.stat().st_size // 2])  # a truncated array file
   (workdir / 'checkpoints' / '6' / 'state' / '_METADATA').unlink()  # a deleted metadata file
-  result = run_cli(SPEC, workdir, TRAINED)  # the run's own step: read from the compilation cache
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert 'checkpoint 9 is unreadable' in result.stderr and 'checkpoint 6 is unreadable' in result.stderr
-  assert 'resumed from checkpoint 3' in result.stdout
+  status, out, err = train_cli(capsys, SPEC, workdir, TRAINED)  # the run's own step: compiled already
+  assert status == 0, err[-3000:]
+  assert 'checkpoint 9 is damaged (state/' in err and 'checkpoint 6 is damaged (state/_METADATA is missing)' in err
+  assert 'resumed from checkpoint 3' in out
   assert sorted(p.name.split('.')[0] for p in (workdir / 'unreadable_checkpoints').iterdir()) == ['6', '9']
-  text = (workdir / 'metrics.jsonl').read_text()
-  assert text.startswith(logged)  # nothing cut: steps 4-9 stay, and come again after a line that says why
-  again = [json.loads(l) for l in text[len(logged):].splitlines()]
-  assert again[0]['step'] == 4 and again[0]['moved_aside'] == [9, 6] and again[-1]['step'] == 9
+  rows = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert rows[:3] == logged[:3]  # up to the checkpoint it resumed; steps 4-9 again, once, after a line that says why
+  assert [r['step'] for r in rows if 'loss' in r] == list(range(1, 10)) and rows[3]['moved_aside'] == [9, 6]
+  assert losses(workdir) == {r['step']: r['loss'] for r in logged if 'loss' in r}
 
 
 def _restore_args(workdir):
@@ -138,31 +141,50 @@ def test_an_environment_failure_moves_nothing(run_with_three_checkpoints, tmp_pa
 
 # 3. Only bad input is a one-line error (exit 2); any other exception keeps its traceback (exit 1).
 
+def _raise(error):
+  def fail(*_, **__):
+    raise error
+  return fail
+
+
+@pytest.mark.parametrize('error, status', [
+    (ValueError('a message from a library'), None),
+    (config_lib.InputError('a message from a library'), process.BAD_INPUT),
+    (OSError(errno.EROFS, 'Read-only file system', 'w/metrics.jsonl'), process.ERROR)])
+def test_only_what_an_operator_can_act_on_is_one_line(monkeypatch, capsys, error, status):
+  """laurel.main: bad input (2) and a write the storage refused (1) are one line; anything else keeps its traceback."""
+  monkeypatch.setattr(train, 'train', _raise(error))
+  argv = ['laurel-train', f'--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny', '--workdir=w']
+  if status is None:
+    with pytest.raises(ValueError, match='a message from a library'):
+      main.main(argv)
+    return
+  assert main.main(argv) == status
+  assert capsys.readouterr().err.splitlines() == [
+      'error: a message from a library' if status == process.BAD_INPUT else
+      'error: a write failed: EROFS (Read-only file system): w/metrics.jsonl; rerun the same command to resume once it '
+      'is writable']
+
+
 ENTRY_POINTS = {  # module: (what to make raise, argv)
-    'laurel.main': ('laurel.train.train', f'"--config={ROOT}/configs/c4_ablation.py:rw,preset=tiny", "--workdir=w"'),
     'laurel.serve.generate': ('laurel.serve.loader.lm_run_on_mesh', '"--workdir=w", "--prompt=x"'),
     'laurel.serve.evaluate': ('laurel.serve.loader.lm_run_on_mesh', '"--workdir=w", "--task=hellaswag"'),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('module, error, bad_input', [
-    *[(module, 'ValueError', False) for module in ENTRY_POINTS],
-    ('laurel.main', 'config_lib.InputError', True)])
-def test_only_bad_input_is_a_one_line_error(module, error, bad_input):
+@pytest.mark.parametrize('module', ENTRY_POINTS)
+def test_only_bad_input_is_a_one_line_error_of_the_serving_commands(module):
   patch, argv = ENTRY_POINTS[module]
   owner, _, name = patch.rpartition('.')
   code = (f'import importlib, sys\nfrom absl import app\nfrom laurel import config_lib\n'
           f'm, owner = importlib.import_module({module!r}), importlib.import_module({owner!r})\n'
-          f'def fail(*a, **k): raise {error}("a message from a library")\n'
+          f'def fail(*a, **k): raise ValueError("a message from a library")\n'
           f'owner.{name} = fail\nsys.argv = ["x", {argv}]\n'
           f'm.run() if hasattr(m, "run") else app.run(m.main, flags_parser=config_lib.parse_flags)\n')
   result = run_python(code)
-  if bad_input:
-    assert result.returncode == 2 and result.stderr.strip().splitlines() == ['error: a message from a library']
-  else:
-    assert result.returncode == 1 and 'Traceback' in result.stderr and 'ValueError: a message from a library' in \
-        result.stderr and 'error: a message' not in result.stderr, result.stderr[-2000:]
+  assert result.returncode == 1 and 'Traceback' in result.stderr and 'ValueError: a message from a library' in \
+      result.stderr and 'error: a message' not in result.stderr, result.stderr[-2000:]
 
 
 def test_scripts_turn_only_bad_input_into_one_line():
@@ -240,16 +262,15 @@ def test_overrides_that_change_nothing_are_refused(spec, field, value, why):
 
 
 @pytest.mark.slow
-def test_a_no_op_override_is_refused_by_main_and_sweep_and_an_echo_warned(tmp_path):
-  main = [sys.executable, '-m', 'laurel.main', '--config=c4_ablation:rw_lr,preset=tiny', '--print_config']
-  refused = subprocess.run(main + ['--config.model.laurel.k=5'], env=cli_env(), cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300)
-  assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+def test_a_no_op_override_is_refused_by_main_and_sweep_and_an_echo_warned(tmp_path, capsys):
+  argv = ['laurel-train', '--config=c4_ablation:rw_lr,preset=tiny', '--print_config']
+  assert main.main(argv + ['--config.model.laurel.k=5']) == 2
+  assert capsys.readouterr().err.splitlines() == [
       "error: model.laurel.k=5: changes nothing: model.laurel.variant='rw+lr' has no pa"]
-  echoed = subprocess.run(main + ['--config.model.laurel.k=3'], env=cli_env(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
-  assert echoed.returncode == 0 and json.loads(echoed.stdout)['model']['laurel']['k'] == 3
-  assert "warning: model.laurel.k=3 changes nothing (model.laurel.variant='rw+lr' has no pa)" in echoed.stderr
+  assert main.main(argv + ['--config.model.laurel.k=3']) == 0
+  out, err = capsys.readouterr()
+  assert json.loads(out)['model']['laurel']['k'] == 3
+  assert "warning: model.laurel.k=3 changes nothing (model.laurel.variant='rw+lr' has no pa)" in err
   sweep = subprocess.run([sys.executable, str(ROOT / 'scripts' / 'sweep.py'), '--config=c4_ablation:rw_lr,preset=tiny',
                           '--field=model.laurel.k', '--values=2,4', f'--workdir={tmp_path / "sweep"}'],
                          env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -285,17 +306,22 @@ def test_vocab_size_is_checked_against_a_gs_tokenizer(sp_model, monkeypatch):
 # 6. --config=WORKDIR resumes with the config the run saved; a changed `steps` is printed.
 
 @pytest.mark.slow
-def test_resume_from_the_saved_config_in_one_command(run_with_three_checkpoints, tmp_path):
+def test_resume_from_the_saved_config_in_one_command(run_with_three_checkpoints, tmp_path, capsys):
   workdir = tmp_path / 'run'
   shutil.copytree(run_with_three_checkpoints, workdir)
-  result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={workdir}', f'--workdir={workdir}',
-                           '--config.steps=10'], env=cli_env(), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)' in result.stdout
-  assert 'resumed from checkpoint 9' in result.stdout and max(losses(workdir)) == 10
+  assert main.main(['laurel-train', f'--config={workdir}', f'--workdir={workdir}', '--config.steps=10']) == 0
+  out = capsys.readouterr().out
+  assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)' in out
+  assert 'resumed from checkpoint 9' in out and max(losses(workdir)) == 10
   saved = json.loads((workdir / 'config.json').read_text())
   assert config_lib.to_dict(step.build_config(config_lib.load(str(workdir / 'config.json')))) == saved
+
+
+def _vouch_again(step_dir, name: str) -> None:
+  """A checkpoint's list with the entry of `name` written anew, as if the file had been saved so."""
+  listing = json.loads((step_dir / checkpoint.LIST).read_text())
+  listing['files'][name] = [checkpoint.checksum(step_dir / name), (step_dir / name).stat().st_size]
+  (step_dir / checkpoint.LIST).write_text(json.dumps(listing))
 
 
 def _in_the_old_shape(saved: dict) -> dict:
@@ -318,7 +344,7 @@ def test_a_signature_in_the_old_shape_is_no_change_of_config(row):
 
 
 @pytest.mark.slow
-def test_a_run_saved_in_the_old_shape_loads_for_sampling_and_resumes(run_with_three_checkpoints, tmp_path):
+def test_a_run_saved_in_the_old_shape_loads_for_sampling_and_resumes(run_with_three_checkpoints, tmp_path, capsys):
   """A run saved before LAuReL was a design of its own name (issue 52): config.json and every checkpoint's config
   signature hold every design's section and design 'residual' with `laurel.variant`. Made here from a run of today's
   code, rewritten so; its parameter names are LAuReL's as ever. It loads for sampling and --config=WORKDIR, and
@@ -330,19 +356,17 @@ def test_a_run_saved_in_the_old_shape_loads_for_sampling_and_resumes(run_with_th
   for step_dir in (workdir / 'checkpoints').iterdir():
     signature = step_dir / 'config' / 'metadata'
     signature.write_text(json.dumps(_in_the_old_shape(json.loads(signature.read_text()))))
-    checksums.record(step_dir)  # its list vouches for the rewritten signature, as the old run's did
+    _vouch_again(step_dir, 'config/metadata')  # its list vouches for the rewritten signature, as the old run's did
   assert json.loads(path.read_text())['model']['hc'] == {'expansion': 4, 'hc_dynamic': False}
 
   config = step.build_config(config_lib.load(str(workdir)))  # --config=WORKDIR
   assert config.model.stream == StreamSpec('laurel', variant='rw+lr+pa', rank=8, k=3)
   with loader.lm_run_on_mesh(workdir) as (task, params, number, _):  # what sampling and scoring read
     assert number == 9 and task.config == config and 'laurel_rw' in params
-  result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={workdir}', f'--workdir={workdir}',
-                           '--config.steps=10'], env=cli_env(), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)\n' in result.stdout
-  assert 'design laurel rw+lr+pa r=8 k=3' in result.stdout and 'resumed from checkpoint 9' in result.stdout
+  assert main.main(['laurel-train', f'--config={workdir}', f'--workdir={workdir}', '--config.steps=10']) == 0
+  out = capsys.readouterr().out
+  assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)\n' in out
+  assert 'design laurel rw+lr+pa r=8 k=3' in out and 'resumed from checkpoint 9' in out
   saved = json.loads(path.read_text())  # rewritten as the resumed run's: today's shape
   assert saved['model']['stream'] == {'design': 'laurel'} and 'hc' not in saved['model'] and max(losses(workdir)) == 10
 
@@ -364,6 +388,7 @@ def run_without_optimizer_state(tmp_path_factory):
   with ocp.CheckpointManager(workdir / 'checkpoints') as mngr:
     params_only = {'step': state['step'], 'params': state['params']}
     mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(params_only), config=ocp.args.JsonSave(signature)))
+  checkpoint.record(workdir / 'checkpoints' / '3', workdir / 'checkpoints' / '3')  # as a run's save lists it
   return workdir, state['params']
 
 
@@ -407,82 +432,50 @@ def test_no_parameter_is_a_constant_of_the_compiled_programs(run_without_optimiz
   assert _large_constants(tmp_path / 'ir') < num_params / 100
 
 
-# 8. A watchdog ends a process whose step hangs, naming host and step.
+# 8. A watchdog (faulthandler's) ends a process whose step hangs, with every thread's stack.
+
+STALLING = ('import sys, time\nfrom laurel import main, train\n'
+            'compile_step = train.compile_step\n'
+            'class Stalling:  # the compiled step, whose 8th call never returns\n'
+            '  def __init__(self, compiled):\n'
+            '    self.compiled, self.calls = compiled, 0\n'
+            '  def __getattr__(self, name):\n'
+            '    return getattr(self.compiled, name)\n'
+            '  def __call__(self, *args):\n'
+            '    self.calls += 1\n'
+            '    if self.calls == 8:\n'
+            '      time.sleep(600)  # a collective one host never entered\n'
+            '    return self.compiled(*args)\n'
+            'train.compile_step = lambda *args: (lambda c, *rest: (Stalling(c), *rest))(*compile_step(*args))\n'
+            'sys.argv = ["laurel-train", *sys.argv[1:]]\n'
+            'main.run()\n')
+
 
 @pytest.mark.slow
-def test_a_stalled_step_ends_the_process_naming_host_and_step(tmp_path, monkeypatch, capsys):
-  exits, released = [], threading.Event()
-  monkeypatch.setattr(train.os, '_exit', lambda code: (exits.append(code), released.set()))
-  compile_step = train.compile_step
-
-  class Stalling:  # the compiled step, whose 8th call waits until the watchdog has fired
-    def __init__(self, compiled):
-      self.compiled, self.calls = compiled, 0
-
-    def __getattr__(self, name):
-      return getattr(self.compiled, name)
-
-    def __call__(self, *args):
-      self.calls += 1
-      if self.calls == 8:
-        released.wait(120)
-      return self.compiled(*args)
-
-  def stalling_compile_step(*args):
-    compiled, *rest = compile_step(*args)
-    return (Stalling(compiled), *rest)
-
-  monkeypatch.setattr(train, 'compile_step', stalling_compile_step)
-  config = load_config(SPEC, {**TINY_LM, 'steps': 10, 'watchdog_factor': 10.0, 'watchdog_min_s': 3.0,
-                              'watchdog_s': 0.0})
-  train.train(config, str(tmp_path), devices=jax.devices()[:1])
-  assert exits == [process.HUNG]
-  err = capsys.readouterr().err
-  line = next(l for l in err.splitlines() if l.startswith('error: watchdog'))
-  assert re.match(r'error: watchdog: no progress for \d+\.\ds after step 7 \(limit 3\.0s\) on process 0 of 1 on '
-                  r'host \S+; exiting with status 75', line), line
-  assert 'released.wait' in err  # every thread's stack: where it hung
+@pytest.mark.process
+def test_a_stalled_step_ends_the_process_with_every_threads_stack(tmp_path):
+  overrides = {**TINY_LM, 'steps': 10, 'watchdog_factor': 10.0, 'watchdog_min_s': 3.0, 'watchdog_s': 0.0}
+  result = subprocess.run([sys.executable, '-c', STALLING, *cli_args(SPEC, tmp_path, overrides)[3:]], env=cli_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == process.ERROR, result.stderr[-3000:]
+  assert re.search(r'^Timeout \(0:00:03\)!$', result.stderr, re.M), result.stderr[-3000:]
+  assert 'in __call__' in result.stderr and 'step 7/10' in result.stdout and 'step 8/10' not in result.stdout
 
 
-def test_the_watchdog_limit_covers_the_first_step_and_the_median():
-  fired = []
-  watchdog = process.Watchdog(factor=4.0, min_s=0.0, limit_s=0.3)
-  watchdog._fire = lambda stalled, limit: fired.append((watchdog.step, limit))  # pylint: disable=protected-access
-  watchdog.start()
-  try:
-    threading.Event().wait(0.6)  # nothing ran: the absolute limit
-    assert fired == [(None, 0.3)]
-  finally:
-    watchdog.stop()
-  watchdog = process.Watchdog(factor=4.0, min_s=0.0, limit_s=0.0)
-  for step in range(1, process.Watchdog.WARMUP + 4):
-    watchdog.beat(step)
+def test_the_watchdog_limit_is_the_absolute_one_then_the_median_after_the_first_steps(monkeypatch):
+  armed = []
+  monkeypatch.setattr(train.faulthandler, 'dump_traceback_later', lambda timeout, **_: armed.append(timeout))
+  run = types.SimpleNamespace(config=types.SimpleNamespace(watchdog_factor=4.0, watchdog_min_s=0.0, watchdog_s=0.3),
+                              progress=[])
+  watchdog = train.Watchdog(run)
+  assert armed == [0.3] and run.progress == [watchdog.beat]  # before the first step: the absolute limit
+  for step in range(1, train.Watchdog.WARMUP + 4):
     threading.Event().wait(0.02)
-  assert 0.02 * 4 <= watchdog.limit() < 1.0  # 4 x the median step time, the warm-up steps left out
-
-
-@pytest.mark.slow
-def test_the_watchdog_counts_no_stall_while_the_process_was_stopped(monkeypatch):
-  """SIGSTOP then SIGCONT (a suspended job) stops the watchdog's thread too: its poll comes back late by the pause,
-  which is then no stall; a stall after the resumption still fires."""
-  paused = [0.0]
-  monkeypatch.setattr(train.time, 'monotonic', lambda real=time.monotonic: real() + paused[0])
-  fired = []
-  watchdog = process.Watchdog(factor=0.0, min_s=0.0, limit_s=2.0)  # margins for a loaded machine's thread wake-ups
-  watchdog._fire = lambda stalled, limit: fired.append(stalled)  # pylint: disable=protected-access
-  watchdog.start()
-  try:
-    threading.Event().wait(0.2)
-    paused[0] = 3600.0  # an hour stopped, seen at the next poll
-    threading.Event().wait(0.5)
-    assert not fired
-    for _ in range(60):  # no progress since the resumption: a stall, told within 3 s
-      if fired:
-        break
-      threading.Event().wait(0.05)
-    assert len(fired) == 1 and 2.0 < fired[0] < 10
-  finally:
-    watchdog.stop()
+    watchdog.after_step(run, step, None)
+  assert 0.02 * 4 <= armed[-1] <= 0.3
+  run.config.watchdog_s = 0.0
+  watchdog.beat()
+  assert 0.02 * 4 <= armed[-1] < 1.0  # 4 x the median step time, the warm-up steps left out
 
 
 def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_another(tmp_path):
@@ -508,14 +501,14 @@ def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_an
 @pytest.mark.slow
 def test_sigterm_in_the_final_eval_is_told_and_the_rerun_logs_its_eval_and_timing(tmp_path, monkeypatch, capsys):
   config = load_config(SPEC, {**TINY_LM, 'eval_steps': 3})  # eval and checkpoint at the last step only
-  beat = process.Watchdog.beat
+  beat = train.Watchdog.beat
 
-  def terminated_after_an_eval_batch(watchdog, step=None):  # beat() without a step: an eval batch is done
-    if step is None:
+  def terminated_after_an_eval_batch(watchdog, stepped=False):  # beat() of no step: an eval batch is done
+    if not stepped:
       signal.raise_signal(signal.SIGTERM)
-    beat(watchdog, step)
+    beat(watchdog, stepped)
 
-  monkeypatch.setattr(process.Watchdog, 'beat', terminated_after_an_eval_batch)
+  monkeypatch.setattr(train.Watchdog, 'beat', terminated_after_an_eval_batch)
   assert train.train(config, str(tmp_path), devices=jax.devices()[:1]) == {'step': 6, 'preempted': True}
   out = capsys.readouterr().out
   assert re.search(r'^evaluating on 3 batches: interrupted \(SIGTERM\) after ', out, re.M), out[-1000:]

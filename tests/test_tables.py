@@ -253,9 +253,9 @@ def test_the_time_limit_stops_the_running_point_with_a_checkpoint_and_starts_no_
 
 
 def test_a_point_another_process_finished_is_reported_finished_not_failed(tmp_path, capsys):
-  """The other sweep's run finished the point while this one's attempt was refused (the lease's exit 5) or failed."""
+  """The other sweep's run finished the point while this one's attempt was refused (the lock's exit 2) or failed."""
   finish_elsewhere = "import sys, pathlib; pathlib.Path(sys.argv[1]).write_text('{}'); sys.exit(int(sys.argv[2]))"
-  points = [{'name': f'p{code}', 'dir': epath_of(tmp_path / f'p{code}')} for code in (5, 1)]
+  points = [{'name': f'p{code}', 'dir': epath_of(tmp_path / f'p{code}')} for code in (2, 1)]
   failed = launching.run_points(points, 'run.log', lambda p: [sys.executable, '-c', finish_elsewhere,
                                                            str(p['dir'] / 'final.json'), p['name'][1:]])
   out = capsys.readouterr().out

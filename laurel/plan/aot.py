@@ -172,13 +172,13 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
           'memory_s': memory_s, 'roofline_step_time_s': max(compute_s, memory_s)}
 
 
-def preflight(config, topology: str | None) -> str:
+def preflight(config, topology: str | None, mfu: float | None = None) -> str:
   """The report before every TPU launch (it fits each chip's HBM; the step time as the compiler schedules it, or at
-  --mfu; the step's largest groups), else a one-line InputError."""
+  `mfu`, else --mfu; the step's largest groups), else a one-line InputError."""
   if not topology:
     raise InputError('topology=None: compiling for a slice needs one, e.g. --topology=v6e:4x4')
   accel = parse_accelerator(topology, flag='topology')
-  chip, mfu = TPUS[accel['generation']], cost.mfu_flag()
+  chip, mfu = TPUS[accel['generation']], cost.mfu_flag() if mfu is None else mfu
   with console.phase(f'compiling the train step for {topology} with the TPU compiler', file=sys.stderr):
     facts = compile_for_slice(config, topology, costs=False)
   gb = lambda key: f'{facts[key] / 1e9:.3g} GB'

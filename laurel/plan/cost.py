@@ -15,14 +15,18 @@ from laurel.run.console import duration
 from laurel.plan.hardware import xla_costs
 from laurel.step import make_train_fns
 
-_MFU = flags.DEFINE_float(
-    'mfu', None, 'With --compile_only (and the launcher\'s pre-flight): the model FLOPs utilisation, in (0, 1], '
-    "that the cost estimate assumes. Default: the step time the TPU compiler's schedule estimates.")
+MFU_HELP = ("With --compile_only (and the launcher's pre-flight): the model FLOPs utilisation, in (0, 1], that the "
+            "cost estimate assumes. Default: the step time the TPU compiler's schedule estimates.")
+_MFU = flags.DEFINE_float('mfu', None, MFU_HELP)
 
 
 def mfu_flag() -> float | None:
   """--mfu, checked: a one-line InputError unless it is in (0, 1]."""
-  mfu = _MFU.value if flags.FLAGS.is_parsed() else None
+  return checked_mfu(_MFU.value if flags.FLAGS.is_parsed() else None)
+
+
+def checked_mfu(mfu: float | None) -> float | None:
+  """A one-line InputError unless `mfu` is None or in (0, 1]."""
   if mfu is not None and not 0 < mfu <= 1:
     raise InputError(f'mfu={mfu}: must be a fraction in (0, 1], e.g. 0.4 for 40% of the chips\' peak FLOP/s')
   return mfu

@@ -1,17 +1,18 @@
-"""Checkpoints: the orbax manager, resuming past damage, the config guard. Each
-WORKDIR/checkpoints/<step> holds state, data (the grain iterator), config (all but the fields declared `resumable`,
-which alone a resume may change without --allow_config_change), checksummed (that its run writes checksum lists) and
-checksums.process_<i>.json (laurel.run.checksums)."""
+"""Checkpoints by orbax: its policies decide when a save happens (preemption, every `checkpoint_every` steps, the last
+step) and which are kept (the latest `keep_checkpoints`), and its error check stops a run whose save failed. Each
+WORKDIR/checkpoints/<step> holds state, data (the grain iterator), config (the config's signature: all but the
+fields declared `resumable`) and checksums.json, the XXH3 hash and size of every other file, which process 0 writes
+in orbax's post-finalization callback, once every host has written its part and before the commit: no committed
+checkpoint is without its list. A checkpoint is good (every file as listed) or damaged; ours are the config guard,
+the finite check before a save, and the fallback past a damaged checkpoint, which is moved aside, never deleted."""
 
+import concurrent.futures
 import dataclasses
-import functools
 import json
-import logging as logging_std
+import mmap
 import os
 import re
-import shutil
 import sys
-import threading
 import time
 
 import flax
@@ -20,17 +21,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import xxhash
 from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers as policies
 
 from laurel import config_lib, designs, step
-from laurel.run import checksums, process, saved_config
 from laurel.config_lib import InputError
+from laurel.run import saved_config
 from laurel.run.files import is_remote, utc, write_text_atomic
 
-PROMISE = 'checksummed'  # the item that says a checkpoint's run writes checksum lists: without one it is unvouched
-VERDICTS = ('verified', 'unchecked', 'unvouched', 'damaged')  # of a checkpoint's files, best first
+LIST = 'checksums.json'
+ALGORITHM = 'xxh3_64'
+METADATA, COMMITTED = '_CHECKPOINT_METADATA', 'commit_success.txt'  # what orbax writes at the commit, after the list
+CHUNK = 2**24  # a gs:// file is hashed as it streams, 16 MiB at a time
+
+
+def run_dir(workdir) -> epath.Path:
+  """A run's directory: gs://… as it is, a local path made absolute (orbax refuses a relative one)."""
+  return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
 
 
 def _flat(config) -> dict:
@@ -95,22 +105,153 @@ def _listed(changes: dict, keys) -> str:
   return ', '.join(parts)
 
 
-# Tensorstore's codes for a checkpoint's own data missing or corrupt (truncated: OUT_OF_RANGE; not decompressing:
-# FAILED_PRECONDITION). Only such a checkpoint is moved aside; any other failure is raised, moving nothing.
-DAMAGE_STATUS = ('DATA_LOSS', 'NOT_FOUND', 'OUT_OF_RANGE', 'FAILED_PRECONDITION')
+def _hash(chunks) -> str:
+  hasher = xxhash.xxh3_64()  # hashes without the GIL
+  for chunk in chunks:
+    hasher.update(chunk)
+  return f'{hasher.intdigest():016x}'
 
 
-def _damage(error: BaseException) -> str | None:
-  """Why `error` (or its cause) says the checkpoint's own files are missing or corrupt, as one line; else None."""
+def checksum(path: epath.Path) -> str:
+  if is_remote(path):  # gs://: streamed, not held whole
+    with path.open('rb') as f:
+      return _hash(iter(lambda: f.read(CHUNK), b''))
+  with open(path, 'rb') as f:
+    if not os.fstat(f.fileno()).st_size:  # no memory map of an empty file
+      return _hash([])
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+      return _hash([data])
+
+
+def _metadata_checksum(text: bytes) -> str:
+  """orbax's step metadata but the commit's time, which it adds after the list: the one value no list vouches for."""
+  metadata = json.loads(text)
+  return _hash([json.dumps({k: v for k, v in metadata.items() if k != 'commit_timestamp_nsecs'}, sort_keys=True)
+                .encode()])
+
+
+def _size(path: epath.Path) -> int:
+  return path.stat().length if is_remote(path) else os.path.getsize(path)
+
+
+def record(step_dir, final: epath.Path) -> None:
+  """Writes step_dir/checksums.json, the hash and size of every file of a checkpoint about to be committed as
+  `final`; of the two files orbax writes at the commit, its step metadata but the commit's time, and its marker as it
+  will read."""
+  step_dir = epath.Path(step_dir)
+  paths = sorted(root / name for root, _, names in step_dir.walk() for name in names
+                 if root != step_dir or name not in (LIST, METADATA))
+  sizes = [_size(p) for p in paths]
+  with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1) if sum(sizes) >= 2**26 else 1) as pool:
+    hashes = list(pool.map(checksum, paths))
+  listed = {os.fspath(p.relative_to(step_dir)): [h, n] for p, h, n in zip(paths, hashes, sizes)}
+  marker = f'Checkpoint commit was successful to {final}'.encode()  # as orbax's commit writes it
+  listed.update({METADATA: [_metadata_checksum((step_dir / METADATA).read_bytes()), None],
+                 COMMITTED: [_hash([marker]), len(marker)]})
+  write_text_atomic(step_dir / LIST, json.dumps({'algorithm': ALGORITHM, 'files': listed}, indent=0) + '\n')
+
+
+def _listing(step_dir: epath.Path) -> dict:
+  """{file: (hash, size)} of a checkpoint's list (an earlier run's: one list a host, its train state's files);
+  ValueError, its message a phrase, where there is none or it is no list."""
+  lists = [step_dir / LIST] if (step_dir / LIST).exists() else sorted(step_dir.glob('checksums.process_*.json'))
+  if not lists:
+    raise ValueError(f'it has no {LIST}')
+  listed = {}
+  for path in lists:
+    try:
+      listing = json.loads(path.read_bytes())  # random bytes: a UnicodeDecodeError, a ValueError as JSON's errors
+      files = listing['files'] if listing['algorithm'] == ALGORITHM else None
+      listed.update({name: (str(h), n if n is None else int(n)) for name, (h, n) in files.items()})
+    except (IsADirectoryError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f'its {path.name} is no checksum list ({type(e).__name__})') from None
+  return listed
+
+
+def damage(step_dir) -> str | None:
+  """Why a checkpoint is damaged, as this host finds it checking its share of the files; None where it is good."""
+  step_dir = epath.Path(step_dir)
+  try:
+    listed = _listing(step_dir)
+  except ValueError as e:
+    return str(e)
+  for name in sorted(listed)[jax.process_index()::jax.process_count()]:
+    path, (saved, size) = step_dir / name, listed[name]
+    if not path.exists():
+      return f'{name} is missing'
+    if size is not None and (now_size := _size(path)) != size:
+      return f'{name} has {now_size} bytes, {size} when saved'
+    try:
+      now = _metadata_checksum(path.read_bytes()) if name == METADATA else checksum(path)
+    except ValueError:  # the metadata is no JSON
+      now = 'unreadable'
+    if now != saved:
+      return f'{name}: content checksum mismatch ({ALGORITHM} {now}, {saved} when saved)'
+  return None
+
+
+def manager(workdir: epath.Path, config) -> ocp.CheckpointManager:
+  """The run's checkpoints: saved where orbax's policies say (a preemption, which JAX's service tells every process
+  of several; every `checkpoint_every` steps; the last step), the latest `keep_checkpoints` kept. A save's checksum
+  list is written before its commit; temporaries of a save a kill cut short are removed."""
+  directory = epath.Path(workdir) / 'checkpoints'
+  saving = []  # the step whose save is in flight: orbax's callback takes no argument
+
+  def vouch():  # on process 0 once every host has written its part; on an object store the commit writes in place
+    final = directory / str(saving[-1])
+    tmp = directory / f'{saving[-1]}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}'
+    record(tmp if tmp.exists() else final, final)
+
+  save_policy = policies.AnySavePolicy([policies.PreemptionCheckpointingPolicy(),
+                                        policies.FixedIntervalPolicy(config.checkpoint_every),
+                                        policies.SpecificStepsPolicy({config.steps})])
+  mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+      save_decision_policy=save_policy, preservation_policy=policies.LatestN(config.keep_checkpoints),
+      cleanup_tmp_directories=True, async_options=ocp.AsyncOptions(post_finalization_callback=vouch)))
+  mngr.laurel_saving = saving
+  return mngr
+
+
+def save(mngr, number: int, state, train_iter, signature: dict) -> None:
+  """Checkpoint `number` (async): the state, the input's position and the config's signature."""
+  mngr.wait_until_finished()  # as orbax's save does first: the save before is committed, with its list
+  mngr.laurel_saving.append(number)
+  mngr.save(number, force=True, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
+      config=ocp.args.JsonSave(signature)))
+
+
+def close(mngr) -> None:
+  """Closes the manager once its saves are done; a failed save the run has reported (laurel_failed) is not raised
+  again (orbax raises it in each thread that waits)."""
+  try:
+    mngr.close()
+  except Exception as e:  # pylint: disable=broad-except
+    if getattr(mngr, 'laurel_failed', None) is None:
+      raise
+    del e
+
+
+def io_cause(error: BaseException | None) -> str | None:
+  """The system's reason where `error` (or its cause) is a failed read or write, e.g. 'No space left on device'."""
   while error is not None:
-    text = str(error)
-    if (isinstance(error, (FileNotFoundError, EOFError, json.JSONDecodeError))
-        or (isinstance(error, KeyError) and 'not found in the checkpoint' in text)  # an item's directory is gone
-        or (isinstance(error, ValueError) and re.fullmatch(r'File .+ does not exist\.', text))  # grain's file
-        or any(f'{status}: ' in text for status in DAMAGE_STATUS)):
-      return config_lib.io_error_reason(error)
+    if isinstance(error, OSError) and error.errno:
+      return os.strerror(error.errno)
+    if code := re.search(r"os_error_code='?(\d+)", str(error)):  # tensorstore's errors name the OS's
+      return os.strerror(int(code[1]))
     error = error.__cause__ or error.__context__
   return None
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+
+
+def is_finite(state) -> bool:
+  """Whether every floating-point value of `state` is finite (the same answer on every host)."""
+  return bool(jax.device_get(_all_finite(state).addressable_data(0)))
 
 
 def _tree_difference(saved_tree, abstract_state) -> str | None:
@@ -127,159 +268,73 @@ def _tree_difference(saved_tree, abstract_state) -> str | None:
   return None if extra is None else f'{extra} is in the checkpoint, not in the model'
 
 
-def _restore_step(mngr, number, workdir, config, abstract_state, train_iter, allow_change):
-  """('ok', restored) or ('damaged', why); InputError for another task, model, parameter tree or (unless
-  `allow_change`) config; any other error that is not damage as it is."""
-  where, step_dir = f'--workdir={str(workdir)!r}', epath.Path(mngr.directory) / str(number)
-  try:
-    saved = mngr.restore(number, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-    changes, unsafe = config_changes(saved, config)
-    if model := [k for k in unsafe if k == 'task' or k.startswith('model.')]:
-      raise InputError(f'{where}: holds checkpoints of a different task/model (step {number}: '
-                       f'{_listed(changes, model)}); use a new workdir or the original config')
-    if unsafe and not allow_change:  # the checkpoint's own record: config.json may be gone or replaced
-      raise InputError(f'{where}: checkpoint {number} was trained with {_listed(changes, unsafe)}; resume with that '
-                       'config, or pass --allow_config_change to go on with the new values')
-    tree = ocp.StandardCheckpointHandler().metadata(step_dir / 'state').tree
-    if (difference := _tree_difference(tree, abstract_state)) is not None:
-      raise InputError(f'{where}: checkpoint {number} does not match the model: {difference} (a code change?); '
-                       'nothing was moved: resume with the code that wrote it, or use a new workdir')
-    restored = mngr.restore(number, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))
-    if not is_finite(restored['state']):  # saved by code that did not check: resuming it would diverge again
-      return 'damaged', 'its state is not finite'
-    return 'ok', restored
-  except Exception as e:  # pylint: disable=broad-except
-    if isinstance(e, InputError) or (why := _damage(e)) is None:
-      raise
-    return 'damaged', why
+def _damage_on_any_host(step_dir) -> str | None:
+  """damage(), the same on every host: each checks its share of the files."""
+  why = damage(step_dir)
+  if jax.process_count() > 1 and np.any(multihost_utils.process_allgather(np.asarray(why is not None))):
+    why = why or 'damaged, as another host found (see its log)'
+  return why
 
 
-def verdict(step_dir: epath.Path) -> tuple[str, str | None]:
-  """This host's word on a checkpoint's files (VERDICTS) and why: 'unchecked' where its run wrote no checksum lists
-  (older code) or its list is damaged (a damaged list says nothing of the data: never a reason to set it aside),
-  'unvouched' where its list never came (a crash after the save), 'damaged' where a file differs from its list."""
-  found, why = checksums.verify(step_dir)
-  if found == 'mismatch':
-    return 'damaged', why
-  if found == 'unreadable':
-    return 'unchecked', why
-  if found == 'none' and (step_dir / PROMISE).exists():  # its run writes lists: this one never came (a crash)
-    return 'unvouched', f'no {checksums.LISTING.format(jax.process_index())}'
-  return ('verified' if found == 'verified' else 'unchecked'), None
-
-
-def _on_every_host(attempt, outcomes: tuple[str, ...], what: str):
-  """attempt()'s (outcome, detail), the same on every host: the worst of `outcomes` (best first) any host had; an
-  exception on one host is raised on all, once every host knows."""
-  failure = None
-  try:
-    outcome, detail = attempt()
-  except Exception as e:  # pylint: disable=broad-except  # raised below
-    outcome, detail, failure = None, None, e
-  if jax.process_count() > 1:
-    code = len(outcomes) if failure is not None else outcomes.index(outcome)  # len(outcomes): an exception
-    worst = int(np.max(multihost_utils.process_allgather(np.asarray(code))))
-    if failure is None and worst == len(outcomes):
-      failure = RuntimeError(f'{what} failed on another host; see its log')
-    elif failure is None and outcomes[worst] != outcome:
-      outcome, detail = outcomes[worst], f'{outcomes[worst]} on another host'
-  if failure is not None:
-    raise failure
-  return outcome, detail
-
-
-def _move_aside(mngr, workdir, number: int, why: str) -> None:
-  """Moves checkpoint `number` to WORKDIR/unreadable_checkpoints (never deleted), saying `why` once."""
-  aside = workdir / 'unreadable_checkpoints' / f'{number}.{int(time.time())}'
-  if jax.process_index() == 0:  # the one that moves it says so, once
-    print(f'warning: checkpoint {number} {why}; moved to {aside}', file=sys.stderr, flush=True)
-    aside.parent.mkdir(parents=True, exist_ok=True)
-    (epath.Path(mngr.directory) / str(number)).rename(aside)
-  else:
-    logging.warning('checkpoint %d %s; process 0 moves it to %s', number, why, aside)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(f'moved checkpoint {number}')
-  mngr.reload()
+def _restore(mngr, number: int, config, abstract_state, train_iter, allow_change: bool, where: str):
+  """(state, None) of a good checkpoint, or (None, why) of a damaged one; InputError for another task, model,
+  parameter tree or (unless `allow_change`) config, moving nothing."""
+  step_dir = epath.Path(mngr.directory) / str(number)
+  if (why := _damage_on_any_host(step_dir)) is not None:
+    return None, why
+  saved = mngr.restore(number, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+  changes, unsafe = config_changes(saved, config)
+  if model := [k for k in unsafe if k == 'task' or k.startswith('model.')]:
+    raise InputError(f'{where}: holds checkpoints of a different task/model (step {number}: '
+                     f'{_listed(changes, model)}); use a new workdir or the original config')
+  if unsafe and not allow_change:  # the checkpoint's own record: config.json may be gone or replaced
+    raise InputError(f'{where}: checkpoint {number} was trained with {_listed(changes, unsafe)}; resume '
+                     'with that config, or pass --allow_config_change to go on with the new values')
+  tree = ocp.StandardCheckpointHandler().metadata(step_dir / 'state').tree
+  if (difference := _tree_difference(tree, abstract_state)) is not None:
+    raise InputError(f'{where}: checkpoint {number} does not match the model: {difference} (a code change?); '
+                     'nothing was moved: resume with the code that wrote it, or use a new workdir')
+  state = mngr.restore(number, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(train_iter)))['state']
+  return (state, None) if is_finite(state) else (None, 'its state is not finite')
 
 
 def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_change: bool = False):
-  """(state, step, steps moved aside) of the latest checkpoint every host can read, or (None, 0, moved). One whose
-  files differ from their checksum list, or that orbax finds damaged, is moved to WORKDIR/unreadable_checkpoints,
-  never deleted. One whose list never came (a crash after its save) is restored only where no verified one exists;
-  where an older one is restored, it is moved aside too. One whose list is damaged is restored, with a warning. Any
+  """(state, step, steps moved aside) of the newest good checkpoint, or (None, 0, moved) where none is. A damaged
+  one is moved to WORKDIR/unreadable_checkpoints with one line, never deleted, and the one before is tried; any
   other failure is raised, moving nothing."""
-  moved, unvouched = [], []  # unvouched: (step, why), newest first
-
-  def restore(number):
-    return _on_every_host(lambda: _restore_step(mngr, number, workdir, config, abstract_state, train_iter,
-                                                allow_change), ('ok', 'damaged'), f'restoring checkpoint {number}')
-
+  moved, where = [], f'--workdir={str(workdir)!r}'
   for number in sorted(mngr.all_steps(), reverse=True):
-    # Checksums first: orbax reading a damaged state leaves tensorstore callbacks that print tracebacks later.
-    judged, why = _on_every_host(functools.partial(verdict, epath.Path(mngr.directory) / str(number)), VERDICTS,
-                                  f'verifying checkpoint {number}')
-    if judged == 'unvouched':
-      unvouched.append((number, why))
-      continue
-    outcome, result = ('damaged', why) if judged == 'damaged' else restore(number)
-    if outcome == 'ok':
-      if why and jax.process_index() == 0:  # unchecked: its list is damaged
-        print(f'warning: checkpoint {number} is restored unchecked: {why}', file=sys.stderr, flush=True)
-      trusted = 'is verified' if judged == 'verified' else 'has a damaged list' if why else 'predates checksum lists'
-      for newer, reason in unvouched:
-        _move_aside(mngr, workdir, newer, f'has no checksum list that vouches for it ({reason}) and checkpoint '
-                    f'{number} {trusted}')
-      return result['state'], number, moved + [newer for newer, _ in unvouched]
-    _move_aside(mngr, workdir, number, f'is unreadable ({result})')
-    moved.append(number)
-  for number, why in unvouched:  # no verified checkpoint: the newest that orbax restores, unverified
-    outcome, result = restore(number)
-    if outcome == 'ok':
-      if jax.process_index() == 0:
-        print(f'warning: checkpoint {number} is restored unverified: no checksum list vouches for it ({why}) and no '
-              'verified checkpoint exists', file=sys.stderr, flush=True)
-      return result['state'], number, moved
-    _move_aside(mngr, workdir, number, f'is unreadable ({result})')
+    state, why = _restore(mngr, number, config, abstract_state, train_iter, allow_change, where)
+    if why is None:
+      return state, number, moved
+    aside = epath.Path(workdir) / 'unreadable_checkpoints' / f'{number}.{int(time.time())}'
+    if jax.process_index() == 0:
+      print(f'warning: checkpoint {number} is damaged ({why}); moved to {aside}', file=sys.stderr, flush=True)
+      aside.parent.mkdir(parents=True, exist_ok=True)
+      (epath.Path(mngr.directory) / str(number)).rename(aside)
+    else:
+      logging.warning('checkpoint %d is damaged (%s); process 0 moves it to %s', number, why, aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f'moved checkpoint {number}')
+    mngr.reload()
     moved.append(number)
   return None, 0, moved
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
-
-
-def is_finite(state) -> bool:
-  """Whether every floating-point value of `state` is finite (the same answer on every host)."""
-  return bool(jax.device_get(_all_finite(state).addressable_data(0)))
-
-
-def quarantined_steps(workdir) -> list[int]:
-  """The steps of the checkpoints restore_latest has moved aside in `workdir`, in order."""
-  aside = epath.Path(workdir) / 'unreadable_checkpoints'
-  return sorted({int(p.name.split('.')[0]) for p in aside.iterdir() if p.name.split('.')[0].isdigit()}
-                if aside.is_dir() else ())
-
-
-def run_dir(workdir) -> epath.Path:
-  """A run's directory: gs://… as it is, a local path made absolute (orbax refuses a relative one)."""
-  return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
-
-
 def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   """Refuses checkpoints trained with a typed config differing from config.json in a field not resumable, unless
-  `allow_change`. Returns `record()`, which writes config.json and a config_history.jsonl line where new or changed;
-  train calls it once the checkpoint is restored, so a refused one leaves both as they were."""
+  `allow_change`; writes nothing. Returns `record()`, which writes config.json and a config_history.jsonl line where
+  new or changed; train calls it once the checkpoint is restored, so a refused one leaves both as they were."""
   path, where = workdir / 'config.json', os.fspath(workdir)
   saved = path.read_text() if path.exists() else None
   try:
-    changes, unsafe = ({}, []) if saved is None else config_changes(saved_config.read_json(saved, False), config)
+    changes, unsafe = ({}, []) if saved is None else config_changes(saved_config.read_json(saved, False),
+                                                                              config)
   except json.JSONDecodeError:  # a torn copy: each checkpoint's own config signature is checked on restore instead
-    print(f'warning: {path} is not JSON; it is rewritten, and the checkpoints are checked against their own record '
-          'of the config', file=sys.stderr, flush=True)
-    saved, changes, unsafe = None, {}, []
+    print(f'warning: {path}: config.json is not JSON; it is rewritten once the checkpoint is restored',
+          file=sys.stderr, flush=True)
+    changes, unsafe, saved = {}, [], None
   folder = workdir / 'checkpoints'
   number = max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=0) if folder.is_dir() else 0
   if number and (model := [k for k in unsafe if k == 'task' or k.startswith('model.')]):  # no flag restores those
@@ -301,10 +356,7 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
       if not _recorded(lines, entry):  # not where a kill came between the two writes of the run before
         write_text_atomic(history, lines + json.dumps(entry) + '\n')
       write_text_atomic(path, saved_config.as_json(config))
-  if number:
-    return record
-  record()  # no checkpoint that a restore could refuse: written now, before anything compiles
-  return lambda: None
+  return record
 
 
 def _recorded(history: str, entry: dict) -> bool:
@@ -316,136 +368,9 @@ def _recorded(history: str, entry: dict) -> bool:
   return isinstance(last, dict) and {**last, 'time': None} == {**entry, 'time': None}
 
 
-def _io_cause(error: BaseException | None) -> str | None:
-  """The system's reason where `error` (or its cause) is a failed read or write, e.g. 'No space left on device'."""
-  while error is not None:
-    if isinstance(error, OSError) and error.errno:
-      return os.strerror(error.errno)
-    if code := re.search(r"os_error_code='?(\d+)", str(error)):  # tensorstore's errors name the OS's
-      return os.strerror(int(code[1]))
-    error = error.__cause__ or error.__context__
-  return None
-
-
-class _QuietIOFailures(logging_std.Filter):
-  """Drops the logged tracebacks of a failed read or write from orbax and the asyncio tasks it runs: each of its
-  threads and tasks logs one (some 460 lines for one save to a full disk), and the run reports the failure itself in
-  one line (`failure`, restore_latest)."""
-  def filter(self, record):
-    error = record.exc_info[1] if record.exc_info else None
-    ours = record.name == 'asyncio' or f'{os.sep}orbax{os.sep}' in record.pathname
-    return not (ours and _io_cause(error) is not None)
-
-
-_QUIET_IO_FAILURES = _QuietIOFailures()
-
-
-def _without_closed_loop_errors(hook):
-  """sys.unraisablehook without tensorstore's 'Event loop is closed' of each write that ends after orbax closed the
-  event loop of a failed save (the failure itself is reported in one line)."""
-  def unraisable(info):
-    if not (isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == 'Event loop is closed'):
-      hook(info)
-  unraisable.laurel_quiet = True
-  return unraisable
-
-
-@dataclasses.dataclass
-class _Saves:
-  """A manager's saves: the thread that waits for the one in flight and then writes its checksum list, and the save
-  that failed, with its error."""
-  recorder: threading.Thread | None = None
-  failed: tuple[int, BaseException] | None = None
-
-
-def manager(workdir: epath.Path, keep: int) -> ocp.CheckpointManager:
-  """The run's checkpoints, `keep` of them; the temporary folders of a save a kill cut short are removed."""
-  mngr = ocp.CheckpointManager(workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, cleanup_tmp_directories=True))
-  mngr.laurel_saves = _Saves()
-  for logger in ('absl', 'asyncio'):
-    logging_std.getLogger(logger).addFilter(_QUIET_IO_FAILURES)  # once: a filter is added only where absent
-  if not getattr(sys.unraisablehook, 'laurel_quiet', False):
-    sys.unraisablehook = _without_closed_loop_errors(sys.unraisablehook)
-  return mngr
-
-
-def _record_when_saved(mngr, number: int) -> None:
-  """Waits for save `number`, then at once writes this host's checksum list of it: a crash after the save leaves a
-  checkpoint that a rerun verifies. A failure of either is kept for `failure`."""
-  try:
-    mngr.wait_until_finished()
-    checksums.record(epath.Path(mngr.directory) / str(number))
-  except Exception as e:  # pylint: disable=broad-except  # the train loop stops at its next step
-    mngr.laurel_saves.failed = (number, e)
-
-
-def failure(mngr) -> str | None:
-  """Why a save failed, in one line naming the cause and the last good checkpoint; None where none failed (yet)."""
-  if mngr.laurel_saves.failed is None:
-    return None
-  number, error = mngr.laurel_saves.failed
-  good = max((s for s in mngr.all_steps() if s != number), default=None)
-  return (f'checkpoint {number} could not be saved ({_io_cause(error) or config_lib.io_error_reason(error)}); last '
-          f'good checkpoint: {"none" if good is None else good} in {epath.Path(mngr.directory)}')
-
-
-def finish(mngr) -> str | None:
-  """Waits for the save in flight and its checksum list; then `failure`."""
-  if mngr.laurel_saves.recorder is not None:
-    mngr.laurel_saves.recorder.join()
-  return failure(mngr)
-
-
-def close(mngr) -> None:
-  """Waits for the save in flight and closes the manager; a failed save, which `failure` reports, is not raised."""
-  finish(mngr)
-  try:
-    mngr.close()
-  except Exception as e:  # pylint: disable=broad-except
-    if mngr.laurel_saves.failed is None or e is not mngr.laurel_saves.failed[1]:
-      raise
-    mngr.close()  # orbax raises a failed save once in each thread that waits: now it closes
-
-
-def save(mngr, number: int, state, train_iter, config) -> None:
-  """Checkpoint `number` (async): the state, the input's position and the config's signature. Its checksum list is
-  written as soon as it completes. After a failed save (`failure`) nothing more is saved."""
-  if finish(mngr) is not None:  # the one before and its list first: max_to_keep may not delete it before its list
-    return
+def signature(config_dict: dict, config) -> dict:
+  """What a checkpoint records of its config (to_dict's `config_dict` of the typed `config`): every field but those a
+  resume may change."""
   resumable = _schema(config)[1]
-  signature = {k: v for k, v in _flat(config).items() if not _is_resumable(k, resumable)}
-  try:
-    mngr.save(number, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
-        config=ocp.args.JsonSave(flax.traverse_util.unflatten_dict(signature, sep='.')),
-        **{PROMISE: ocp.args.JsonSave({'lists': checksums.LISTING, 'algorithm': checksums.ALGORITHM})}))
-  except Exception as e:  # pylint: disable=broad-except
-    if _io_cause(e) is None:  # not the disk: a bug, with its traceback
-      raise
-    mngr.laurel_saves.failed = (number, e)
-    return
-  mngr.laurel_saves.recorder = process.start_thread(f'laurel-checksums-{number}', _record_when_saved, mngr, number)
-
-
-def check_room(mngr, workdir, abstract_state) -> None:
-  """A one-line InputError where the checkpoints' disk has less room than a checkpoint takes (the latest on disk,
-  else the state's bytes), before training: a save would fail. Every host checks its own; all stop together."""
-  folder = epath.Path(mngr.directory)
-  short = None
-  if not is_remote(folder):  # an object store does not fill up
-    latest = mngr.latest_step()
-    if latest is None:
-      need, what = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state)), 'the train state'
-    else:
-      files = [os.path.join(root, name) for root, _, names in os.walk(folder / str(latest)) for name in names]
-      need, what = sum(map(os.path.getsize, files)), f'the size of checkpoint {latest}'
-    free = shutil.disk_usage(folder).free
-    if free < need:
-      short = (f'--workdir={str(workdir)!r}: {free / 2**20:,.1f} MiB free on its disk, less than a checkpoint needs '
-               f'({need / 2**20:,.1f} MiB, {what}); free space or use another workdir')
-  if jax.process_count() > 1:
-    if np.any(multihost_utils.process_allgather(np.asarray(short is not None))) and short is None:
-      short = f"--workdir={str(workdir)!r}: another host's disk has no room for a checkpoint; see its log"
-  if short is not None:
-    raise InputError(short)
+  return flax.traverse_util.unflatten_dict({k: v for k, v in _flat(config_dict).items()
+                                            if not _is_resumable(k, resumable)}, sep='.')

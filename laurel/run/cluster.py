@@ -1,26 +1,24 @@
 """Joins this process to the rest of its run through JAX's cluster detection (docs/clusters.md). Where the environment
-names several processes and joining fails, the run ends with one line and PEER_LOST rather than train alone."""
+names several processes and jax.distributed cannot join them, the run stops rather than train alone: one line where
+JAX raises, JAX's own abort where it gives up waiting (`initialization_timeout`). A peer that dies is JAX's
+coordination service's to find (`heartbeat_timeout_seconds`): it aborts every other process."""
 
 import dataclasses
 import glob
 import os
 import re
 import socket
-import sys
-import threading
-import time
 import urllib.request
 
 import jax
 from absl import logging
 
 from laurel import config_lib
-from laurel.run import console, files, process
-from laurel.run.process import PEER_LOST, PREEMPTED
+from laurel.run import console, files
+from laurel.run.process import ERROR, PREEMPTED
 
-JOIN_TIMEOUT_S = 300  # jax's own default
-PEER_TIMEOUT_S = 20.0  # a peer silent this long is lost (jax waits for its 100 s heartbeat timeout, then aborts)
-PEER_BEAT_S = 2.0
+JOIN_TIMEOUT_S = 300  # jax's own defaults: the wait for every process to join, and for a silent peer
+HEARTBEAT_TIMEOUT_S = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,20 +69,21 @@ def _count(env, name: str) -> int:
 
 
 def join(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
-         timeout_s: float = JOIN_TIMEOUT_S) -> Environment | None:
+         join_timeout_s: float = JOIN_TIMEOUT_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> Environment | None:
   """Joins the run's processes (the flags' first, else the environment's), then says so in one line."""
+  timeouts = {'initialization_timeout': int(join_timeout_s), 'heartbeat_timeout_seconds': int(heartbeat_timeout_s)}
   if coordinator_address or num_processes:
     found = Environment('flags', num_processes, f'--num_processes={num_processes}',
                         'start every process with the same --coordinator_address and --num_processes, each with its '
                         'own --process_id')
-    _initialize(found, timeout_s, coordinator_address=coordinator_address, num_processes=num_processes,
-                process_id=process_id)
+    _initialize(found, coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
+                **timeouts)
   else:
     found = detect()
     if found is None:
       return None
     if found.processes != 1:
-      arguments = {'local_device_ids': local_device_ids()}
+      arguments = {'local_device_ids': local_device_ids(), **timeouts}
       if found.name == 'Open MPI' and 'OMPI_MCA_orte_hnp_uri' not in os.environ:  # Open MPI 5: jax does not see it
         # All that jax would detect, given (jax 0.11 asks mpi4py for it): the address is JAX_COORDINATOR_ADDRESS.
         local_rank = os.environ.get('OMPI_COMM_WORLD_LOCAL_RANK')
@@ -92,15 +91,10 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
           arguments['local_device_ids'] = [int(local_rank)]  # the local rank's GPU, as jax gives under Open MPI 4
         arguments.update(num_processes=found.processes, process_id=int(os.environ['OMPI_COMM_WORLD_RANK']),
                          cluster_detection_method='deactivate')
-      _initialize(found, timeout_s, **arguments)
+      _initialize(found, **arguments)
   if found.processes is not None and jax.process_count() != found.processes:
     config_lib.fail(f'{found.source}: names {found.processes} processes, but jax joined {jax.process_count()} '
-                    f'(it found another environment); {found.fix}', code=PEER_LOST)
-  if jax.process_count() > 1:
-    from jax._src import distributed  # pylint: disable=import-outside-toplevel  # where jax keeps its client
-    # The timing read now, not at import: a test shortens it (tests/test_cluster.py).
-    PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count(), PEER_TIMEOUT_S,
-              PEER_BEAT_S).start()
+                    f'(it found another environment); {found.fix}', code=ERROR)
   devices = jax.devices()
   print(f'cluster: {found.name} ({found.source}): process {jax.process_index()} of {jax.process_count()} on '
         f'{socket.gethostname()}, {jax.local_device_count()} of {len(devices)} {devices[0].platform} devices',
@@ -109,24 +103,11 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
   return found
 
 
-def _initialize(found: Environment, timeout_s: float, **arguments):
-  """jax.distributed.initialize, bounded by a timer that ends the process with one line before jax aborts with a C++
-  stack (a peer never registered)."""
-  started = time.monotonic()
-
-  def give_up():
-    from jax._src import distributed  # pylint: disable=import-outside-toplevel  # where jax keeps the address
-    address = getattr(distributed.global_state, 'coordinator_address', None) or 'unknown'
-    print(f'error: {found.source}: {found.name} names {found.processes or "several"} processes, but they did not '
-          f'all join within {timeout_s:g} s (coordinator {address}, waited {time.monotonic() - started:.0f} s); '
-          f'{found.fix}', file=sys.stderr, flush=True)
-    os._exit(PEER_LOST)  # pylint: disable=protected-access  # the main thread is blocked in jax
-
-  timer = threading.Timer(timeout_s, give_up)
-  timer.daemon = True
-  timer.start()
+def _initialize(found: Environment, **arguments):
+  """jax.distributed.initialize; one line where it raises (no coordinator to be found). Where a peer never joins,
+  JAX aborts the process itself after `initialization_timeout` (docs/clusters.md shows its lines)."""
   try:
-    jax.distributed.initialize(**arguments, initialization_timeout=int(timeout_s) + 60)
+    jax.distributed.initialize(**arguments)
   except (RuntimeError, ValueError) as e:
     reason = files.why(e)
     if found.name == 'Cloud TPU VM':
@@ -138,98 +119,9 @@ def _initialize(found: Environment, timeout_s: float, **arguments):
       config_lib.fail(f'jax.distributed.initialize() failed ({reason}) on a TPU VM of a slice with '
                       f'{"an unknown number of" if hosts is None else hosts} hosts; not training alone, as every '
                       'host would train into the same workdir on its own. Start every host together, or pass '
-                      '--coordinator_address, --num_processes and --process_id', code=PEER_LOST)
+                      '--coordinator_address, --num_processes and --process_id', code=ERROR)
     config_lib.fail(f'{found.source}: {found.name} names {found.processes or "several"} processes, but '
-                    f'jax.distributed.initialize() could not join them ({reason}); {found.fix}', code=PEER_LOST)
-  finally:  # whatever ended the wait, the timer must not end the process later
-    timer.cancel()
-
-
-class PeerWatch:
-  """Each process of a run beats in the coordinator's key-value store every `beat_s`. Where a peer's beat stops for
-  `timeout_s` (it died, or its host did; the coordinator not answering: process 0), this process ends with one line
-  naming it and PEER_LOST, instead of a traceback of the failed collective and, 54-100 s later, jax's abort with a
-  C++ stack. A process that ended its work says so (`finish`): it is not lost."""
-  PREFIX = 'laurel/peers/'
-  running = None  # this process's watch, once started
-
-  def __init__(self, client, process_id: int, processes: int, timeout_s: float = PEER_TIMEOUT_S,
-               beat_s: float = PEER_BEAT_S, end=os._exit):  # pylint: disable=protected-access
-    self.client, self.process_id, self.processes = client, process_id, processes
-    self.timeout_s, self.beat_s, self.end = timeout_s, beat_s, end
-    self.beats, self.last_seen = 0, {}  # peer: (its last beat, when it last changed)
-    self.finished = threading.Event()
-
-  def start(self) -> 'PeerWatch':
-    self._set('who', f'pid {os.getpid()} on host {socket.gethostname()}')
-    PeerWatch.running = self
-    process.start_thread('laurel-peers', self._watch)
-    return self
-
-  def finish(self):
-    self.finished.set()
-    self._set('beat', 'done')
-
-  def _set(self, kind: str, value: str):
-    try:
-      self.client.key_value_set(f'{self.PREFIX}{kind}/{self.process_id}', value, allow_overwrite=True)
-    except Exception:  # pylint: disable=broad-except  # the coordinator is gone: the watch will say so
-      pass
-
-  def _read(self, kind: str) -> dict[int, str]:
-    pairs = self.client.key_value_dir_get(f'{self.PREFIX}{kind}/')
-    return {int(key.rsplit('/', 1)[-1]): value for key, value in pairs}
-
-  def _watch(self):
-    polled = answered = time.monotonic()
-    while not self.finished.wait(self.beat_s):
-      now = time.monotonic()
-      if now - polled > 2 * self.beat_s + 1.0:  # this process was stopped (SIGSTOP): no peer was silent meanwhile
-        answered, self.last_seen = now, {peer: (beat, now) for peer, (beat, _) in self.last_seen.items()}
-      polled, self.beats = now, self.beats + 1
-      try:
-        self.client.key_value_set(f'{self.PREFIX}beat/{self.process_id}', str(self.beats), allow_overwrite=True)
-        beats = self._read('beat')
-      except Exception as e:  # pylint: disable=broad-except  # whatever the client raises
-        if now - answered > self.timeout_s:
-          self._lost([0], f'the coordinator does not answer ({type(e).__name__})')
-        continue
-      answered = now
-      for peer in set(range(self.processes)) - {self.process_id}:
-        beat = beats.get(peer)
-        if peer not in self.last_seen or self.last_seen[peer][0] != beat:
-          self.last_seen[peer] = (beat, now)
-      silent = [peer for peer, (beat, since) in sorted(self.last_seen.items())
-                if beat != 'done' and now - since > self.timeout_s]
-      if silent:
-        self._lost(silent, f'no beat for {self.timeout_s:g} s')
-
-  def _lost(self, peers: list[int], why: str):
-    try:
-      who = self._read('who')
-    except Exception:  # pylint: disable=broad-except
-      who = {}
-    named = ', '.join(f'process {p} of {self.processes}' + (f' ({who[p]})' if p in who else '') for p in peers)
-    print(f'error: lost {named}: {why}; it died, or its host did. Process {self.process_id} ends too, with status '
-          f'{PEER_LOST}, so that the scheduler restarts every process from the last checkpoint', file=sys.stderr,
-          flush=True)
-    sys.stdout.flush()
-    self.finished.set()  # where `end` returns (a test), the watch is over
-    self.end(PEER_LOST)
-
-
-def finish_peer_watch():
-  """This process ended its work: its peers do not count it lost when it exits."""
-  if PeerWatch.running is not None:
-    PeerWatch.running.finish()
-
-
-def await_lost_peer():
-  """After a failure in a run of several processes: waits as long as the watch needs to tell whether a peer was lost
-  (then it ends this process in one line); returns where none was, and the failure is this process's own."""
-  watch = PeerWatch.running
-  if watch is not None and not watch.finished.is_set():
-    watch.finished.wait(watch.timeout_s + 3 * watch.beat_s)
+                    f'jax.distributed.initialize() could not join them ({reason}); {found.fix}', code=ERROR)
 
 
 def local_device_ids(environ=None) -> list[int] | None:

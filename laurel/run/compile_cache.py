@@ -7,9 +7,9 @@ import os
 import jax
 from absl import flags
 
-_FLAG = flags.DEFINE_string(
-    'compilation_cache', None, 'Directory of the persistent compilation cache, reused by every command (none: off). '
-    'Default: $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/laurel/jax (~/.cache/laurel/jax).')
+HELP = ('Directory of the persistent compilation cache, reused by every command (none: off). Default: '
+        '$JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/laurel/jax (~/.cache/laurel/jax).')
+_FLAG = flags.DEFINE_string('compilation_cache', None, HELP)
 # Programs that compile faster than this are not written (JAX's default is 1 s; a tiny CPU step compiles in less).
 MIN_COMPILE_S = 0.2
 _OFF = ('none', 'off', 'false')

@@ -18,9 +18,8 @@ def write_text_atomic(path, text: str) -> None:
   write_bytes_atomic(path, text.encode())
 
 
-def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
-  """Replaces `path` by `data` atomically; with `exclusive` (local paths) creates it by a hard link, which raises
-  FileExistsError where it exists (another OSError where the filesystem has no hard links)."""
+def write_bytes_atomic(path, data: bytes) -> None:
+  """Replaces `path` by `data` atomically."""
   if is_remote(path):
     epath.Path(path).write_bytes(data)
     return
@@ -32,7 +31,7 @@ def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
-    (os.link if exclusive else os.replace)(tmp, path)
+    os.replace(tmp, path)
   finally:
     with contextlib.suppress(FileNotFoundError):  # renamed, or a write cut short
       os.unlink(tmp)
@@ -60,7 +59,7 @@ def why(error: BaseException) -> str:
 
 def remove_temporaries(folder, names) -> list[str]:
   """Removes the temporary files write_bytes_atomic left beside each of `names` in `folder` when a kill cut it short;
-  only for a writer that knows no other process writes them (a run holding its workdir's lease). Returns their names."""
+  only for a writer that knows no other process writes them (a run holding its workdir's lock). Returns their names."""
   if is_remote(folder):
     return []  # an upload leaves no temporary
   prefixes = tuple(f'.{name}.' for name in names)

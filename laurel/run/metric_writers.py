@@ -1,5 +1,5 @@
 """Where a run's metrics go besides WORKDIR/metrics.jsonl, with no TensorFlow: absl's log, TensorBoard's event files,
-Weights & Biases; steps_per_sec (Progress) and a jax.profiler trace (Profiler)."""
+Weights & Biases."""
 
 import os
 import pathlib
@@ -10,7 +10,6 @@ import tempfile
 import time
 import types
 
-import jax
 import numpy as np
 from absl import logging
 from etils import epath
@@ -134,40 +133,3 @@ def create(workdir: epath.Path, config, flat_config: dict, active: bool, resumed
   if active and config.wandb.project:
     writers.append(WandbWriter(config.wandb, workdir, flat_config))
   return MetricWriters(writers)
-
-
-class Progress:
-  """steps_per_sec and uptime every `every` steps and at the last, as clu's ReportProgress wrote them."""
-
-  def __init__(self, writer: MetricWriters, every: int, total: int):
-    self.writer, self.every, self.total = writer, every, total
-    self.t0, self.last = time.monotonic(), None
-
-  def after_step(self, done: int):
-    now = time.monotonic()
-    if self.last is None:
-      self.last = (done, now)
-    elif done != self.last[0] and (done % self.every == 0 or done == self.total):
-      self.writer.write_scalars(done, {'steps_per_sec': (done - self.last[0]) / (now - self.last[1]),
-                                       'uptime': now - self.t0})
-      self.last = (done, now)
-
-
-class Profiler:
-  """A jax.profiler trace into `logdir` of the steps numbered start + 1 to stop, as clu's Profile took them."""
-
-  def __init__(self, logdir, profile_steps: tuple):
-    self.logdir, (self.start, self.stop) = os.fspath(logdir), profile_steps or (None, None)
-    self.running = False
-
-  def after_step(self, done: int):
-    if done == self.start and not self.running:
-      jax.profiler.start_trace(self.logdir)
-      self.running = True
-    elif self.running and done >= self.stop:
-      self.close()
-
-  def close(self):
-    if self.running:
-      self.running = False
-      jax.profiler.stop_trace()

@@ -15,17 +15,15 @@ import numpy as np
 from etils import epath
 
 from laurel import config_lib, designs
-from laurel.run import console, lease, metric_writers
+from laurel.run import console, metric_writers
 from laurel.run.files import is_remote, write_text_atomic
 
 
 class MetricsLog:
   """WORKDIR/metrics.jsonl (one object per logged step) beside laurel.run.metric_writers. Process 0 writes it: by
   appends where local, rewritten whole behind '://' (gcsfs overwrites on 'a'; GCS replaces an object atomically)."""
-  def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, keep_later_steps: bool = False,
-               fence=lease.fence(None)):
+  def __init__(self, workdir: epath.Path, config, resume_step: int, info: dict, flat_config: dict | None = None):
     self.active, self.info = jax.process_index() == 0, info  # info goes on the first line this process writes
-    self.fence = fence  # before each write: raises where another run took the workdir over
     self.path, self.lines = workdir / 'metrics.jsonl', []
     if self.active and self.path.exists():
       text = self.path.read_text()
@@ -35,20 +33,19 @@ class MetricsLog:
         except ValueError:
           row = None
         if isinstance(row, dict) and isinstance(row.get('step'), int):
-          if keep_later_steps or row['step'] <= resume_step:  # not the lines a killed run logged past the checkpoint
+          if row['step'] <= resume_step:  # not the lines logged past the checkpoint it resumes: no step twice
             self.lines.append(line + '\n')
         elif line:
           print(f'warning: {self.path}: dropped line {number}, not a JSON object with a step (cut by a kill?): '
                 f'{line[:80]!r}', file=sys.stderr, flush=True)
       if ''.join(self.lines) != text:
-        fence()
         write_text_atomic(self.path, ''.join(self.lines))
-    flat = flax.traverse_util.flatten_dict(config_lib.to_dict(config), sep='.')  # the typed config, as config.json
-    self.writer = metric_writers.create(workdir, config, flat, self.active, resumed=resume_step > 0)
+    if flat_config is None:
+      flat_config = flax.traverse_util.flatten_dict(config_lib.to_dict(config), sep='.')  # as config.json holds it
+    self.writer = metric_writers.create(workdir, config, flat_config, self.active, resumed=resume_step > 0)
 
   def write(self, step: int, values: dict):
     values = {k: float(v) if isinstance(v, (float, np.floating, jax.Array)) else v for k, v in values.items()}
-    self.fence()
     self.writer.write_scalars(step, {k: v for k, v in values.items() if v is not None})
     if self.active:
       self.lines.append(json.dumps({'step': step, **values, **self.info, 'time': round(time.time(), 3)}) + '\n')

@@ -2,7 +2,6 @@
 sharding of training, judged as resuming judges a checkpoint."""
 
 import contextlib
-import sys
 
 import flax.linen as nn
 import jax
@@ -33,12 +32,9 @@ def lm_run_on_mesh(workdir, trust_design_file: bool = False):
     number = mngr.latest_step()
     if number is None:
       raise InputError(f'--workdir={str(workdir)!r}: holds no checkpoint')
-    verdict, why = checkpoint.verdict(epath.Path(mngr.directory) / str(number))  # as resuming judges it
-    if verdict == 'damaged':
+    if (why := checkpoint.damage(epath.Path(mngr.directory) / str(number))) is not None:  # as resuming judges it
       raise InputError(f'--workdir={str(workdir)!r}: checkpoint {number} is damaged ({why}); resuming the run moves '
                        'it aside and goes on from the one before')
-    if why:  # a damaged list, or none where its run writes them: the data may well be intact
-      print(f'warning: checkpoint {number} is read unchecked: {why}', file=sys.stderr, flush=True)
     restored = mngr.restore(number, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
     yield task, restored['state']['params'], number, mesh
