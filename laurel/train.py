@@ -124,12 +124,12 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
   workdir = run_dir(workdir)
   check_inputs(task, workdir)
   check_fits_host(task)  # before anything is written or compiled: compiling alone can exhaust the host
-  record_config = checkpoint.guard_config(task.config, workdir, allow_config_change)  # refused: nothing written
   with contextlib.ExitStack() as stack:
     if hold_lock:
       stack.enter_context(lock.held(workdir, jax.process_index(), jax.process_count()))
       if jax.process_index() == 0:  # of writes a kill cut short: this run alone writes the workdir
         remove_temporaries(workdir, RUN_FILES)
+    record_config = checkpoint.guard_config(task.config, workdir, allow_config_change)  # refused: nothing written
     run = setup(task, workdir, devices, allow_config_change, record_config, stack)
     if isinstance(run, dict):  # finished already
       return run
