@@ -13,7 +13,7 @@ from laurel.config_lib import DTYPES, InputError, build
 
 class Task:
   """A model family as laurel.step and laurel.train use it: `config`, typed `model_cfg` and `data_cfg`, `model`, and
-    validate()  one-line InputErrors: the sections' cross checks (laurel.run.preflight: whether the data is there)
+    validate()  one-line InputErrors: the sections' cross checks (laurel.plan.preflight: whether the data is there)
     unused_fields() -> {field: why}, sharded_sizes() -> {logical axis: (field, size)}, laurel_site_widths(),
     num_params(params), units_per_example(), model_flops(b), example_batch(b), init(rng, batch), least_step_bytes(b),
     unestimated_kernel_flops(b),

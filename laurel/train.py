@@ -33,8 +33,8 @@ from laurel.run import checkpoint, console, lock, process
 from laurel.run.checkpoint import run_dir
 from laurel.run.files import remove_temporaries, utc, write_text_atomic
 from laurel.run.metrics_log import MetricsLog, code_commit, config_line, interval_mean, median_step_time, summary
-from laurel.run.preflight import check_fits_host, check_inputs
-from laurel.run.stats import weighted_mean_se
+from laurel.plan.preflight import check_fits_host, check_inputs
+from laurel.stats import weighted_mean_se
 from laurel.step import compile_step, num_data_shards, validate_config
 
 

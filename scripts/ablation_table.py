@@ -207,7 +207,7 @@ def noise_line(rows) -> str:
            else f'no seed-to-seed std of {BASELINE} (one seed)')
   paired = (f', the paired differences\' std {min(diff_sds):.4f}–{max(diff_sds):.4f}' if diff_sds else '')
   if not (noise := tables.eval_noise([r.get('held_out') for r in rows])):
-    return (f'Eval noise: not recorded by these runs (final.json\'s held_out, written since laurel.run.stats); '
+    return (f'Eval noise: not recorded by these runs (final.json\'s held_out, written since laurel.stats); '
             f'{seeds}{paired}.')
   return (f"Eval noise: {noise} (each row's median over its seeds; the same eval set for every run), beside "
           f'{seeds}{paired}.')

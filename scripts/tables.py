@@ -14,7 +14,8 @@ from etils import epath
 matplotlib.use('Agg')  # figures go to files
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
-from laurel.run import files, stats  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel import stats  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.run import files  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 # The luminance at which black and white text contrast equally (WCAG 2 contrast ratios, both about 4.6).
 EQUAL_CONTRAST_LUMINANCE = (1.05 * 0.05) ** 0.5 - 0.05

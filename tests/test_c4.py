@@ -17,7 +17,8 @@ import pytest
 from helpers import ROOT, TINY_LM, call_main, cli_env, fake_gcs_env, run_cli, without_this_python
 from laurel import config_lib, data
 from laurel.prepare import c4 as prepare_c4, text as prepare_text
-from laurel.run import console, preflight
+from laurel.plan import preflight
+from laurel.run import console
 from test_data import lm_data, segments
 
 SPLITS = {'train': ['c4-train.00000-of-01024.json.gz', 'c4-train.00001-of-01024.json.gz',

@@ -9,7 +9,7 @@ from helpers import call_main
 from laurel import data
 from laurel.config_lib import InputError
 from laurel.prepare import text as prepare_text
-from laurel.run import preflight
+from laurel.plan import preflight
 from test_data import lm_data
 
 

@@ -11,7 +11,8 @@ from ml_collections import config_flags
 
 from helpers import ROOT, SPEC, TINY_LM, load_config, typed_config
 from laurel import config_lib, designs, lm, step, train
-from laurel.run import checkpoint, console, metrics_log, preflight, saved_config
+from laurel.plan import preflight
+from laurel.run import checkpoint, console, metrics_log, saved_config
 from laurel.run.saved_config import file_sha256
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'

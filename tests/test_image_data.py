@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 
 from configs import imagenet_resnet50
 from laurel import config_lib, image_data
-from laurel.run import preflight
+from laurel.plan import preflight
 
 
 def synthetic(**overrides):

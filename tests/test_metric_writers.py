@@ -17,7 +17,8 @@ from tensorboard.util import tensor_util
 
 from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, metrics, run_cli, typed_config
 from laurel import config_lib, train
-from laurel.run import metric_writers, metrics_log, preflight
+from laurel.plan import preflight
+from laurel.run import metric_writers, metrics_log
 from laurel.serve import evaluate
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'

@@ -19,7 +19,8 @@ import pytest
 
 from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, losses, typed_config
 from laurel import config_lib, main, step, train
-from laurel.run import checkpoint, metrics_log, preflight, process, saved_config
+from laurel.plan import preflight
+from laurel.run import checkpoint, metrics_log, process, saved_config
 from laurel.serve import loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'

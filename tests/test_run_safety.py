@@ -26,7 +26,8 @@ from helpers import (CLUSTER_VARIABLES, ROOT, SPEC, TINY_LM, TRAINED, cli_args, 
                      tree_snapshot, typed_config)
 from laurel import config_lib, data, designs, main, step, train
 from laurel.designs import StreamSpec
-from laurel.run import checkpoint, cluster, metrics_log, preflight, process, saved_config
+from laurel.plan import preflight
+from laurel.run import checkpoint, cluster, metrics_log, process, saved_config
 from laurel.serve import loader
 from laurel.serve import evaluate, generate
 

@@ -1,10 +1,10 @@
-"""laurel/run/stats.py: t quantiles as printed tables give them, the paired interval against a hand-computed case,
+"""laurel/stats.py: t quantiles as printed tables give them, the paired interval against a hand-computed case,
 the eval loss's standard error."""
 import math
 
 import pytest
 
-from laurel.run import stats
+from laurel import stats
 
 
 @pytest.mark.parametrize('df, expected', [(1, 12.706205), (2, 4.302653), (4, 2.776445), (10, 2.228139),
