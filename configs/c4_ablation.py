@@ -36,7 +36,7 @@ F=1024, 6 heads, r=16 (r/D = 4%, the paper's), SentencePiece tokens from laurel.
 them), 5,000 steps of 32 × 512 tokens (82M tokens).
 """
 
-from laurel import config_lib, data, lm, step
+from laurel import config_lib, data, lm, train_config
 
 ROWS = {
     # row: (layers at paper preset, LAuReL's fields (design 'laurel'); none: design 'residual', the plain x + f(x))
@@ -64,7 +64,7 @@ def table5_config(row: str, preset: str, layers: int, **model):
   the LAuReL rank and k are the preset's)."""
   laurel = dict(rank={'paper': 32, 'small': 16, 'gpu': 16, 'tiny': 8}[preset], k=3, **model.pop('laurel', {}))
   if preset == 'paper':
-    return step.base_config(
+    return train_config.base_config(
         task='lm', row=row, preset='paper', baseline_row='baseline_24', batch_size=512, steps=19_073,
         log_every=100, eval_every=2000, eval_steps=50, checkpoint_every=2000,
         optimizer=dict(learning_rate=1e-3, warmup_steps=1000),
@@ -74,7 +74,7 @@ def table5_config(row: str, preset: str, layers: int, **model):
         data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=1024, vocab_path=data.C4_VOCAB_PATH),
     ).lock()
   if preset == 'small':  # data.path, data.vocab_path and model.vocab_size: laurel.prepare.text prints them
-    return step.base_config(
+    return train_config.base_config(
         task='lm', row=row, preset='small', baseline_row='baseline_24', batch_size=32, steps=5000, log_every=50,
         eval_every=1000, eval_steps=20, checkpoint_every=1000,
         optimizer=dict(learning_rate=2e-3, warmup_steps=250),
@@ -83,7 +83,7 @@ def table5_config(row: str, preset: str, layers: int, **model):
         data=config_lib.config_dict(data.LMDataConfig, name='corpus', seq_len=512),
     ).lock()
   if preset == 'gpu':  # the module docstring says why this size
-    return step.base_config(
+    return train_config.base_config(
         task='lm', row=row, preset='gpu', baseline_row='baseline_24', batch_size=128, steps=GPU_STEPS, log_every=50,
         eval_every=GPU_STEPS, eval_steps=32, checkpoint_every=GPU_STEPS, data_shards=1,
         optimizer=dict(learning_rate=2e-3, warmup_steps=50),
@@ -94,7 +94,7 @@ def table5_config(row: str, preset: str, layers: int, **model):
     ).lock()
   # Byte vocabulary (258) padded to 264 so the vocab axis divides over tensor-parallel sizes up to 8. One input
   # stream (data_shards=1), as one CPU process reads it.
-  return step.base_config(
+  return train_config.base_config(
       task='lm', row=row, preset='tiny', baseline_row='baseline_24', batch_size=16, steps=500, log_every=25,
       eval_every=250, eval_steps=16, checkpoint_every=250, data_shards=1,
       optimizer=dict(learning_rate=3e-3, warmup_steps=50),

@@ -22,7 +22,7 @@ synthetic learnable images, 10 classes, batch 32, 300 steps. r = 2 keeps the pap
 (D is 1/8 of ResNet-50's); baseline_plus_1 is stages [2,2,3,2].
 """
 
-from laurel import config_lib, image_data, resnet, step
+from laurel import config_lib, image_data, resnet, train_config
 
 ROWS = {
     # row: (stage sizes at the paper preset, LAuReL's fields (design 'laurel'); none: design 'residual', x + f(x))
@@ -44,7 +44,7 @@ def get_config(arg=None):
   images = lambda **kw: config_lib.config_dict(image_data.ImageDataConfig, **kw)
   if opts['preset'] == 'paper':
     epoch = IMAGENET_TRAIN_EXAMPLES // 1024  # 1251 steps
-    return step.base_config(
+    return train_config.base_config(
         task='classification', row=row, preset='paper', baseline_row='baseline', batch_size=1024,
         steps=90 * epoch, log_every=100, eval_every=5 * epoch, eval_steps=48, checkpoint_every=5 * epoch,
         optimizer=dict(learning_rate=2e-3, warmup_steps=5 * epoch, min_lr_ratio=0.01, b2=0.999, weight_decay=0.05),
@@ -52,7 +52,7 @@ def get_config(arg=None):
         data=images(name='imagenet', num_workers=8),
     ).lock()
   tiny_stages = tuple(2 + (n - base) for n, base in zip(stage_sizes, ROWS['baseline'][0]))
-  return step.base_config(
+  return train_config.base_config(
       task='classification', row=row, preset='tiny', baseline_row='baseline', batch_size=32, steps=300,
       log_every=25, eval_every=100, eval_steps=8, checkpoint_every=100, data_shards=1,
       optimizer=dict(learning_rate=3e-3, warmup_steps=30, weight_decay=0.05),

@@ -9,7 +9,7 @@ F=8192 (GELU) ≈ 0.97B params; LLM-4B is 40 layers (Table 6's depth) at D=3072,
 `laurel=none` gives the matching baseline; `preset=tiny` keeps the depth ratio at CPU size.
 """
 
-from laurel import config_lib, data, lm, step
+from laurel import config_lib, data, lm, train_config
 
 SHAPES = {  # layers, d_model, heads, d_ff, mlp, rank
     '1b': (18, 2048, 16, 8192, 'gelu', 4),
@@ -25,7 +25,7 @@ def get_config(arg=None):
       lm.LMConfig, mlp=mlp, stream=dict(design='residual' if opts['laurel'] == 'none' else 'laurel'),
       laurel=dict(variant='rw+lr', rank=rank), **kw)
   if opts['preset'] == 'paper':
-    return step.base_config(
+    return train_config.base_config(
         task='lm', row=row, preset='paper', batch_size=512, steps=100_000, log_every=100, eval_every=5000,
         eval_steps=50, checkpoint_every=2000, optimizer=dict(learning_rate=3e-4, warmup_steps=2000),
         mesh=dict(data=1, fsdp=-1),
@@ -33,7 +33,7 @@ def get_config(arg=None):
                     dtype='bfloat16', remat='dots_no_batch', rank=rank),
         data=config_lib.config_dict(data.LMDataConfig, name='c4', seq_len=2048, vocab_path=data.C4_VOCAB_PATH),
     ).lock()
-  return step.base_config(
+  return train_config.base_config(
       task='lm', row=row, preset='tiny', steps=300, data_shards=1,
       model=model(vocab_size=264, d_model=128, num_heads=4, d_ff=384 if mlp == 'gelu' else 256,
                   num_layers=max(layers // 6, 2), rank=min(rank, 8)),

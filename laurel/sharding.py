@@ -26,7 +26,7 @@ def num_params(tree) -> int:
 
 
 def mesh_shape(mesh_cfg, num_devices: int, field: str = 'mesh') -> tuple[int, ...]:
-  """Resolves -1 and checks the mesh fits the devices (axis values are checked by step.MeshConfig)."""
+  """Resolves -1 and checks the mesh fits the devices (axis values are checked by train_config.MeshConfig)."""
   sizes = [getattr(mesh_cfg, a) for a in MESH_AXES]
   fixed = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:

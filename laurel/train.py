@@ -35,7 +35,8 @@ from laurel.run.files import remove_temporaries, utc, write_text_atomic
 from laurel.run.metrics_log import MetricsLog, code_commit, config_line, interval_mean, median_step_time, summary
 from laurel.plan.preflight import check_fits_host, check_inputs
 from laurel.stats import weighted_mean_se
-from laurel.step import compile_step, num_data_shards, validate_config
+from laurel.step import compile_step
+from laurel.train_config import num_data_shards, signature, validate_config
 
 
 class TrainingDiverged(RuntimeError):
@@ -191,7 +192,7 @@ def setup(task, workdir: epath.Path, devices, allow_config_change: bool, record_
         f'{dict(mesh.shape)} | peak memory of the compiled step {peak_memory / 2**20:,.1f} MiB', flush=True)
   stack.enter_context(process.stop_requests(jax.process_count(), requested))  # from here a signal saves first
   return Run(task, workdir, mesh, compiled, state, start, mngr, log, train_iter, state_shardings, info,
-             checkpoint.signature(config_dict, cfg), peak_memory, num_params, requested)
+             signature(config_dict, cfg), peak_memory, num_params, requested)
 
 
 def actions(run: Run) -> list:

@@ -37,7 +37,7 @@ import jax
 from absl import app, flags
 from etils import epath
 
-from laurel import config_lib, sharding, step
+from laurel import command_line, sharding, step, train_config
 from laurel.run import compile_cache
 from laurel.plan import aot, cost, hardware
 from laurel.config_lib import InputError
@@ -83,7 +83,7 @@ def row_config(row, batch_size, seq_len, *extra, variant=()):
   variant's override comes after --set's."""
   shape = [f'{k}={v}' for k, v in (('batch_size', batch_size), ('data.seq_len', seq_len)) if v is not None]
   shape += ['data.name=synthetic', 'tensorboard=False']
-  return config_lib.load(f'configs/{_TABLE.value}.py:{row},preset={_PRESET.value}',
+  return command_line.load(f'configs/{_TABLE.value}.py:{row},preset={_PRESET.value}',
                          [*shape, *extra, *_SET.value, *variant])
 
 
@@ -116,7 +116,7 @@ def paper_figures(row: str, keys) -> dict:
 def compile_row(config, mesh) -> tuple:
   """(compiled step, state initialiser, task, facts): parameters, compile time and memory, the peak as the train
   loop logs it beside XLA's own peak (which on CPU counts the arguments only)."""
-  task, start = step.validate_config(config), time.perf_counter()
+  task, start = train_config.validate_config(config), time.perf_counter()
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     compiled, init_state, abstract, _ = step.compile_step(task, mesh)
   m = compiled.memory_analysis()
@@ -240,7 +240,7 @@ def measure_slice(names) -> dict:
   else:
     configs = {r: row_config(r, _BATCH.value, _SEQ_LEN.value) for r in names}
   for c in configs.values():  # every row is checked for the slice before anything compiles
-    step.validate_config(c, accel['chips'], accel['hosts'])
+    train_config.validate_config(c, accel['chips'], accel['hosts'])
   devices, chip = aot.slice_devices(topology), hardware.TPUS[accel['generation']]
   rows, kept = [], KeptRows(topology)
   for name, config in configs.items():
@@ -336,7 +336,7 @@ def _print_columns(columns, rows):
 
 def main():
   compile_cache.setup()
-  start, known = time.time(), config_lib.table_rows(_TABLE.value)
+  start, known = time.time(), command_line.table_rows(_TABLE.value)
   names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value or known) if r != BASELINE]
   if unknown := [r for r in names if r not in known]:
     raise InputError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(known)})')
@@ -354,7 +354,7 @@ def main():
   configs = {**{r: row_config(r, *shape) for r in names}, **variant_rows(*shape)}
   full = {r: row_config(r, _FULL_BATCH.value * n, _FULL_SEQ_LEN.value) for r in names} if _FULL.value else {}
   for c in [*configs.values(), *full.values()]:
-    step.validate_config(c)
+    train_config.validate_config(c)
   result = {'device': {'platform': jax.default_backend(), 'device_kind': kind, 'device_count': n,
                        'process_count': jax.process_count(), 'peak_flops_per_device': peak_flops_per_device(),
                        'host_cpus': os.cpu_count(), 'hostname': platform.node(), **step_profile.runtime_versions()},

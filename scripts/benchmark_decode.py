@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from laurel import config_lib, lm, sharding
+from laurel import command_line, lm, sharding
 from laurel.serve import generate
 from laurel.config_lib import InputError
 
@@ -38,7 +38,7 @@ class Row:
 
   def __init__(self, name: str):
     overrides = ['model.dtype=float32'] if jax.default_backend() == 'cpu' else []
-    config = config_lib.load(f'configs/{_TABLE.value}.py:{name},preset={_PRESET.value}', overrides)
+    config = command_line.load(f'configs/{_TABLE.value}.py:{name},preset={_PRESET.value}', overrides)
     self.name, self.cfg = name, lm.LMConfig.from_config(config.model)
     self.total = _PROMPT_LEN.value + _NEW.value + 1
     model = lm.LM(self.cfg, decode=True)
@@ -85,7 +85,7 @@ class Row:
 
 
 def main():
-  known = config_lib.table_rows(_TABLE.value)
+  known = command_line.table_rows(_TABLE.value)
   names = [BASELINE] + [r for r in dict.fromkeys(_ROWS.value or known) if r != BASELINE]
   if unknown := [r for r in names if r not in known]:
     raise InputError(f'--rows: unknown row {unknown[0]!r} (known: {", ".join(known)})')

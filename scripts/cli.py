@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path
   sys.path.insert(0, str(ROOT))
 from laurel import config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 from laurel.run import console, files  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.config_lib import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
+from laurel.run.process import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 
 
 def main(body):
@@ -72,7 +72,8 @@ def override_field(override: str) -> str:
 
 
 def override_values(config, overrides) -> dict:
-  """{field: its value in the ConfigDict `config`} of <field>=<value> overrides, as step.check_overrides reads them."""
+  """{field: its value in the ConfigDict `config`} of <field>=<value> overrides, as command_line.check_overrides reads
+  them."""
   get = lambda dotted: functools.reduce(lambda node, part: node[part], dotted.split('.'), config)
   return {f: get(f) for f in map(override_field, overrides)}
 
@@ -88,7 +89,10 @@ def typed(cmd: list[str]) -> list[str]:
 
 def repo_spec(spec: str) -> str:
   """A config spec as the TPU hosts can read it: relative to the repository root, or a shipped config's name."""
-  resolved = config_lib.resolve_spec(spec)
+  from laurel import command_line, train_config  # pylint: disable=import-outside-toplevel  # the model stack: on use
+  if train_config.run_of(spec) is not None:  # a run's WORKDIR: the hosts read the config it saved where it is
+    return spec
+  resolved = command_line.resolve_spec(spec)
   path, sep, arg = resolved.partition(':')
   if not os.path.isabs(path):
     return resolved

@@ -50,8 +50,8 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import step_profile  # noqa: E402
-from laurel import config_lib, sharding, step  # noqa: E402
-from laurel.run import compile_cache, files
+from laurel import command_line, config_lib, sharding, step, train_config  # noqa: E402
+from laurel.run import compile_cache, files, process
 from laurel.plan import hardware
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -98,9 +98,9 @@ def jobs(smoke: bool) -> list[dict]:
 def run_job(job: dict) -> dict:
   """In the job's own process: compile, warm up, time, and trace one more step where the job asks."""
   compile_cache.setup(_CACHE.value)
-  config = config_lib.load(f"configs/c4_ablation.py:{job['row']},preset={job['preset']}",
+  config = command_line.load(f"configs/c4_ablation.py:{job['row']},preset={job['preset']}",
                            ['data.name=synthetic', 'tensorboard=False', *job['overrides']])
-  task = step.validate_config(config)
+  task = train_config.validate_config(config)
   mesh = sharding.make_mesh(config.mesh)
   start = time.perf_counter()
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
@@ -199,7 +199,7 @@ def main():
       step_profile.print_profile(r['name'], r['profile'])
   done = [r for r in results if r['status'] == 'ok']
   if not done:  # nothing measured: no file, so no good one is overwritten
-    config_lib.fail('no job ran to the end (their output above); nothing written', code=1)
+    process.fail('no job ran to the end (their output above); nothing written', code=1)
   device = done[0]['device']
   for r in done:
     del r['device']
@@ -215,11 +215,11 @@ def main():
 
 def run(argv):
   if len(argv) > 1:
-    config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    process.fail(f'unexpected arguments: {" ".join(argv[1:])}')
   try:
     main()
   except config_lib.InputError as e:
-    config_lib.fail(str(e))
+    process.fail(str(e))
 
 
 if __name__ == '__main__':

@@ -185,7 +185,7 @@ def plan() -> list[tuple[str, list[str] | str]]:
     pid = f'{remote}/{REMOTE_PID}'
     return [('stop', ssh(tpu, zone, project, f'if [ -f {pid} ]; then kill -TERM "$(cat {pid})" && echo '
                                                      '"$(hostname): stopping (checkpoint, then exit)"; fi'))]
-  from laurel import step  # pylint: disable=import-outside-toplevel  # the model stack: logs, status, stop skip it
+  from laurel import command_line, train_config  # pylint: disable=import-outside-toplevel  # logs, status, stop skip it
   cli.require(accelerator=_ACCELERATOR, **({'workdir': _WORKDIR, 'config': _CONFIG} if _TRAIN.value else {}))
   accel = parse_accelerator(_ACCELERATOR.value, _TOPOLOGY.value)
   steps = create_steps(accel) if _CREATE.value else []
@@ -195,9 +195,9 @@ def plan() -> list[tuple[str, list[str] | str]]:
       raise config_lib.InputError(f'--workdir={_WORKDIR.value!r}: a local directory, but the {accel["hosts"]} hosts '
                                   f'of {accel["name"]} must share the workdir: use gs://BUCKET/...')
     spec = cli.repo_spec(_CONFIG.value)
-    config = config_lib.load(spec, _OVERRIDES)
-    typed = step.validate_config(config, accel['chips'], accel['hosts']).config
-    for warning in step.check_overrides(typed, spec, cli.override_values(config, _OVERRIDES)):  # as laurel.main
+    config = command_line.load(spec, _OVERRIDES)
+    typed = train_config.validate_config(config, accel['chips'], accel['hosts']).config
+    for warning in command_line.check_overrides(typed, spec, cli.override_values(config, _OVERRIDES)):  # as laurel.main
       print(warning, file=sys.stderr, flush=True)
     if _PREFLIGHT.value:  # before any gcloud command: a step that does not fit fails here, not on the slice
       if importlib.util.find_spec('libtpu') is None:  # --dry-run too: the check compiles

@@ -30,8 +30,8 @@ from cli import (ROOT, command, config_flags, fail, override_field, override_val
 def sets_that_apply(spec: str, sets) -> list[str]:
   """The --set overrides that change something in `spec`'s run: a table-wide --set (e.g. model.laurel.rank) means
   nothing to the rows without that part, which train without it (said on stderr)."""
-  from laurel import tasks  # pylint: disable=import-outside-toplevel  # jax: only where needed
-  unused = tasks.get_task(config_lib.load(spec, config_flags(sets))).unused_fields()
+  from laurel import command_line, tasks  # pylint: disable=import-outside-toplevel  # jax: only where needed
+  unused = tasks.get_task(command_line.load(spec, config_flags(sets))).unused_fields()
   for s in sets:
     if override_field(s) in unused:
       print(f'{spec}: --set={s} left out: {unused[override_field(s)]}', file=sys.stderr, flush=True)
@@ -271,10 +271,10 @@ class Launcher:
   def load(self, spec: str, overrides):
     """A run's config, checked for the devices it will train on, its overrides all changing something (one-line
     InputError, as laurel.main)."""
-    from laurel import step  # pylint: disable=import-outside-toplevel  # jax, optax, orbax: only where needed
-    config = config_lib.load(spec, overrides)
-    typed = step.validate_config(config, *self.slice).config
-    for warning in step.check_overrides(typed, spec, override_values(config, overrides)):
+    from laurel import command_line, train_config  # pylint: disable=import-outside-toplevel  # jax, optax: on use
+    config = command_line.load(spec, overrides)
+    typed = train_config.validate_config(config, *self.slice).config
+    for warning in command_line.check_overrides(typed, spec, override_values(config, overrides)):
       print(warning, file=sys.stderr, flush=True)
     return config
 

@@ -46,7 +46,7 @@ def compiled_loss(cross_entropy, chunk: int, device):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from laurel import step  # pylint: disable=import-outside-toplevel
+  from laurel import train_config  # pylint: disable=import-outside-toplevel
 
   mesh = jax.sharding.Mesh(np.array([device]).reshape(1, 1, 1), ('data', 'fsdp', 'tensor'))
   batch, whole = (jax.sharding.NamedSharding(mesh, jax.P(*spec)) for spec in ((('data', 'fsdp'),), ()))
@@ -56,7 +56,7 @@ def compiled_loss(cross_entropy, chunk: int, device):
   weights = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.float32, sharding=batch)
   # The accuracy count as an aux output, as the train step's metrics use it (else it is dead code).
   loss = lambda x, w, t, m: cross_entropy.chunked(x, w, 'vd', t, m, chunk, jnp.bfloat16)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(step.LOGICAL_AXIS_RULES):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(train_config.LOGICAL_AXIS_RULES):
     return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True)).lower(x, kernel, targets, weights).compile()
 
 

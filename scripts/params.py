@@ -9,6 +9,7 @@ adds to the config's baseline row (beside the paper's figure), and its LAuReL pa
 """
 
 import json
+import sys
 
 import cli  # puts the repo root on sys.path
 import jax
@@ -16,12 +17,12 @@ import paper
 from absl import app, flags
 from ml_collections import config_flags
 
-from laurel import config_lib, sharding, tasks
+from laurel import command_line, sharding, tasks
 from laurel.config_lib import InputError
 from laurel.designs.laurel import closed_form_params
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/<file>.py:<arg>', lock_config=True)
-_TABLE = flags.DEFINE_enum('table', None, config_lib.TABLES, 'Every row of configs/<table>.py (instead of --config).')
+_TABLE = flags.DEFINE_enum('table', None, command_line.TABLES, 'Every row of configs/<table>.py (instead of --config).')
 _PRESET = flags.DEFINE_enum('preset', 'paper', ['paper', 'tiny'], "With --table: the rows' preset.")
 _JSON = flags.DEFINE_bool('json', False, 'One JSON object per row instead of the table.')
 
@@ -53,7 +54,7 @@ def report(config, config_file: str) -> dict:
   paper's figures."""
   out = {'row': config.row, 'preset': config.preset, **count(config)}
   if config.baseline_row:
-    base = count(config_lib.load(f'{config_file}:{config.baseline_row},preset={config.preset}'))['total_params']
+    base = count(command_line.load(f'{config_file}:{config.baseline_row},preset={config.preset}'))['total_params']
     out.update(baseline_row=config.baseline_row, baseline_params=base, added_params=out['total_params'] - base,
                added_pct=round(100.0 * (out['total_params'] - base) / base, 4))
   table = paper.TABLE5 if config.task == 'lm' else paper.TABLE1
@@ -91,14 +92,14 @@ def main():
   if (_CONFIG.value is None) == (_TABLE.value is None):
     raise InputError('give --config=configs/<file>.py:<row> or --table=<name> (one of them)')
   if _TABLE.value:
-    config_file = str(config_lib.REPO / 'configs' / f'{_TABLE.value}.py')
-    reports = [report(config_lib.load(f'{config_file}:{row},preset={_PRESET.value}'), config_file)
-               for row in config_lib.table_rows(config_file)]
+    config_file = str(command_line.REPO / 'configs' / f'{_TABLE.value}.py')
+    reports = [report(command_line.load(f'{config_file}:{row},preset={_PRESET.value}'), config_file)
+               for row in command_line.table_rows(config_file)]
   else:
-    config_file = config_flags.get_config_filename(flags.FLAGS['config']).split(':')[0]
+    config_file = command_line.resolve_spec(command_line.config_spec(sys.argv)).split(':')[0]
     reports = [report(_CONFIG.value, config_file)]
   print('\n'.join(map(json.dumps, reports)) if _JSON.value else markdown(reports))
 
 
 if __name__ == '__main__':
-  app.run(cli.main(main), flags_parser=config_lib.parse_flags)
+  app.run(cli.main(main), flags_parser=command_line.parse_flags)

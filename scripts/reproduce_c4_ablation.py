@@ -54,7 +54,7 @@ from absl import app, flags
 from ablation_table import collect, from_json, markdown, plot
 from etils import epath
 
-from laurel import config_lib
+from laurel import command_line
 from laurel.serve import evaluate
 from laurel.config_lib import InputError
 
@@ -110,7 +110,7 @@ def restate(table: str, all_rows, with_paper: bool):
 
 
 def reproduce():
-  table, all_rows = _TABLE.value, config_lib.table_rows(_TABLE.value)
+  table, all_rows = _TABLE.value, command_line.table_rows(_TABLE.value)
   chosen, with_paper = _ROWS.value or all_rows, table == 'c4_ablation'
   if unknown := sorted(set(chosen) - set(all_rows)):
     raise InputError(f'--rows={unknown[0]!r}: unknown (known: {", ".join(all_rows)})')
@@ -124,7 +124,7 @@ def reproduce():
   if preset == 'paper' and 'data.path' not in map(cli.override_field, table_sets) and not _COLLECT_ONLY.value:
     raise InputError("--data_path is required with --preset=paper: the folder of C4 shards that "
                      "python -m laurel.prepare.c4 writes (docs/data.md), e.g. --data_path=gs://BUCKET/c4")
-  specs = {row: config_lib.resolve_spec(f'{table}:{row},preset={preset}') for row in chosen}
+  specs = {row: command_line.resolve_spec(f'{table}:{row},preset={preset}') for row in chosen}
   sets = {row: launching.sets_that_apply(spec, table_sets) for row, spec in specs.items()}
   # A bad --set, or a batch the devices cannot take, fails here, before anything runs.
   configs = {row: launcher.load(spec, sets[row]) for row, spec in specs.items()}

@@ -26,12 +26,12 @@ def main():
   aot.compile_only_process()
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  from laurel import sharding, step  # pylint: disable=import-outside-toplevel
+  from laurel import sharding, step, train_config  # pylint: disable=import-outside-toplevel
   from laurel.plan import hardware, schedule  # pylint: disable=import-outside-toplevel
-  config = step.build_config(_CONFIG.value)  # the data is not read: the step is only lowered
+  config = train_config.build_config(_CONFIG.value)  # the data is not read: the step is only lowered
   accel = hardware.parse_accelerator(_TOPOLOGY.value, flag='--topology')
   chip, devices = hardware.TPUS[accel['generation']], aot.slice_devices(_TOPOLOGY.value)
-  task = step.validate_config(config, len(devices), accel['hosts'])
+  task = train_config.validate_config(config, len(devices), accel['hosts'])
   mesh = sharding.make_mesh(task.config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
     lowered = step.lower_step(task, mesh)[0]

@@ -37,7 +37,7 @@ import tables
 from absl import app, flags
 from etils import epath
 
-from laurel import config_lib
+from laurel import command_line
 from laurel.config_lib import InputError
 
 _CONFIG = flags.DEFINE_string('config', None, 'configs/<file>.py:<arg>, as for laurel.main.')
@@ -70,10 +70,10 @@ def parse_grid(fields, values) -> dict[str, list[str]]:
 
 def check_fields(config_spec: str, fields, sets) -> None:
   """A one-line InputError for a --field the config lacks, naming the field most like it."""
-  known = config_lib.dotted_fields(config_lib.load(config_spec, cli.config_flags(sets)))
+  known = command_line.dotted_fields(command_line.load(config_spec, cli.config_flags(sets)))
   for f in fields:
     if f not in known:
-      raise InputError(f'--field={f}: unknown config field{config_lib.did_you_mean(f, {k: k for k in known})}')
+      raise InputError(f'--field={f}: unknown config field{command_line.did_you_mean(f, {k: k for k in known})}')
 
 
 def plan_points(workdir: str, config_spec: str, grid: dict, seeds, sets, launcher) -> list[dict]:
@@ -90,7 +90,7 @@ def plan_points(workdir: str, config_spec: str, grid: dict, seeds, sets, launche
       name = re.sub(r'[^\w.,=+-]', '_', ','.join([*(f'{f.split(".")[-1]}={v}' for f, v in values.items()),
                                                   *seed_part]))
       fields = [o.removeprefix('--config.').split('=')[0] for o in overrides]
-      points.append({'name': name, 'dir': epath.Path(workdir) / name, 'config': config_lib.resolve_spec(config_spec),
+      points.append({'name': name, 'dir': epath.Path(workdir) / name, 'config': command_line.resolve_spec(config_spec),
                      'values': values, 'seed': seed, 'overrides': overrides,
                      'expected': {f: _get(config, f) for f in fields}})
   return points

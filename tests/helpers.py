@@ -18,7 +18,7 @@ from absl import flags, logging
 from absl.testing import flagsaver
 
 from conftest import TEST_XLA_FLAGS
-from laurel import config_lib
+from laurel import command_line, train_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ TRAINED = {**TINY_LM, 'steps': 9, 'checkpoint_every': 3}  # the shared trained r
 def load_config(spec: str, overrides: dict | None = None):
   """`spec` is 'configs/<file>.py:<arg>'; overrides are dotted field names set as Python values (types the
   command line could not write included)."""
-  config = config_lib.load(spec)
+  config = command_line.load(spec)
   for dotted, value in (overrides or {}).items():
     *parents, leaf = dotted.split('.')
     node = config
@@ -51,9 +51,8 @@ def load_config(spec: str, overrides: dict | None = None):
 
 
 def typed_config(spec: str, overrides: dict | None = None):
-  """load_config's config, typed (step.build_config), as laurel.main hands it on."""
-  from laurel import step  # pylint: disable=import-outside-toplevel  # jax: only where needed
-  return step.build_config(load_config(spec, overrides))
+  """load_config's config, typed (train_config.build_config), as laurel.main hands it on."""
+  return train_config.build_config(load_config(spec, overrides))
 
 
 def cli_args(spec: str, workdir, overrides: dict) -> list[str]:

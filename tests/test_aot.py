@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config, needs_libtpu
-from laurel import attention, sharding, step
+from laurel import attention, sharding, step, train_config
 from laurel.plan import aot, hardware
 
 # Table 5's model shrunk to compile in seconds; 4 scanned layers so the loop accounting has iterations to count.
@@ -94,7 +94,7 @@ def test_blocked_attention_compiles_per_device_for_a_sharded_slice(impl):
   laurel's flash kernel on the slice, the xla reference off it or where the length is no whole number of tiles."""
   config = small('rw_lr', **{'model.attention': impl, 'mesh.data': 2, 'mesh.tensor': 2})
   devices = aot.slice_devices('v6e:2x2')
-  task = step.validate_config(config, 4, 1)
+  task = train_config.validate_config(config, 4, 1)
   auto = dataclasses.replace(task.model_cfg, attention='auto')
   mesh = sharding.make_mesh(config.mesh, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
@@ -108,7 +108,7 @@ def test_blocked_attention_compiles_per_device_for_a_sharded_slice(impl):
 def test_blocked_attention_needs_a_length_of_whole_tiles(impl):
   with pytest.raises(ValueError, match=rf"^model.attention='{impl}': needs data.seq_len to be a multiple of 128, "
                                        r'not 100$'):
-    step.validate_config(small(**{'model.attention': impl, 'data.seq_len': 100}), 1, 1)
+    train_config.validate_config(small(**{'model.attention': impl, 'data.seq_len': 100}), 1, 1)
 
 
 def compile_only(*args, overrides=SMALL):
@@ -179,4 +179,4 @@ def test_compile_only_needs_a_topology_and_a_topology_needs_compile_only():
 
 def test_scan_unroll_must_divide_the_layers():
   with pytest.raises(ValueError, match=r'^model.scan_unroll=3: must divide num_layers=4$'):
-    step.validate_config(small(**{'model.scan_unroll': 3}), 1, 1)
+    train_config.validate_config(small(**{'model.scan_unroll': 3}), 1, 1)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY_LM, load_config, on_gpu
-from laurel import attention, lm, step, tasks
+from laurel import attention, lm, tasks, train_config
 from laurel.plan import hardware
 
 LEN = 128  # splash attention's key tiles are 128 tokens
@@ -171,7 +171,7 @@ def test_cudnn_attention_hands_cudnn_the_packed_rows(monkeypatch):
 
 def _validate(**model):
   overrides = {**TINY_LM, 'data.seq_len': LEN, **{f'model.{k}': v for k, v in model.items()}}
-  return step.validate_config(load_config('configs/c4_ablation.py:rw_lr,preset=tiny', overrides), 1, 1)
+  return train_config.validate_config(load_config('configs/c4_ablation.py:rw_lr,preset=tiny', overrides), 1, 1)
 
 
 CUDNN_READY = dict(attention='cudnn', dtype='bfloat16', max_segments=8)  # all cudnn needs but the machine
@@ -251,7 +251,7 @@ def test_splash_lays_q_k_v_out_sequence_minor():
   assert forward.count((2, 2, 8, LEN)) == 3 and (2, 2, LEN, 8) not in forward
 
 
-def _splash_on_mesh(batch, heads=2, rules=step.LOGICAL_AXIS_RULES, data=2, tensor=2):
+def _splash_on_mesh(batch, heads=2, rules=train_config.LOGICAL_AXIS_RULES, data=2, tensor=2):
   rng = np.random.default_rng(6)
   q, k, v = _qkv(rng, batch, heads)
   segments_BxL = jnp.asarray(_packed_segment_ids(rng, batch))
@@ -287,7 +287,7 @@ def test_splash_heads_that_do_not_divide_the_mesh_are_an_error():
 
 def test_splash_with_the_sequence_sharded_is_an_error():
   rules = tuple(('act_len', 'tensor') if name == 'act_len' else (name, axes)
-                for name, axes in step.LOGICAL_AXIS_RULES)
+                for name, axes in train_config.LOGICAL_AXIS_RULES)
   assert _first_line_of_error(rules=rules) == ("model.attention='splash': needs each row's whole sequence on a "
                                                'device, but the logical axis rules shard act_len over tensor (2 ways)')
 

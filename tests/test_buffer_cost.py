@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import ROOT, cli_env
-from laurel import config_lib, lm, step
+from laurel import command_line, lm, train_config
 from laurel.designs import StreamSpec
 
 
@@ -55,7 +55,8 @@ def _activations_per_layer(row: str, layers=(2, 4, 6), batch=2, seq_len=16) -> l
   for n in layers:
     overrides = [f'model.num_layers={n}', 'model.scan_layers=True', 'model.remat=dots_no_batch', 'model.dtype=float32',
                  'model.param_dtype=float32', f'data.seq_len={seq_len}']
-    task = step.validate_config(config_lib.load(f'residual_designs:{row},preset=tiny', overrides), num_devices=1)
+    config = command_line.load(f'residual_designs:{row},preset=tiny', overrides)
+    task = train_config.validate_config(config, num_devices=1)
     example = task.example_batch(batch)
     variables = nn.unbox(jax.eval_shape(task.init, jax.random.key(0), example))
     params, model_state = variables.pop('params'), variables

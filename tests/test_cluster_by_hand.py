@@ -7,7 +7,7 @@ import tomllib
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config
-from laurel import step
+from laurel import train_config
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 
@@ -15,14 +15,14 @@ SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 @pytest.mark.parametrize('data_shards, processes, streams', [(1, 1, 1), (1, 2, 2), (16, 2, 16), (3, 2, 6), (0, 4, 32)])
 def test_input_streams_are_raised_to_a_multiple_of_the_process_count(data_shards, processes, streams):
   config = load_config(SPEC, {**TINY_LM, 'data_shards': data_shards, 'batch_size': 96})
-  train_cfg = step.validate_config(config, num_devices=processes, process_count=processes).config
-  assert step.num_data_shards(train_cfg, processes) == streams
+  train_cfg = train_config.validate_config(config, num_devices=processes, process_count=processes).config
+  assert train_config.num_data_shards(train_cfg, processes) == streams
 
 
 def test_a_tiny_preset_trains_on_two_processes_without_setting_data_shards():
   config = load_config(SPEC)
   assert config.data_shards == 1
-  step.validate_config(config, num_devices=2, process_count=2)  # refused before: 1 stream over 2 processes
+  train_config.validate_config(config, num_devices=2, process_count=2)  # refused before: 1 stream over 2 processes
 
 
 @pytest.mark.parametrize('process, printed', [(0, 'first\nprogress\nfrom C\n'), (1, 'first\n')])

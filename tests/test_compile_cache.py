@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, needs_libtpu
-from laurel import sharding, step
+from laurel import sharding, step, train_config
 from laurel.run import compile_cache
 from laurel.plan import aot
 
@@ -93,7 +93,7 @@ def test_a_resume_reads_the_step_back_unless_steps_changed():
   """What docs/training.md says of a resume: the logging, eval and checkpoint cadence leave the compiled step as it was
   (its cache key, the lowered program, the same); another `steps` changes the schedule compiled into it."""
   def lowered(**overrides):
-    task = step.validate_config(load_config(SPEC, {**TINY_LM, **overrides}), num_devices=1, process_count=1)
+    task = train_config.validate_config(load_config(SPEC, {**TINY_LM, **overrides}), num_devices=1, process_count=1)
     mesh = sharding.make_mesh(task.config.mesh, jax.devices()[:1])
     with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
       return step.lower_step(task, mesh)[0].as_text()

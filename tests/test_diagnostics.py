@@ -10,7 +10,7 @@ import pytest
 from design_chain import LAYERS, T, init
 import reference
 from helpers import TINY_LM, load_config
-from laurel import designs, step
+from laurel import designs, train_config
 from laurel.designs import hyper
 from laurel.run import console
 
@@ -43,7 +43,7 @@ def test_laurel_reports_rw_alpha_and_beta_and_pa_gamma_of_every_site_of_the_lm(s
   γ_j is what it sends to site i + j), for the LM's two sites per layer, its layers scanned or not."""
   config = load_config('configs/c4_ablation.py:rw_lr_pa,preset=tiny', {
       **TINY_LM, 'model.laurel.site': 'sublayer', 'model.scan_layers': scan})
-  task = step.validate_config(config, num_devices=1, process_count=1)
+  task = train_config.validate_config(config, num_devices=1, process_count=1)
   params = random_params(task)
   metrics = task.design_metrics(jax.device_get(jax.jit(task.design_report)(params)))
   weights, num_sites, k = rw_weights(params['laurel_rw']['rw_w']), 2 * TINY_LM['model.num_layers'], 3
@@ -59,7 +59,7 @@ def test_laurel_reports_rw_alpha_and_beta_and_pa_gamma_of_every_site_of_the_lm(s
 
 def test_a_resnet_reports_each_stage_s_chain():
   config = load_config('configs/imagenet_resnet50.py:rw,preset=tiny')
-  task = step.validate_config(config, num_devices=1, process_count=1)
+  task = train_config.validate_config(config, num_devices=1, process_count=1)
   params = random_params(task)
   metrics = task.design_metrics(jax.device_get(jax.jit(task.design_report)(params)))
   expected = {}

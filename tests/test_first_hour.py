@@ -10,21 +10,21 @@ from absl import flags
 from ml_collections import config_flags
 
 from helpers import ROOT, SPEC, TINY_LM, load_config, typed_config
-from laurel import config_lib, designs, lm, step, train
+from laurel import command_line, config_lib, designs, lm, train, train_config
 from laurel.plan import preflight
-from laurel.run import checkpoint, console, metrics_log, saved_config
-from laurel.run.saved_config import file_sha256
+from laurel.run import checkpoint, console, metrics_log
+from laurel.train_config import file_sha256
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'
 
 
 def parsed(monkeypatch, *args) -> flags.FlagValues:
-  """Flags as laurel.main's (--config and --workdir), parsed from `args` by config_lib.parse_flags."""
+  """Flags as laurel.main's (--config and --workdir), parsed from `args` by command_line.parse_flags."""
   flag_values, argv = flags.FlagValues(), ['laurel-train', *args]
   monkeypatch.setattr(sys, 'argv', argv)  # where ml_collections finds the overrides
   config_flags.DEFINE_config_file('config', None, 'config file', flag_values=flag_values, lock_config=True)
   flags.DEFINE_string('workdir', None, 'workdir', flag_values=flag_values)
-  config_lib.parse_flags(argv, flag_values)
+  command_line.parse_flags(argv, flag_values)
   return flag_values
 
 
@@ -111,8 +111,8 @@ def test_a_run_shorter_than_the_presets_warmup_warms_up_for_the_same_part_of_it(
   assert capsys.readouterr().err == ('notice: optimizer.warmup_steps=50 is longer than the run (steps=20): it warms up '
                                      'for 2 steps instead, 10% of the run as in the config file '
                                      '(--config.optimizer.warmup_steps sets it)\n')
-  step.validate_config(config, num_devices=1, process_count=1)
-  assert config_lib.load(TINY, ['steps=20']).optimizer.warmup_steps == 2  # the scripts' loader too
+  train_config.validate_config(config, num_devices=1, process_count=1)
+  assert command_line.load(TINY, ['steps=20']).optimizer.warmup_steps == 2  # the scripts' loader too
 
 
 def test_a_run_as_long_as_the_presets_warmup_leaves_it(monkeypatch, capsys):
@@ -126,24 +126,24 @@ def test_a_run_as_long_as_the_presets_warmup_leaves_it(monkeypatch, capsys):
 @pytest.mark.parametrize('preset', ['paper', 'small', 'gpu', 'tiny'])
 def test_table5_runs_keep_their_warmup(capsys, preset):
   spec = f'c4_ablation:rw_lr,preset={preset}'
-  file = config_lib.load(spec)
+  file = command_line.load(spec)
   for steps in (file.steps, 2 * file.steps, file.optimizer.warmup_steps + 1):
-    assert config_lib.load(spec, [f'steps={steps}']).optimizer.warmup_steps == file.optimizer.warmup_steps
+    assert command_line.load(spec, [f'steps={steps}']).optimizer.warmup_steps == file.optimizer.warmup_steps
   assert capsys.readouterr().err == ''
 
 
 def test_a_warmup_set_longer_than_the_run_names_the_flag_and_a_value_that_fits():
-  config = config_lib.load(TINY, ['steps=20', 'optimizer.warmup_steps=50'])
+  config = command_line.load(TINY, ['steps=20', 'optimizer.warmup_steps=50'])
   with pytest.raises(config_lib.InputError, match=r'^optimizer\.warmup_steps=50: longer than the run \(steps=20\): .*; '
                      r'set --config\.optimizer\.warmup_steps=2 \(a tenth of the run\) or any value below 20$'):
-    step.validate_config(config, num_devices=1, process_count=1)
+    train_config.validate_config(config, num_devices=1, process_count=1)
 
 
 def test_the_paper_preset_without_c4_says_to_prepare_it_and_set_data_path(tmp_path, monkeypatch):
   """It said to install gcsfs (for the vocabulary), then the tfds extra; neither brings C4."""
   for module in ('tensorflow_datasets', 'tensorflow_datasets.core.constants'):  # the default install: no tfds
     monkeypatch.setitem(sys.modules, module, None)
-  task = step.validate_config(config_lib.load('c4_ablation:rw_lr'), num_devices=1, process_count=1)
+  task = train_config.validate_config(command_line.load('c4_ablation:rw_lr'), num_devices=1, process_count=1)
   with pytest.raises(config_lib.InputError) as raised:
     preflight.check_inputs(task, tmp_path / 'run')
   assert str(raised.value) == (
@@ -171,28 +171,28 @@ def forget_tanh_gate():
 
 
 def test_a_run_of_an_outside_design_is_read_back_from_the_file_it_recorded(tanh_gate, tmp_path, capsys):
-  config = config_lib.load('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tanh_gate:tanh_gate'])
+  config = command_line.load('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tanh_gate:tanh_gate'])
   workdir = tmp_path / 'run'
   workdir.mkdir()
-  checkpoint.guard_config(step.build_config(config), workdir)()  # config.json, as a run writes it
+  checkpoint.guard_config(train_config.build_config(config), workdir)()  # config.json, as a run writes it
   saved = json.loads((workdir / 'config.json').read_text())
   assert (saved['design_file'], saved['design_sha256']) == (str(tanh_gate), file_sha256(tanh_gate))
   sys.path.remove(str(tanh_gate.parent))  # a later command, without PYTHONPATH
   forget_tanh_gate()
-  with saved_config.design_policy(trust=True):  # --trust_design_file
-    saved = config_lib.load(str(workdir))  # --config=WORKDIR (sampling reads saved_config.read_config too)
+  with train_config.design_policy(trust=True):  # --trust_design_file
+    saved = command_line.load(str(workdir))  # --config=WORKDIR (sampling reads train_config.read_config too)
   assert capsys.readouterr().err == (f"notice: model.stream.design='tanh_gate:tanh_gate': imported tanh_gate from "
                                      f'{tanh_gate}, the file the run recorded (--trust_design_file)\n')
   assert lm.LMConfig.from_config(saved.model).stream.design == 'tanh_gate'
   (workdir / 'checkpoints' / '3').mkdir(parents=True)
-  checkpoint.guard_config(step.build_config(saved), workdir)  # the record is no change of config: a resume goes on
+  checkpoint.guard_config(train_config.build_config(saved), workdir)  # the record is no change: a resume goes on
 
 
 def test_an_outside_design_that_cannot_be_imported_says_what_to_set(tanh_gate, tmp_path):
   sys.path.remove(str(tanh_gate.parent))
   with pytest.raises(config_lib.InputError, match=r"^model\.stream\.design='tanh_gate:tanh_gate': cannot import "
                      r"tanh_gate \(No module named 'tanh_gate'\): put the folder holding tanh_gate\.py on PYTHONPATH$"):
-    config_lib.load('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tanh_gate:tanh_gate'])
+    command_line.load('c4_ablation:baseline_24,preset=tiny', ['model.stream.design=tanh_gate:tanh_gate'])
 
 
 @pytest.mark.parametrize('spec, overrides, design', [
@@ -205,8 +205,8 @@ def test_an_outside_design_that_cannot_be_imported_says_what_to_set(tanh_gate, t
 ])
 def test_the_config_line_names_the_design(spec, overrides, design):
   try:
-    config = config_lib.load(spec, overrides)
-    task = step.validate_config(config, num_devices=1, process_count=1)
+    config = command_line.load(spec, overrides)
+    task = train_config.validate_config(config, num_devices=1, process_count=1)
     assert f', design {design}, ' in metrics_log.config_line(task.config, ROOT / 'runs' / 'x')
   finally:
     designs.REGISTRY.pop('gated', None)  # other tests enumerate every design

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import needs_libtpu
-from laurel import attention, flash, lm, step
+from laurel import attention, flash, lm, train_config
 from laurel.plan import aot, schedule
 
 
@@ -82,7 +82,7 @@ def test_flash_runs_per_device_on_a_mesh():
   segments, positions = _packed(rng, 3, 128)
   mesh = jax.make_mesh((2, 1, 2), ('data', 'fsdp', 'tensor'), devices=jax.devices()[:4],
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(step.LOGICAL_AXIS_RULES):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(train_config.LOGICAL_AXIS_RULES):
     run = jax.jit(lambda *x: _attention('flash', cfg, *x, segments, positions))
     assert 'shard_map' in str(jax.make_jaxpr(run)(q, k, v))
     got = run(q, k, v)

@@ -13,7 +13,7 @@ import pytest
 
 from design_chain import D, LAYERS, T, init, inputs, randomize, run
 from helpers import TINY_LM, cli_env, losses, run_cli
-from laurel import config_lib, designs, lm, step
+from laurel import command_line, config_lib, designs, lm, step, train_config
 from reference import np_rms
 
 DESIGN = 'tests.gated_design:gated'
@@ -43,20 +43,20 @@ def test_gated_chain_is_x_plus_sigmoid_gate_times_f(gated, gate):
 
 def test_gated_section_is_read_checked_and_named_in_errors(gated):
   spec = 'c4_ablation:baseline_24,preset=tiny'
-  config = config_lib.load(spec, [f'model.stream.design={DESIGN}', 'model.gated.gate=scalar', 'model.gated.init=1.5'])
+  config = command_line.load(spec, [f'model.stream.design={DESIGN}', 'model.gated.gate=scalar', 'model.gated.init=1.5'])
   model = lm.LMConfig.from_config(config.model)
   assert model.stream == gated.config(gate='scalar', init=1.5) and model.stream.design == 'gated'
   assert 'model.laurel.variant' in model.unused_fields('model')
   with pytest.raises(config_lib.InputError, match=r"^model\.gated\.gate='vector': must be one of per_feature, scalar"):
-    lm.LMConfig.from_config(config_lib.load(spec, [f'model.stream.design={DESIGN}', 'model.gated.gate=vector']).model)
+    lm.LMConfig.from_config(command_line.load(spec, [f'model.stream.design={DESIGN}', 'model.gated.gate=vector']).model)
   with pytest.raises(config_lib.InputError, match=r"^model\.stream\.design='tests\.no_such:gated': cannot import"):
-    config_lib.load(spec, ['model.stream.design=tests.no_such:gated'])
+    command_line.load(spec, ['model.stream.design=tests.no_such:gated'])
 
 
 def test_the_step_built_after_the_import_keeps_its_gate_out_of_weight_decay(gated):
   """The optimizer reads the registry's no-decay names when it is built: a design imported late counts."""
   params = {'site': {'gate': jnp.ones((4, 4)), 'kernel': jnp.ones((4, 4))}}
-  tx, _ = step.make_optimizer(step.OptimizerConfig(warmup_steps=1, weight_decay=0.5), steps=10)
+  tx, _ = step.make_optimizer(train_config.OptimizerConfig(warmup_steps=1, weight_decay=0.5), steps=10)
   state, zero = tx.init(params), {'site': {'gate': jnp.zeros((4, 4)), 'kernel': jnp.zeros((4, 4))}}
   for _ in range(2):  # the first step's learning rate is the warmup's 0
     updates, state = tx.update(zero, state, params)

@@ -20,7 +20,7 @@ import pytest
 from flax import linen as nn
 
 from helpers import TINY_LM, load_config, metrics, on_gpu
-from laurel import attention, lm, sharding, step, tasks, train
+from laurel import attention, lm, sharding, step, tasks, train, train_config
 
 LEN, HEADS, HEAD_WIDTH, MAX_SEGMENTS = 1024, 4, 64, 16
 # Table 5's rows shrunk (the tiny preset) with cuDNN's needs: bfloat16 compute (the paper's dtypes: float32
@@ -79,13 +79,13 @@ def test_auto_attention_is_cudnn_on_hopper_and_the_step_calls_it():
   if not _hopper():
     pytest.skip(f'not a Hopper GPU or newer: {jax.devices()[0].device_kind}')
   config = load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {**GPU_TINY, 'model.attention': 'auto'})
-  task = step.validate_config(config, num_devices=1)
+  task = train_config.validate_config(config, num_devices=1)
   assert attention.attention_impl(task.model_cfg, LEN) == 'cudnn'
   mesh = sharding.make_mesh(task.config.mesh, jax.devices()[:1])
   with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
     compiled = step.compile_step(task, mesh)[0]
   assert '__cudnn$fmha' in compiled.as_text()  # cuDNN's fused attention custom calls
-  no_bound = step.validate_config(load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {
+  no_bound = train_config.validate_config(load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {
       **GPU_TINY, 'model.attention': 'auto', 'model.max_segments': 0}), num_devices=1)
   assert attention.attention_impl(no_bound.model_cfg, LEN) == 'xla'  # cuDNN needs the bound
 
@@ -137,7 +137,7 @@ def test_the_compiled_step_adds_no_scatter_in_low_precision():
   """The token lookup's gradient is a float32 scatter-add in the program XLA:GPU compiled (tests/test_scatter.py
   checks the lowered program on the CPU): a bfloat16 one is a compare-and-swap loop, ~20x slower."""
   config = load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {**GPU_TINY, 'model.attention': 'xla'})
-  task = step.validate_config(config, num_devices=1)
+  task = train_config.validate_config(config, num_devices=1)
   mesh = sharding.make_mesh(task.config.mesh, jax.devices()[:1])
   with jax.set_mesh(mesh), nn.logical_axis_rules(task.config.logical_axis_rules):
     text = step.compile_step(task, mesh)[0].as_text()

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from helpers import ROOT
-from laurel import config_lib, data, step
+from laurel import command_line, data, train_config
 
 sys.path.insert(0, str(ROOT / 'configs'))
 import c4_ablation  # noqa: E402  pylint: disable=wrong-import-position
@@ -18,13 +18,13 @@ DOC = ' '.join(c4_ablation.__doc__.split())
 
 
 def gpu_config(row):
-  return config_lib.load(f'configs/c4_ablation.py:{row},preset=gpu', [])
+  return command_line.load(f'configs/c4_ablation.py:{row},preset=gpu', [])
 
 
 @pytest.mark.parametrize('row', list(ROWS))
 def test_gpu_preset_params_and_flops_are_the_docstrings(row):
   config = gpu_config(row)
-  task = step.validate_config(config, 1, 1)
+  task = train_config.validate_config(config, 1, 1)
   params = task.num_params(jax.eval_shape(task.init, jax.random.key(0), task.example_batch(1))['params'])
   flops = task.model_flops(config.batch_size)
   want_params, want_flops = ROWS[row]
@@ -43,7 +43,7 @@ def test_gpu_preset_reaches_the_stated_tokens():
 
 
 def test_gpu_preset_reads_the_installed_sources_and_a_large_fixed_eval_set():
-  gpu, tiny = gpu_config('baseline_24'), config_lib.load('configs/c4_ablation.py:baseline_24,preset=tiny', [])
+  gpu, tiny = gpu_config('baseline_24'), command_line.load('configs/c4_ablation.py:baseline_24,preset=tiny', [])
   assert (gpu.data.name, gpu.data.path) == ('text', data.INSTALLED)
   eval_tokens = lambda c: c.eval_steps * c.batch_size * c.data.seq_len
   assert eval_tokens(gpu) == 2_097_152 == 64 * eval_tokens(tiny)

@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'laurel'
 DESIGNS_MAY_IMPORT = ('laurel.designs', 'laurel.config_lib', 'laurel.sharding')
-CORE_WITH_A_DOOR_TO_THE_WINGS = ('laurel.train', 'laurel.main')  # the loop and the entry point
+CORE_WITH_A_DOOR_TO_THE_WINGS = ('laurel.train', 'laurel.main', 'laurel.command_line')  # the loop and the entry point
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import c4_ablation
-from laurel import attention, step
+from laurel import attention, train_config
 from laurel.designs import StreamSpec
 from laurel.lm import LM, LMConfig
 from laurel.designs.laurel import LaurelSite, LaurelSpec, closed_form_params
@@ -416,7 +416,7 @@ def test_options_run_and_are_finite_BxLxV(options, variant):
 # ---------------------------------------------------------------------------------------------------
 # Sharding metadata.
 
-RULE_NAMES = {name for name, _ in step.LOGICAL_AXIS_RULES}
+RULE_NAMES = {name for name, _ in train_config.LOGICAL_AXIS_RULES}
 
 
 @pytest.mark.parametrize('scan_layers', [True, False])

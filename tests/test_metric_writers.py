@@ -103,9 +103,9 @@ def test_profiler_traces_the_configured_steps_only(monkeypatch):
 def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
   """laurel.train and every default writer load no TensorFlow, and W&B not unless asked (a separate process: another
   test may load them)."""
-  code = ('import sys\nfrom etils import epath\nfrom laurel import config_lib, main, step\n'
+  code = ('import sys\nfrom etils import epath\nfrom laurel import command_line, main, train_config\n'
           'from laurel.run import metrics_log\n'
-          f'config = step.build_config(config_lib.load({SPEC!r}, ["tensorboard=True"]))\n'
+          f'config = train_config.build_config(command_line.load({SPEC!r}, ["tensorboard=True"]))\n'
           f'log = metrics_log.MetricsLog(epath.Path({str(tmp_path)!r}), config, 0, {{}})\n'
           'log.write(1, {"loss": 2.5})\nlog.writer.close()\n'
           'print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "clu", "wandb")))\n')

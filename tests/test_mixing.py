@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import needs_libtpu
-from laurel import step
+from laurel import train_config
 from laurel.designs import mixing
 from laurel.plan import aot, schedule
 
@@ -43,7 +43,7 @@ def test_kernels_run_per_device_on_a_mesh():
   a, h, b, y, _ = _inputs(2, 2, 3, 128, 128)
   mesh = jax.make_mesh((2, 1, 1), ('data', 'fsdp', 'tensor'), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(step.LOGICAL_AXIS_RULES):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(train_config.LOGICAL_AXIS_RULES):
     run = jax.jit(lambda *x: mixing.mix(*x, kernel=True))
     assert 'shard_map' in str(jax.make_jaxpr(run)(a, h, b, y))
     got = run(a, h, b, y)
@@ -65,7 +65,7 @@ def test_normed_product_kernels_match_the_einsum_with_their_gradients(through, d
   want = run(False)
   mesh = jax.make_mesh((devices, 1, 1), ('data', 'fsdp', 'tensor'), devices=jax.devices()[:devices],
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(step.LOGICAL_AXIS_RULES):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(train_config.LOGICAL_AXIS_RULES):
     got = jax.jit(lambda: run(True))()
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
@@ -85,7 +85,7 @@ def test_the_tpu_compiler_lowers_the_kernels_each_with_its_cost_estimate():
   args = (shape(n, k, batch, length, dtype=jnp.float32), shape(n, batch, length, width),
           shape(k, batch, length, dtype=jnp.float32), shape(batch, length, width))
   try:
-    with jax.set_mesh(mesh), nn.logical_axis_rules(step.LOGICAL_AXIS_RULES):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(train_config.LOGICAL_AXIS_RULES):
       text = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3))).lower(*args).compile().as_text()
   finally:
     jax.config.update('jax_enable_compilation_cache', True)

@@ -18,9 +18,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, losses, typed_config
-from laurel import config_lib, main, step, train
+from laurel import config_lib, main, train, train_config
 from laurel.plan import preflight
-from laurel.run import checkpoint, metrics_log, process, saved_config
+from laurel.run import checkpoint, metrics_log, process
 from laurel.serve import loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -110,7 +110,7 @@ def test_a_torn_config_json_is_rewritten_and_refused_in_one_line_where_it_is_rea
   whole = (tmp_path / 'config.json').read_text()
   (tmp_path / 'config.json').write_text(whole[:len(whole) // 2])
   with pytest.raises(config_lib.InputError, match=r"config.json is not JSON \("):
-    saved_config.read_config(tmp_path)  # what generate, evaluate and --config=WORKDIR read
+    train_config.read_config(tmp_path)  # what generate, evaluate and --config=WORKDIR read
   checkpoint.guard_config(config, tmp_path)()  # the checkpoint's own signature is checked on restore instead
   assert 'config.json is not JSON; it is rewritten' in capsys.readouterr().err
   assert json.loads((tmp_path / 'config.json').read_text()) == json.loads(whole)
@@ -330,7 +330,7 @@ def test_a_refused_allow_config_change_leaves_the_config_files_as_they_were(two_
 ])
 def test_bad_numbers_and_shapes_are_refused(overrides, message):
   with pytest.raises(config_lib.InputError, match=re.escape(message)):
-    step.validate_config(load_config(SPEC, {**TINY_LM, **overrides}), num_devices=1)
+    train_config.validate_config(load_config(SPEC, {**TINY_LM, **overrides}), num_devices=1)
 
 
 def test_a_text_corpus_of_empty_files_is_refused(tmp_path):
@@ -338,7 +338,7 @@ def test_a_text_corpus_of_empty_files_is_refused(tmp_path):
     (tmp_path / f'{i}.txt').write_text('')
   with pytest.raises(config_lib.InputError, match=r"data\.path='.*': its \d+ train files? (is|are) empty: nothing to "
                      'train on'):
-    step.validate_config(load_config(SPEC, {**TINY_LM, 'data.name': 'text', 'data.path': f'{tmp_path}/*.txt'}),
+    train_config.validate_config(load_config(SPEC, {**TINY_LM, 'data.name': 'text', 'data.path': f'{tmp_path}/*.txt'}),
                          num_devices=1)
 
 

@@ -16,7 +16,7 @@ import pytest
 from etils import epath
 
 from helpers import ROOT, cli_env, without_this_python
-from laurel import config_lib, step
+from laurel import command_line, config_lib, train_config
 from laurel.run import metrics_log
 
 DOCS = ['README.md', *sorted(str(p.relative_to(ROOT)) for p in (ROOT / 'docs').glob('*.md'))]
@@ -129,7 +129,7 @@ def test_the_commands_a_finished_run_prints_work_as_printed_from_a_folder_with_a
   venv is not activated, on a workdir whose path has a space."""
   workdir = tmp_path / 'my runs' / 'demo'
   shutil.copytree(trained_run, workdir)
-  config = step.validate_config(config_lib.load(str(workdir))).config  # the run's saved config, typed
+  config = train_config.validate_config(command_line.load(str(workdir))).config  # the run's saved config, typed
   final = json.loads((workdir / 'final.json').read_text())
   lines = metrics_log.summary(dataclasses.replace(config, tensorboard=True), epath.Path(workdir), final, 1.0).splitlines()
   commands = [l.strip() for l in lines[lines.index('next:') + 1:]]
@@ -167,7 +167,7 @@ def test_the_docs_name_the_file_that_holds_the_design_record():
 
 def test_the_training_doc_lists_every_preset_of_table_5():
   with pytest.raises(config_lib.InputError) as refused:
-    config_lib.load('c4_ablation:rw_lr,preset=none')
+    command_line.load('c4_ablation:rw_lr,preset=none')
   presets = re.search(r'must be one of (.+)$', str(refused.value)).group(1).split(', ')
   row = next(l for l in (ROOT / 'docs' / 'training.md').read_text().splitlines() if l.startswith('| `configs/c4_'))
   assert len(presets) == 4 and all(f'`{p}`' in row or f'`preset={p}`' in row for p in presets), (presets, row)

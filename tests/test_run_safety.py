@@ -24,10 +24,10 @@ from jax.sharding import PartitionSpec as P
 from helpers import (CLUSTER_VARIABLES, ROOT, SPEC, TINY_LM, TRAINED, cli_args, cli_env, fake_gcs_env, load_config,
                      losses, run_python, train_cli,
                      tree_snapshot, typed_config)
-from laurel import config_lib, data, designs, main, step, train
+from laurel import command_line, config_lib, data, designs, main, step, train, train_config
 from laurel.designs import StreamSpec
 from laurel.plan import preflight
-from laurel.run import checkpoint, cluster, metrics_log, process, saved_config
+from laurel.run import checkpoint, cluster, metrics_log, process
 from laurel.serve import loader
 from laurel.serve import evaluate, generate
 
@@ -88,7 +88,7 @@ def test_damaged_checkpoints_are_moved_aside_and_no_step_is_logged_twice(run_wit
 
 def _restore_args(workdir):
   config = load_config(SPEC, {**TINY_LM, 'steps': 9, 'checkpoint_every': 3})
-  task = step.validate_config(config, num_devices=1)
+  task = train_config.validate_config(config, num_devices=1)
   _, init_state, _ = step.make_train_fns(task)
   abstract = jax.eval_shape(init_state, jax.random.key(0))
   mngr = ocp.CheckpointManager(workdir / 'checkpoints')
@@ -182,7 +182,7 @@ def test_only_bad_input_is_a_one_line_error_of_the_serving_commands(module):
           f'm, owner = importlib.import_module({module!r}), importlib.import_module({owner!r})\n'
           f'def fail(*a, **k): raise ValueError("a message from a library")\n'
           f'owner.{name} = fail\nsys.argv = ["x", {argv}]\n'
-          f'm.run() if hasattr(m, "run") else app.run(m.main, flags_parser=config_lib.parse_flags)\n')
+          f'm.run() if hasattr(m, "run") else app.run(m.main, flags_parser=command_line.parse_flags)\n')
   result = run_python(code)
   assert result.returncode == 1 and 'Traceback' in result.stderr and 'ValueError: a message from a library' in \
       result.stderr and 'error: a message' not in result.stderr, result.stderr[-2000:]
@@ -199,7 +199,7 @@ def test_scripts_turn_only_bad_input_into_one_line():
   with pytest.raises(ValueError, match='a library bug'):
     cli.main(lambda: raise_(ValueError('a library bug')))(['script'])
   with pytest.raises(config_lib.InputError):  # every validator raises the dedicated type
-    step.validate_config(load_config(SPEC, {**TINY_LM, 'steps': 0}), num_devices=1)
+    train_config.validate_config(load_config(SPEC, {**TINY_LM, 'steps': 0}), num_devices=1)
 
 
 # 4. Resume survives a torn log, and the log never appends where the filesystem cannot.
@@ -217,8 +217,8 @@ def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_metrics_log_never_appends_on_gcs(tmp_path):
-  code = ('import json\nfrom etils import epath\nfrom laurel import step\nfrom laurel.run import metrics_log\n'
-          'config = step.TrainConfig(tensorboard=False)\n'
+  code = ('import json\nfrom etils import epath\nfrom laurel import train_config\nfrom laurel.run import metrics_log\n'
+          'config = train_config.TrainConfig(tensorboard=False)\n'
           'for resume, steps in ((0, (1, 2)), (2, (3,))):\n'
           '  log = metrics_log.MetricsLog(epath.Path("gs://bucket/run"), config, resume, {})\n'
           '  for s in steps: log.write(s, {"loss": 1.0 / s})\n'
@@ -254,12 +254,12 @@ def test_the_metrics_log_never_appends_on_gcs(tmp_path):
     ('c4_ablation:rw,preset=tiny', 'data.vocab_path', '/sp.model', "data.name='text' is byte-level"),
 ])
 def test_overrides_that_change_nothing_are_refused(spec, field, value, why):
-  config = step.build_config(config_lib.load(spec, [f'{field}={value}']))
+  config = train_config.build_config(command_line.load(spec, [f'{field}={value}']))
   if why is None:  # a field this row uses
-    assert step.check_overrides(config, config_lib.resolve_spec(spec), {field: value}) == []
+    assert command_line.check_overrides(config, command_line.resolve_spec(spec), {field: value}) == []
     return
   with pytest.raises(config_lib.InputError, match=re.escape(f'{field}={value!r}: changes nothing: {why}')):
-    step.check_overrides(config, config_lib.resolve_spec(spec), {field: value})
+    command_line.check_overrides(config, command_line.resolve_spec(spec), {field: value})
 
 
 @pytest.mark.slow
@@ -288,7 +288,7 @@ def test_a_no_op_override_is_refused_by_main_and_sweep_and_an_echo_warned(tmp_pa
 ])
 def test_sharded_dimensions_must_divide_the_mesh(mesh, message):
   with pytest.raises(config_lib.InputError, match=re.escape(message)):
-    step.validate_config(load_config(SPEC, {**TINY_LM, **mesh}), num_devices=8)
+    train_config.validate_config(load_config(SPEC, {**TINY_LM, **mesh}), num_devices=8)
 
 
 def test_vocab_size_is_checked_against_a_gs_tokenizer(sp_model, monkeypatch):
@@ -298,7 +298,7 @@ def test_vocab_size_is_checked_against_a_gs_tokenizer(sp_model, monkeypatch):
   monkeypatch.setattr(data, 'num_records', lambda shards: 1)  # the shards' footers would be read from GCS
   config = load_config(SPEC, {**TINY_LM, 'data.name': 'c4', 'data.path': 'gs://bucket/c4', 'data.vocab_path': gs_vocab,
                               'model.vocab_size': 32})
-  task = step.validate_config(config, num_devices=1)
+  task = train_config.validate_config(config, num_devices=1)
   with pytest.raises(config_lib.InputError, match=re.escape(
       f"model.vocab_size=32: smaller than the tokenizer's 40 (data.vocab_path='{gs_vocab}')")):
     preflight.check_lm_data(task.data_cfg, task.model_cfg.vocab_size)
@@ -315,7 +315,7 @@ def test_resume_from_the_saved_config_in_one_command(run_with_three_checkpoints,
   assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)' in out
   assert 'resumed from checkpoint 9' in out and max(losses(workdir)) == 10
   saved = json.loads((workdir / 'config.json').read_text())
-  assert config_lib.to_dict(step.build_config(config_lib.load(str(workdir / 'config.json')))) == saved
+  assert config_lib.to_dict(train_config.build_config(command_line.load(str(workdir / 'config.json')))) == saved
 
 
 def _vouch_again(step_dir, name: str) -> None:
@@ -340,8 +340,8 @@ def test_a_signature_in_the_old_shape_is_no_change_of_config(row):
   config = typed_config(f'configs/c4_ablation.py:{row},preset=tiny', TINY_LM)
   old = _in_the_old_shape(config_lib.to_dict(config))
   assert {'laurel', 'hc', 'mhc', 'denseformer', 'dca_k'} <= set(old['model'])  # every design's section
-  assert checkpoint.config_changes(old, config) == ({}, [])
-  assert saved_config.upgrade(old) == config_lib.to_dict(config)
+  assert train_config.config_changes(old, config) == ({}, [])
+  assert train_config.upgrade(old) == config_lib.to_dict(config)
 
 
 @pytest.mark.slow
@@ -360,7 +360,7 @@ def test_a_run_saved_in_the_old_shape_loads_for_sampling_and_resumes(run_with_th
     _vouch_again(step_dir, 'config/metadata')  # its list vouches for the rewritten signature, as the old run's did
   assert json.loads(path.read_text())['model']['hc'] == {'expansion': 4, 'hc_dynamic': False}
 
-  config = step.build_config(config_lib.load(str(workdir)))  # --config=WORKDIR
+  config = train_config.build_config(command_line.load(str(workdir)))  # --config=WORKDIR
   assert config.model.stream == StreamSpec('laurel', variant='rw+lr+pa', rank=8, k=3)
   with loader.lm_run_on_mesh(workdir) as (task, params, number, _):  # what sampling and scoring read
     assert number == 9 and task.config == config and 'laurel_rw' in params
@@ -488,11 +488,11 @@ def test_a_run_saved_before_a_field_existed_resumes_at_its_default_and_not_at_an
   (tmp_path / 'checkpoints' / '6').mkdir(parents=True)
   (tmp_path / 'config.json').write_text(json.dumps(saved))
   checkpoint.guard_config(config, tmp_path)
-  assert checkpoint.config_changes(saved, config) == ({}, [])
+  assert train_config.config_changes(saved, config) == ({}, [])
 
   (tmp_path / 'config.json').write_text(json.dumps(saved))
   config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_scores='bfloat16'))
-  assert checkpoint.config_changes(saved, config)[1] == ['model.attention_scores']
+  assert train_config.config_changes(saved, config)[1] == ['model.attention_scores']
   with pytest.raises(config_lib.InputError, match=r"model\.attention_scores='float32' \(now 'bfloat16'\)"):
     checkpoint.guard_config(config, tmp_path)
 

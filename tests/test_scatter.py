@@ -14,7 +14,7 @@ import pytest
 from flax import linen as nn
 
 from helpers import TINY_LM, load_config
-from laurel import lm, sharding, step
+from laurel import lm, sharding, step, train_config
 
 LOW_PRECISION = ('bf16', 'f16')
 
@@ -30,7 +30,7 @@ def scatter_add_dtypes(stablehlo: str) -> list[str]:
 
 def lowered_step(spec: str, overrides: dict) -> str:
   config = load_config(spec, {'data.name': 'synthetic', **overrides})
-  task = step.validate_config(config, num_devices=1)
+  task = train_config.validate_config(config, num_devices=1)
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     return step.lower_step(task, mesh)[0].as_text()

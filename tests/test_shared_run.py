@@ -10,9 +10,8 @@ import sys
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_env, load_config
-from laurel import config_lib, designs, step
+from laurel import command_line, config_lib, designs, train_config
 from laurel.config_lib import InputError
-from laurel.run import saved_config
 from laurel.serve import evaluate, loader
 
 DESIGN = 'shared_gated:shared_gate'
@@ -30,7 +29,7 @@ def shared_run(tmp_path):
   run.mkdir()
   design = (ROOT / 'tests' / 'gated_design.py').read_text().replace("Design('gated'", "Design('shared_gate'")
   (run / 'shared_gated.py').write_text(HOSTILE.format(marker=str(marker), design=design))
-  saved = config_lib.to_dict(step.build_config(load_config('configs/c4_ablation.py:baseline_24,preset=tiny')))
+  saved = config_lib.to_dict(train_config.build_config(load_config('configs/c4_ablation.py:baseline_24,preset=tiny')))
   saved['model'] = {**saved['model'], 'stream': {'design': DESIGN}, 'shared_gate': {'gate': 'scalar', 'init': 0.0}}
   saved['design_file'] = str(run / 'shared_gated.py')
   saved['design_sha256'] = hashlib.sha256((run / 'shared_gated.py').read_bytes()).hexdigest()
@@ -48,8 +47,8 @@ def refusal(run) -> str:
 
 def test_a_copied_runs_design_file_runs_only_with_the_users_word(shared_run, monkeypatch):
   run, marker = shared_run
-  for read in (lambda: saved_config.read_config(run),  # what sampling, evaluating and the harness read
-               lambda: config_lib.load(str(run)),  # --config=WORKDIR: a resume
+  for read in (lambda: train_config.read_config(run),  # what sampling, evaluating and the harness read
+               lambda: command_line.load(str(run)),  # --config=WORKDIR: a resume
                lambda: loader.lm_run_on_mesh(run).__enter__(),
                lambda: next(evaluate.evaluate_run(run, ['held_out']))):
     with pytest.raises(InputError) as refused:
@@ -57,25 +56,25 @@ def test_a_copied_runs_design_file_runs_only_with_the_users_word(shared_run, mon
     assert str(refused.value) == refusal(run)
   monkeypatch.syspath_prepend(str(run))  # `python -m ...` in the run's folder: its files are still the run's
   with pytest.raises(InputError, match='would run as code'):
-    saved_config.read_config(run)
+    train_config.read_config(run)
   saved = json.loads((run / 'config.json').read_text())
   (run / 'config.json').write_text(json.dumps({**saved, 'design_file': str(run / 'gone.py')}))
   with pytest.raises(InputError) as refused:  # the recorded file gone: nor is the run's folder searched
-    saved_config.read_config(run)
+    train_config.read_config(run)
   assert str(refused.value) == (f"model.stream.design='{DESIGN}': shared_gated is not on your Python path (outside "
                                 f"the run's folder), nor is the file the run recorded, {run / 'gone.py'}: put the "
                                 'folder holding shared_gated.py on PYTHONPATH')
   (run / 'config.json').write_text(json.dumps(saved))
-  with saved_config.design_policy(imports=False):  # --print_config: the saved config as it is, nothing imported
-    config = config_lib.load(str(run))
-  assert saved_config.unimported_design(config) == DESIGN and config.model.shared_gate.gate == 'scalar'
+  with train_config.design_policy(imports=False):  # --print_config: the saved config as it is, nothing imported
+    config = command_line.load(str(run))
+  assert train_config.unimported_design(config) == DESIGN and config.model.shared_gate.gate == 'scalar'
   assert not marker.exists() and 'shared_gated' not in sys.modules and 'shared_gate' not in designs.REGISTRY
 
 
 def test_a_trusted_design_file_is_imported_while_its_hash_is_the_recorded_one(shared_run, capsys):
   run, marker = shared_run
-  with saved_config.design_policy(trust=True):
-    config = saved_config.read_config(run)
+  with train_config.design_policy(trust=True):
+    config = train_config.read_config(run)
   assert config.model.stream.design == 'shared_gate' and marker.read_text() == 'ran'
   assert capsys.readouterr().err == (f"notice: model.stream.design='{DESIGN}': imported shared_gated from "
                                      f'{run / "shared_gated.py"}, the file the run recorded (--trust_design_file)\n')
@@ -84,8 +83,8 @@ def test_a_trusted_design_file_is_imported_while_its_hash_is_the_recorded_one(sh
   marker.unlink()
   with (run / 'shared_gated.py').open('a') as f:
     f.write('# changed after the run recorded it\n')
-  with saved_config.design_policy(trust=True), pytest.raises(InputError) as refused:
-    saved_config.read_config(run)
+  with train_config.design_policy(trust=True), pytest.raises(InputError) as refused:
+    train_config.read_config(run)
   assert str(refused.value).startswith(f"model.stream.design='{DESIGN}': shared_gated is not on your Python path, "
                                        f'and the run names its file {run / "shared_gated.py"}, changed since the run '
                                        'recorded it (sha256 ')
@@ -105,7 +104,7 @@ def run_naming_paths(tmp_path):
       **TINY_LM, 'data.name': 'corpus', 'data.path': str(shards), 'data.vocab_path': str(vocab)})
   run = tmp_path / 'run'
   run.mkdir()
-  (run / 'config.json').write_text(saved_config.as_json(step.build_config(config)))
+  (run / 'config.json').write_text(train_config.as_json(train_config.build_config(config)))
   return run, shards, vocab
 
 
@@ -117,10 +116,10 @@ def test_the_paths_a_run_names_are_shown_before_they_are_read(run_naming_paths, 
     loader.lm_run_on_mesh(run).__enter__()
   assert capsys.readouterr().err == (f"reading what {run / 'config.json'} names: data.path={str(shards)!r}, "
                                      f'data.vocab_path={str(vocab)!r}\n')
-  typed = saved_config.read_config(run)
-  assert saved_config.named_paths(typed, overridden={'data.path': 'mine'}) == {'data.vocab_path': str(vocab)}
-  assert saved_config.run_of(config_lib.resolve_spec(str(run))) == str(run)  # laurel.main's --config=WORKDIR
-  assert saved_config.run_of(config_lib.resolve_spec('c4_ablation:rw_lr')) is None
+  typed = train_config.read_config(run)
+  assert train_config.named_paths(typed, overridden={'data.path': 'mine'}) == {'data.vocab_path': str(vocab)}
+  assert train_config.run_of(str(run)) == command_line.resolve_spec(str(run)) == str(run)  # --config=WORKDIR
+  assert train_config.run_of('c4_ablation:rw_lr') is None
 
 
 @pytest.mark.slow

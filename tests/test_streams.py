@@ -13,9 +13,8 @@ import pytest
 
 from design_chain import BATCH, D, LAYERS, LEN, T, Net, inputs, randomize, rms, stacked, toy_fn
 from design_chain import init as chain_init
-from laurel import designs, lm
+from laurel import designs, lm, train_config
 from laurel.designs import StreamSpec
-from laurel.run import saved_config
 from laurel.designs.hyper import MHCSite, sinkhorn
 from reference import STREAM_CASES, np_sigmoid, np_sinkhorn
 
@@ -184,7 +183,7 @@ def test_spec_accepts(design, sections):
 def _saved(**model):
   """The design config an LM builds from a saved config of `model`, upgraded as a resume and --config=WORKDIR read
   it."""
-  return _build(**saved_config.upgrade({'model': model})['model'])
+  return _build(**train_config.upgrade({'model': model})['model'])
 
 
 def test_a_config_saved_with_every_field_in_model_stream_still_builds():
@@ -205,9 +204,9 @@ def test_a_config_saved_with_every_section_and_laurel_as_design_residual_still_b
   old = lambda **laurel: {**every, 'stream': {'design': 'residual'}, 'laurel': {'variant': 'none', 'k': 2, **laurel}}
   assert _saved(**old()) == StreamSpec('residual')
   assert _saved(**old(variant='rw+pa')) == StreamSpec('laurel', variant='rw+pa', k=2)
-  assert saved_config.upgrade({'model': old(variant='lr')})['model'] == {
+  assert train_config.upgrade({'model': old(variant='lr')})['model'] == {
       'stream': {'design': 'laurel'}, 'laurel': {'variant': 'lr', 'k': 2}}
-  assert saved_config.upgrade({'model': {**every, 'stream': {'design': 'hc'}, 'hc': {'expansion': 2}}})['model'] == {
+  assert train_config.upgrade({'model': {**every, 'stream': {'design': 'hc'}, 'hc': {'expansion': 2}}})['model'] == {
       'stream': {'design': 'hc'}, 'hc': {'expansion': 2}}
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, run_script
-from laurel import config_lib
+from laurel import command_line, config_lib
 from scripts import paper
 
 sys.path.insert(0, str(ROOT / 'scripts'))
@@ -175,7 +175,7 @@ def test_sweep_bad_reference_is_one_line_before_anything_runs(tmp_path):
 
 @pytest.mark.parametrize('table, published', [('c4_ablation', paper.TABLE5), ('imagenet_resnet50', paper.TABLE1)])
 def test_a_paper_table_s_config_has_exactly_its_rows(table, published):
-  assert set(config_lib.table_rows(table)) == set(published)
+  assert set(command_line.table_rows(table)) == set(published)
 
 
 def _anchors(markdown: str) -> set:
@@ -383,7 +383,7 @@ def test_rows_of_one_seed_share_the_data_order_and_seeds_differ():
   from laurel import tasks  # pylint: disable=import-outside-toplevel
 
   def first_batch(row, seed):
-    config = config_lib.load(f'configs/c4_ablation.py:{row},preset=tiny', [f'--config.seed={seed}'])
+    config = command_line.load(f'configs/c4_ablation.py:{row},preset=tiny', [f'--config.seed={seed}'])
     return next(iter(tasks.get_task(config).dataset(train=True, batch_size=4, seed=config.seed)))['tokens']
   seed0 = first_batch('baseline_24', 0)
   assert all(np.array_equal(seed0, first_batch(row, 0)) for row in ('baseline_28', 'rw_lr_pa'))

@@ -22,7 +22,7 @@ import pytest
 
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, cluster_env, free_port,
                      load_config, losses, metrics, train_cli, tree_snapshot)
-from laurel import config_lib, designs, main, step, train
+from laurel import config_lib, designs, main, train, train_config
 from laurel.run import console, metrics_log, process
 from laurel.plan import cost, hardware
 
@@ -253,7 +253,7 @@ def _task_config(task: str) -> dict:
 
 def _field_cases():
   for name, (spec, overrides) in TASK_CONFIGS.items():
-    task = step.validate_config(load_config(spec, overrides), num_devices=1, process_count=1)
+    task = train_config.validate_config(load_config(spec, overrides), num_devices=1, process_count=1)
     for field, default, (ok, why) in _checked_fields(task.config):
       kind = type(default)
       refused = [v for v in OUT_OF_RANGE[kind] if not ok(v)][:1]
@@ -272,7 +272,7 @@ def test_every_checked_field_refuses_a_bad_value_in_one_line(task, field, value,
     node = node[p]
   node[leaf] = value
   with pytest.raises(config_lib.InputError) as raised:
-    step.validate_config(ml_collections.ConfigDict(config), num_devices=1, process_count=1)
+    train_config.validate_config(ml_collections.ConfigDict(config), num_devices=1, process_count=1)
   assert str(raised.value) == f'{field}={value!r}: {why}'
 
 
@@ -288,7 +288,7 @@ def test_every_checked_field_refuses_a_bad_value_in_one_line(task, field, value,
 ])
 def test_checks_across_fields_are_one_line(bad, message):
   with pytest.raises(config_lib.InputError, match=f'^{re.escape(message)}'):
-    step.validate_config(load_config(SPEC, {**TINY_LM, **bad}), num_devices=8, process_count=1)
+    train_config.validate_config(load_config(SPEC, {**TINY_LM, **bad}), num_devices=8, process_count=1)
 
 
 @pytest.mark.parametrize('bad, message', [
@@ -386,7 +386,7 @@ def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
 
 def test_a_step_the_backend_counts_no_flops_for_has_no_count_not_the_loss_chunks_alone():
   # As under the CUDA plug-in (measured on an H200); the loss chunks are compiled apart, so counted there too.
-  chunked = step.validate_config(load_config(SPEC, {**TINY_LM, 'model.loss_chunk': 8}), 1, 1)
+  chunked = train_config.validate_config(load_config(SPEC, {**TINY_LM, 'model.loss_chunk': 8}), 1, 1)
   assert cost.step_costs(chunked, lambda t: (0.0, 0.0)) == (0.0, 0.0)
 
 
@@ -451,7 +451,7 @@ def test_resnet_trains_with_accuracy_and_resumes_batchnorm_statistics_exactly(tm
 
 def _step_flops(**overrides):
   config = load_config(SPEC, {**TINY_LM, 'model.laurel.k': 2, **overrides})
-  return cost.step_flops(step.validate_config(config, 1, 1))
+  return cost.step_flops(train_config.validate_config(config, 1, 1))
 
 
 @pytest.mark.slow

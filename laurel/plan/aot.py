@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from laurel import sharding, step
+from laurel import sharding, step, train_config
 from laurel.run import compile_cache, console, files
 from laurel.plan import cost, schedule
 from laurel.config_lib import InputError
@@ -144,7 +144,7 @@ def compile_for_slice(config, topology: str, costs: bool = True) -> dict:
   """Per chip: parameters, MEMORY and the compiler's estimated step (SCHEDULE); with `costs`, FLOPs and bytes accessed
   per step (cost.step_costs) and the roofline step time max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)."""
   chip, devices = TPUS[parse_accelerator(topology, flag='topology')['generation']], slice_devices(topology)
-  task = step.validate_config(config, len(devices), len({d.process_index for d in devices}))
+  task = train_config.validate_config(config, len(devices), len({d.process_index for d in devices}))
   mesh = sharding.make_mesh(task.config.mesh, devices)
   rate = matmul_rate(devices)
   per_chip = task.config.batch_size // len(devices)
@@ -186,7 +186,7 @@ def preflight(config, topology: str | None, mfu: float | None = None) -> str:
   if facts['peak_memory_bytes'] > chip.hbm_bytes:
     raise InputError(f'topology={topology!r}: does not fit: {need}, a {chip.device_kind} chip has '
                      f'{chip.hbm_bytes / 1e9:.1f} GB')
-  task = step.validate_config(config, accel['chips'], accel['hosts'])
+  task = train_config.validate_config(config, accel['chips'], accel['hosts'])
   estimate = cost.estimate(model_flops=task.model_flops(task.config.batch_size), steps=task.config.steps,
                            units_per_step=task.config.batch_size * task.units_per_example(), chips=accel['chips'],
                            peak_flops=chip.peak_flops, mfu=mfu, cycles=facts['estimated_cycles'],

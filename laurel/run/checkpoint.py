@@ -7,7 +7,6 @@ checkpoint is without its list. A checkpoint is good (every file as listed) or d
 the finite check before a save, and the fallback past a damaged checkpoint, which is moved aside, never deleted."""
 
 import concurrent.futures
-import dataclasses
 import json
 import mmap
 import os
@@ -15,7 +14,6 @@ import re
 import sys
 import time
 
-import flax
 import grain
 import jax
 import jax.numpy as jnp
@@ -27,10 +25,10 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
-from laurel import config_lib, designs, step
+from laurel import config_lib
 from laurel.config_lib import InputError
-from laurel.run import saved_config
 from laurel.run.files import is_remote, utc, write_text_atomic
+from laurel.train_config import as_json, config_changes, listed, read_json
 
 LIST = 'checksums.json'
 ALGORITHM = 'xxh3_64'
@@ -41,68 +39,6 @@ CHUNK = 2**24  # a gs:// file is hashed as it streams, 16 MiB at a time
 def run_dir(workdir) -> epath.Path:
   """A run's directory: gs://… as it is, a local path made absolute (orbax refuses a relative one)."""
   return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
-
-
-def _flat(config) -> dict:
-  """A typed config, or a saved one (a dict), as {'a.b': value}."""
-  return flax.traverse_util.flatten_dict(config if isinstance(config, dict) else config_lib.to_dict(config), sep='.')
-
-
-def _resumable(schema, prefix: str = '') -> list[str]:
-  """The fields of a config dataclass declared `resumable`, flat, nested sections included."""
-  keys = []
-  for f in dataclasses.fields(schema):
-    if f.metadata.get('resumable'):
-      keys.append(prefix + f.name)
-    elif dataclasses.is_dataclass(f.default):
-      keys += _resumable(f.default, f'{prefix}{f.name}.')
-  return keys
-
-
-def _schema(config) -> tuple[dict, list[str]]:
-  """The flat defaults of a typed config's task (its design's section at its defaults), and its fields declared
-  `resumable`."""
-  model, data = type(config.model), type(config.data)
-  defaults = _flat(step.TrainConfig(model=model(stream=type(config.model.stream)()), data=data()))
-  return defaults, _resumable(step.TrainConfig) + _resumable(model, 'model.') + _resumable(data, 'data.')
-
-
-def _is_resumable(key: str, resumable) -> bool:
-  return any(key == f or key.startswith(f + '.') for f in resumable)
-
-
-def config_changes(saved: dict, config) -> tuple[dict, list[str]]:
-  """({field: (saved, now)} where a saved config (upgraded: saved_config.upgrade) and the typed `config` differ,
-  those a resume may not change). A field the saved config lacks counts at its default: the run was saved before it
-  existed."""
-  defaults, resumable = _schema(config)
-  saved, now = _flat(saved_config.upgrade(saved)), _flat(config)
-  if 'seed' not in saved:  # a checkpoint of older code recorded the task and model only
-    now = {k: v for k, v in now.items() if k == 'task' or k.startswith('model.')}
-  saved = {**{k: defaults[k] for k in now if k in defaults}, **saved}
-  changes = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
-  return changes, [k for k in changes if not _is_resumable(k, resumable)]
-
-
-DECISIVE = ('task', 'model.stream.design')  # a change of these makes every other difference follow
-
-
-def _listed(changes: dict, keys) -> str:
-  """`field=saved (now new)` of each of `keys`, the decisive fields first; the fields of a design's section that the
-  other design lacks (saved or now None, where the design changed) as one count per section."""
-  keys = sorted(keys, key=lambda k: (k not in DECISIVE, k))
-  sections = {}
-  if 'model.stream.design' in keys:
-    saved_design, new_design = changes['model.stream.design']
-    for k in keys:
-      section = k.split('.')[1] if k.startswith('model.') and k.count('.') >= 2 else None
-      if section != 'stream' and section in {d.section for d in designs.REGISTRY.values()} and None in changes[k]:
-        sections.setdefault((section, new_design if changes[k][1] is None else saved_design), []).append(k)
-  grouped = {k for ks in sections.values() for k in ks}
-  parts = [f'{k}={changes[k][0]!r} (now {changes[k][1]!r})' for k in keys if k not in grouped]
-  parts += [f'the {len(ks)} field{"s" * (len(ks) > 1)} of model.{section}, which design {design!r} does not have'
-            for (section, design), ks in sections.items()]
-  return ', '.join(parts)
 
 
 def _hash(chunks) -> str:
@@ -286,9 +222,9 @@ def _restore(mngr, number: int, config, abstract_state, train_iter, allow_change
   changes, unsafe = config_changes(saved, config)
   if model := [k for k in unsafe if k == 'task' or k.startswith('model.')]:
     raise InputError(f'{where}: holds checkpoints of a different task/model (step {number}: '
-                     f'{_listed(changes, model)}); use a new workdir or the original config')
+                     f'{listed(changes, model)}); use a new workdir or the original config')
   if unsafe and not allow_change:  # the checkpoint's own record: config.json may be gone or replaced
-    raise InputError(f'{where}: checkpoint {number} was trained with {_listed(changes, unsafe)}; resume '
+    raise InputError(f'{where}: checkpoint {number} was trained with {listed(changes, unsafe)}; resume '
                      'with that config, or pass --allow_config_change to go on with the new values')
   tree = ocp.StandardCheckpointHandler().metadata(step_dir / 'state').tree
   if (difference := _tree_difference(tree, abstract_state)) is not None:
@@ -330,8 +266,7 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   path, where = workdir / 'config.json', os.fspath(workdir)
   saved = path.read_text() if path.exists() else None
   try:
-    changes, unsafe = ({}, []) if saved is None else config_changes(saved_config.read_json(saved, False),
-                                                                              config)
+    changes, unsafe = ({}, []) if saved is None else config_changes(read_json(saved, False), config)
   except json.JSONDecodeError:  # a torn copy: each checkpoint's own config signature is checked on restore instead
     print(f'warning: {path}: config.json is not JSON; it is rewritten once the checkpoint is restored',
           file=sys.stderr, flush=True)
@@ -340,13 +275,13 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   number = max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=0) if folder.is_dir() else 0
   if number and (model := [k for k in unsafe if k == 'task' or k.startswith('model.')]):  # no flag restores those
     raise InputError(f'--workdir={where!r}: holds checkpoints of a different task/model (step {number}: '
-                     f'{_listed(changes, model)}); use a new workdir or the original config')
+                     f'{listed(changes, model)}); use a new workdir or the original config')
   if unsafe and number and not allow_change:
     raise InputError(f'--workdir={where!r}: its checkpoints (step {number}) were trained with '
-                     f'{_listed(changes, unsafe)}; resume with the saved config (--config={where}), or pass '
+                     f'{listed(changes, unsafe)}; resume with the saved config (--config={where}), or pass '
                      '--allow_config_change to go on with the new values')
   if number and changes and jax.process_index() == 0:  # e.g. a longer run: said on the console, not only recorded
-    print(f'resuming checkpoint {number} with a changed config: {_listed(changes, changes)}', flush=True)
+    print(f'resuming checkpoint {number} with a changed config: {listed(changes, changes)}', flush=True)
 
   def record():
     if jax.process_index() == 0 and (changes or saved is None):
@@ -356,7 +291,7 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
       lines = history.read_text() if history.exists() else ''
       if not _recorded(lines, entry):  # not where a kill came between the two writes of the run before
         write_text_atomic(history, lines + json.dumps(entry) + '\n')
-      write_text_atomic(path, saved_config.as_json(config))
+      write_text_atomic(path, as_json(config))
   if number:
     return record
   record()  # no checkpoint that a restore could refuse: written now, before anything compiles
@@ -370,11 +305,3 @@ def _recorded(history: str, entry: dict) -> bool:
   except ValueError:
     return False
   return isinstance(last, dict) and {**last, 'time': None} == {**entry, 'time': None}
-
-
-def signature(config_dict: dict, config) -> dict:
-  """What a checkpoint records of its config (to_dict's `config_dict` of the typed `config`): every field but those a
-  resume may change."""
-  resumable = _schema(config)[1]
-  return flax.traverse_util.unflatten_dict({k: v for k, v in _flat(config_dict).items()
-                                            if not _is_resumable(k, resumable)}, sep='.')

@@ -13,9 +13,8 @@ import urllib.request
 import jax
 from absl import logging
 
-from laurel import config_lib
 from laurel.run import console, files
-from laurel.run.process import ERROR, PREEMPTED
+from laurel.run.process import ERROR, PREEMPTED, fail
 
 JOIN_TIMEOUT_S = 300  # jax's own defaults: the wait for every process to join, and for a silent peer
 HEARTBEAT_TIMEOUT_S = 100
@@ -64,7 +63,7 @@ def preempted_exit(flag: int | None, environ=None) -> int:
 def _count(env, name: str) -> int:
   value = env[name]
   if not value.isdigit() or int(value) < 1:
-    config_lib.fail(f'{name}={value!r}: the environment names no number of processes; unset it or fix the launcher')
+    fail(f'{name}={value!r}: the environment names no number of processes; unset it or fix the launcher')
   return int(value)
 
 
@@ -93,7 +92,7 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
                          cluster_detection_method='deactivate')
       _initialize(found, **arguments)
   if found.processes is not None and jax.process_count() != found.processes:
-    config_lib.fail(f'{found.source}: names {found.processes} processes, but jax joined {jax.process_count()} '
+    fail(f'{found.source}: names {found.processes} processes, but jax joined {jax.process_count()} '
                     f'(it found another environment); {found.fix}', code=ERROR)
   devices = jax.devices()
   print(f'cluster: {found.name} ({found.source}): process {jax.process_index()} of {jax.process_count()} on '
@@ -116,11 +115,11 @@ def _initialize(found: Environment, **arguments):
         logging.warning('jax.distributed.initialize() failed (%s) on a single-host TPU VM; running as one process',
                         reason)
         return
-      config_lib.fail(f'jax.distributed.initialize() failed ({reason}) on a TPU VM of a slice with '
+      fail(f'jax.distributed.initialize() failed ({reason}) on a TPU VM of a slice with '
                       f'{"an unknown number of" if hosts is None else hosts} hosts; not training alone, as every '
                       'host would train into the same workdir on its own. Start every host together, or pass '
                       '--coordinator_address, --num_processes and --process_id', code=ERROR)
-    config_lib.fail(f'{found.source}: {found.name} names {found.processes or "several"} processes, but '
+    fail(f'{found.source}: {found.name} names {found.processes or "several"} processes, but '
                     f'jax.distributed.initialize() could not join them ({reason}); {found.fix}', code=ERROR)
 
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from laurel import config_lib, designs
+from laurel import command_line, config_lib, designs
 from laurel.run import console, metric_writers
 from laurel.run.files import is_remote, write_text_atomic
 
@@ -71,12 +71,12 @@ def config_line(cfg, workdir: epath.Path) -> str:
 @functools.cache
 def code_commit() -> str | None:
   """The git commit ('+' if tracked files changed), else the COMMIT file scripts/launch_tpu.py ships, else None."""
-  git = lambda *args: subprocess.run(['git', '-C', str(config_lib.REPO), *args], capture_output=True, text=True,
+  git = lambda *args: subprocess.run(['git', '-C', str(command_line.REPO), *args], capture_output=True, text=True,
                                      check=False)
-  head = git('rev-parse', 'HEAD') if (config_lib.REPO / '.git').exists() else None  # not an enclosing repo's
+  head = git('rev-parse', 'HEAD') if (command_line.REPO / '.git').exists() else None  # not an enclosing repo's
   if head is not None and head.returncode == 0:
     return head.stdout.strip() + ('+' if git('status', '--porcelain', '--untracked-files=no').stdout.strip() else '')
-  commit_file = config_lib.REPO / 'COMMIT'
+  commit_file = command_line.REPO / 'COMMIT'
   return commit_file.read_text().strip() if commit_file.is_file() else None
 
 

@@ -1,5 +1,5 @@
-"""A run's process: its threads, its two signal regimes and its exit statuses. Standard library only: laurel.main
-installs the first regime before JAX and TensorFlow load.
+"""A run's process: its threads, its two signal regimes and its exit statuses (`fail` ends a program with one line and
+one of them). Standard library only: laurel.main installs the first regime before JAX and TensorFlow load.
 
 Threads of our own (start_thread, under a name of THREADS):
 
@@ -110,8 +110,14 @@ def deferred():
         _exit_interrupted(_interrupt['pending'])
 
 
+def fail(message: str, code: int = BAD_INPUT):
+  """Ends the program with one line `error: <message>` on stderr and exit status `code`."""
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
 @contextlib.contextmanager
-def errors_in_one_line(fail):
+def errors_in_one_line(fail):  # pylint: disable=redefined-outer-name
   """What an operator can act on ends the program through `fail(message, status)`, one line: an error with an
   `exit_status` (InputError, TrainingDiverged, a failed save or join), a write the storage refused, Ctrl-C before the
   loop. Any other error is a bug or an environment failure: it keeps its traceback."""

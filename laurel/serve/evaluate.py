@@ -17,9 +17,9 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from laurel import config_lib, data, sharding
+from laurel import config_lib, data, sharding, train_config
 from laurel.config_lib import InputError
-from laurel.run import compile_cache, console, process, saved_config
+from laurel.run import compile_cache, console, process
 from laurel.run.files import write_text_atomic
 from laurel.serve import loader
 
@@ -233,7 +233,7 @@ def run_main(main) -> None:
   try:
     main()
   except InputError as e:
-    config_lib.fail(str(e))
+    process.fail(str(e))
 
 
 def command(main, required: list[str], interrupted: str):
@@ -241,12 +241,12 @@ def command(main, required: list[str], interrupted: str):
   stray arguments, the `required` flags set (run_main)."""
   def checked_main(argv):
     if len(argv) > 1:
-      config_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+      process.fail(f'unexpected arguments: {" ".join(argv[1:])}')
     for name in required:
       if not FLAGS[name].value:
-        config_lib.fail(f'--{name} is required')
+        process.fail(f'--{name} is required')
     run_main(main)
-  flags.DEFINE_bool('trust_design_file', False, saved_config.TRUST_HELP)
+  flags.DEFINE_bool('trust_design_file', False, train_config.TRUST_HELP)
   console.quiet_start()
   process.exit_on_interrupt(interrupted)
   app.run(checked_main)

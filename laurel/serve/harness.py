@@ -30,7 +30,7 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default for generate_until
 class LaurelLM(LM):
   """An LM run's latest checkpoint, scored as laurel.serve.evaluate scores and decoded greedily as laurel.serve.generate does.
   lm_eval passes its --batch_size ('auto' = 16), --max_batch_size and --device here too; its --trust_remote_code (or
-  trust_design_file=True in --model_args) lets the run's design file be imported (laurel.run.saved_config)."""
+  trust_design_file=True in --model_args) lets the run's design file be imported (laurel.train_config)."""
 
   def __init__(self, workdir: str | None = None, batch_size=1, max_batch_size=None, device=None,
                trust_remote_code=False, trust_design_file=False, **unknown):

@@ -8,20 +8,20 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from laurel import sharding, step
+from laurel import sharding, train_config
 from laurel.config_lib import InputError
-from laurel.run import checkpoint, saved_config
+from laurel.run import checkpoint
 
 
 @contextlib.contextmanager
 def lm_run_on_mesh(workdir, trust_design_file: bool = False):
   """(task, params, step, mesh) of an LM run's latest checkpoint, inside its mesh and logical axis rules; the design
-  file its config.json names is imported only with `trust_design_file` (saved_config.import_outside_design)."""
-  config = saved_config.read_config(workdir, trust=trust_design_file)
+  file its config.json names is imported only with `trust_design_file` (train_config.import_outside_design)."""
+  config = train_config.read_config(workdir, trust=trust_design_file)
   if config.task != 'lm':
     raise InputError(f'--workdir={str(workdir)!r}: a {config.task} run; only LM runs are sampled or scored')
-  saved_config.show_named_paths(config, workdir)  # the run's say: shown before they are read
-  task = step.validate_config(config, num_devices=len(jax.devices()))
+  train_config.show_named_paths(config, workdir)  # the run's say: shown before they are read
+  task = train_config.validate_config(config, num_devices=len(jax.devices()))
   rules, mesh = task.config.logical_axis_rules, sharding.make_mesh(task.config.mesh)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules), contextlib.closing(
       ocp.CheckpointManager(checkpoint.run_dir(workdir) / 'checkpoints')) as mngr:
