@@ -125,12 +125,12 @@ def train(config, workdir: str, devices=None, allow_config_change: bool = False,
   workdir = run_dir(workdir)
   check_inputs(task, workdir)
   check_fits_host(task)  # before anything is written or compiled: compiling alone can exhaust the host
+  record_config = checkpoint.guard_config(task.config, workdir, allow_config_change)  # refused: nothing written
   with contextlib.ExitStack() as stack:
     if hold_lock:
       stack.enter_context(lock.held(workdir, jax.process_index(), jax.process_count()))
       if jax.process_index() == 0:  # of writes a kill cut short: this run alone writes the workdir
         remove_temporaries(workdir, RUN_FILES)
-    record_config = checkpoint.guard_config(task.config, workdir, allow_config_change)  # refused: nothing written
     run = setup(task, workdir, devices, allow_config_change, record_config, stack)
     if isinstance(run, dict):  # finished already
       return run
@@ -152,7 +152,8 @@ RUN_FILES = ('config.json', 'config_history.jsonl', 'metrics.jsonl', 'final.json
 def setup(task, workdir: epath.Path, devices, allow_config_change: bool, record_config,
           stack: contextlib.ExitStack) -> Run | dict:
   """The run, resumed from its newest good checkpoint or initialised; final.json's figures where it finished.
-  `record_config` writes config.json and its history (checkpoint.guard_config), once the checkpoint is restored."""
+  `record_config` writes config.json and its history (checkpoint.guard_config): before compiling where there is no
+  checkpoint, else once the checkpoint is restored."""
   cfg = task.config
   print(config_line(cfg, workdir), flush=True)
   config_dict = to_dict(cfg)  # once: the hash, the writers' hyperparameters, each checkpoint's record
@@ -161,17 +162,21 @@ def setup(task, workdir: epath.Path, devices, allow_config_change: bool, record_
   mesh = sharding.make_mesh(cfg.mesh, devices)
   stack.enter_context(jax.set_mesh(mesh))
   stack.enter_context(nn.logical_axis_rules(cfg.logical_axis_rules))
+  mngr = checkpoint.manager(workdir, cfg)
+  stack.callback(checkpoint.close, mngr)
+  if fresh := not mngr.all_steps():  # no checkpoint that could refuse the config: it is written before compiling
+    with process.deferred():
+      record_config()
   with console.phase(f'compiling the train step for {len(devices)} device{"s" * (len(devices) > 1)}'):
     compiled, init_state, abstract_state, state_shardings = compile_step(task, mesh)
   check_fits_host(task, compiled, len(devices))
   train_iter, requested = iter(local_dataset(task, train=True)), []
-  mngr = checkpoint.manager(workdir, cfg)
-  stack.callback(checkpoint.close, mngr)
-  with console.phase('restoring the latest checkpoint') if mngr.all_steps() else contextlib.nullcontext():
+  with console.phase('restoring the latest checkpoint') if not fresh else contextlib.nullcontext():
     state, start, moved_aside = checkpoint.restore_latest(mngr, workdir, cfg, abstract_state, train_iter,
                                                           allow_change=allow_config_change)
-  with process.deferred():  # only now: a refused checkpoint leaves config.json and its history as they were
-    record_config()
+  if not fresh:
+    with process.deferred():  # only now: a refused checkpoint leaves config.json and its history as they were
+      record_config()
   if state is None:
     if moved_aside:  # a fresh start is fresh: a failed restore may have moved the input's position
       train_iter = iter(local_dataset(task, train=True))

@@ -260,9 +260,9 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_chan
 
 def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   """Refuses checkpoints trained with a typed config differing from config.json in a field not resumable, unless
-  `allow_change`. Writes config.json and a config_history.jsonl line (where new or changed) at once where there is
-  no checkpoint; else returns `record()`, which writes them, for train to call once the checkpoint is restored: a
-  refused one leaves both as they were."""
+  `allow_change`; writes nothing. Returns `record()`, which writes config.json and a config_history.jsonl line where
+  new or changed: train calls it before compiling where there is no checkpoint, else once the checkpoint is
+  restored, so that a refused one leaves both as they were."""
   path, where = workdir / 'config.json', os.fspath(workdir)
   saved = path.read_text() if path.exists() else None
   try:
@@ -292,10 +292,7 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
       if not _recorded(lines, entry):  # not where a kill came between the two writes of the run before
         write_text_atomic(history, lines + json.dumps(entry) + '\n')
       write_text_atomic(path, as_json(config))
-  if number:
-    return record
-  record()  # no checkpoint that a restore could refuse: written now, before anything compiles
-  return lambda: None
+  return record
 
 
 def _recorded(history: str, entry: dict) -> bool:
