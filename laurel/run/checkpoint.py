@@ -8,7 +8,6 @@ the finite check before a save, and the fallback past a damaged checkpoint, whic
 
 import concurrent.futures
 import json
-import mmap
 import os
 import re
 import sys
@@ -27,13 +26,13 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from laurel import config_lib
 from laurel.config_lib import InputError
-from laurel.run.files import is_remote, utc, write_text_atomic
+from laurel.run.files import utc, write_text_atomic
 from laurel.train_config import as_json, config_changes, listed, read_json
 
 LIST = 'checksums.json'
 ALGORITHM = 'xxh3_64'
 METADATA, COMMITTED = '_CHECKPOINT_METADATA', 'commit_success.txt'  # what orbax writes at the commit, after the list
-CHUNK = 2**24  # a gs:// file is hashed as it streams, 16 MiB at a time
+CHUNK = 2**24  # a file is hashed as it streams, 16 MiB at a time
 
 
 def run_dir(workdir) -> epath.Path:
@@ -41,33 +40,19 @@ def run_dir(workdir) -> epath.Path:
   return epath.Path(workdir if '://' in str(workdir) else os.path.abspath(workdir))
 
 
-def _hash(chunks) -> str:
-  hasher = xxhash.xxh3_64()  # hashes without the GIL
-  for chunk in chunks:
-    hasher.update(chunk)
-  return f'{hasher.intdigest():016x}'
-
-
 def checksum(path: epath.Path) -> str:
-  if is_remote(path):  # gs://: streamed, not held whole
-    with path.open('rb') as f:
-      return _hash(iter(lambda: f.read(CHUNK), b''))
-  with open(path, 'rb') as f:
-    if not os.fstat(f.fileno()).st_size:  # no memory map of an empty file
-      return _hash([])
-    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-      return _hash([data])
+  hasher = xxhash.xxh3_64()  # hashes without the GIL: several files at once on several threads
+  with epath.Path(path).open('rb') as f:
+    while chunk := f.read(CHUNK):
+      hasher.update(chunk)
+  return hasher.hexdigest()
 
 
 def _metadata_checksum(text: bytes) -> str:
   """orbax's step metadata but the commit's time, which it adds after the list: the one value no list vouches for."""
   metadata = json.loads(text)
-  return _hash([json.dumps({k: v for k, v in metadata.items() if k != 'commit_timestamp_nsecs'}, sort_keys=True)
-                .encode()])
-
-
-def _size(path: epath.Path) -> int:
-  return path.stat().length if is_remote(path) else os.path.getsize(path)
+  kept = {k: v for k, v in metadata.items() if k != 'commit_timestamp_nsecs'}
+  return xxhash.xxh3_64_hexdigest(json.dumps(kept, sort_keys=True).encode())
 
 
 def record(step_dir, final: epath.Path) -> None:
@@ -77,13 +62,13 @@ def record(step_dir, final: epath.Path) -> None:
   step_dir = epath.Path(step_dir)
   paths = sorted(root / name for root, _, names in step_dir.walk() for name in names
                  if root != step_dir or name not in (LIST, METADATA))
-  sizes = [_size(p) for p in paths]
-  with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1) if sum(sizes) >= 2**26 else 1) as pool:
+  sizes = [p.stat().length for p in paths]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
     hashes = list(pool.map(checksum, paths))
   listed = {os.fspath(p.relative_to(step_dir)): [h, n] for p, h, n in zip(paths, hashes, sizes)}
   marker = f'Checkpoint commit was successful to {final}'.encode()  # as orbax's commit writes it
   listed.update({METADATA: [_metadata_checksum((step_dir / METADATA).read_bytes()), None],
-                 COMMITTED: [_hash([marker]), len(marker)]})
+                 COMMITTED: [xxhash.xxh3_64_hexdigest(marker), len(marker)]})
   write_text_atomic(step_dir / LIST, json.dumps({'algorithm': ALGORITHM, 'files': listed}, indent=0) + '\n')
 
 
@@ -115,7 +100,7 @@ def damage(step_dir) -> str | None:
     path, (saved, size) = step_dir / name, listed[name]
     if not path.exists():
       return f'{name} is missing'
-    if size is not None and (now_size := _size(path)) != size:
+    if size is not None and (now_size := path.stat().length) != size:
       return f'{name} has {now_size} bytes, {size} when saved'
     try:
       now = _metadata_checksum(path.read_bytes()) if name == METADATA else checksum(path)
