@@ -68,23 +68,21 @@ JAX_ABORT = 'Terminating process because the JAX distributed service detected fa
 @pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.parametrize('launcher, line', [
-    ('srun', None), ('mpirun5', None),  # jax waits for process 1, then aborts
+    ('srun', None),  # jax waits for process 1, then aborts (Open MPI 5's arguments to it: the test above)
     ('batch_shell', 'error: SLURM_NTASKS=2: Slurm names 2 processes, but jax.distributed.initialize() could not join'),
     ('mpirun5_without_address', 'error: OMPI_COMM_WORLD_SIZE=2: Open MPI names 2 processes, but '
      'jax.distributed.initialize() could not join them')])
 def test_a_process_whose_peer_never_starts_stops_before_anything_is_written(tmp_path, launcher, line):
-  """Process 0 of 2 started alone. srun's step and Open MPI 5 with JAX_COORDINATOR_ADDRESS: jax waits --join_timeout
-  for process 1, then aborts the process itself (SIGABRT, its C++ stack). A Slurm batch script's shell (no
-  SLURM_STEP_NODELIST) and Open MPI 5 without an address: jax finds no coordinator, and the run stops at once with one
-  line (status 1). Either way nothing is compiled or written."""
+  """Process 0 of 2 started alone. srun's step: jax waits --join_timeout for process 1, then aborts the process itself
+  (SIGABRT, its C++ stack). A Slurm batch script's shell (no SLURM_STEP_NODELIST) and Open MPI 5 without an address:
+  jax finds no coordinator, and the run stops at once with one line (status 1). Either way nothing is compiled or
+  written."""
   port = free_port()
   env = cluster_env('slurm' if launcher in ('srun', 'batch_shell') else 'ompi', 0, 2, port)
   if launcher == 'batch_shell':
     del env['SLURM_STEP_NODELIST']
-  if launcher.startswith('mpirun5'):  # Open MPI 5 (PMIx) sets no orte URI
+  if launcher == 'mpirun5_without_address':  # Open MPI 5 (PMIx) sets no orte URI
     del env['OMPI_MCA_orte_hnp_uri']
-  if launcher == 'mpirun5':
-    env['JAX_COORDINATOR_ADDRESS'] = f'localhost:{port}'
   result = subprocess.run(cli_args(SPEC, tmp_path / 'run', TINY_LM) + ['--join_timeout=1'], env=env,
                           capture_output=True, text=True, timeout=120)
   if line is None:
