@@ -41,7 +41,8 @@ from laurel.plan import aot, cost
 def main(argv) -> int:
   """laurel-train's command line `argv` in this process; its exit status (the tests call it as the shell would)."""
   try:
-    _main(argv)
+    with train_config.design_policy():  # the policy its flags set ends with it, not a later command's in this process
+      _main(argv)
   except SystemExit as e:  # process.fail: one line, then its status
     return e.code if isinstance(e.code, int) else int(e.code is not None)
   return 0

@@ -14,8 +14,8 @@ import grain
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY_LM, call_main, cli_env, fake_gcs_env, run_cli, without_this_python
-from laurel import config_lib, data
+from helpers import ROOT, TINY_LM, call_main, fake_gcs_env, train_cli, without_this_python
+from laurel import config_lib, data, main
 from laurel.prepare import c4 as prepare_c4, text as prepare_text
 from laurel.plan import preflight
 from laurel.run import console
@@ -99,10 +99,10 @@ def test_prepare_c4_reads_and_writes_gs_paths(c4_json, tmp_path):
 
 
 @pytest.mark.slow
-def test_c4_shards_train_end_to_end(c4_shards, sp_model, tmp_path):
-  r = run_cli('configs/c4_ablation.py:rw_lr,preset=tiny', tmp_path, {
+def test_c4_shards_train_end_to_end(c4_shards, sp_model, tmp_path, capsys):
+  status, _, err = train_cli(capsys, 'configs/c4_ablation.py:rw_lr,preset=tiny', tmp_path, {
       **TINY_LM, 'data.name': 'c4', 'data.path': c4_shards, 'data.vocab_path': sp_model, 'steps': 3})
-  assert r.returncode == 0, r.stderr[-3000:]
+  assert status == 0, err[-3000:]
   final = json.loads((tmp_path / 'final.json').read_text())
   assert 0 < final['eval_loss'] < np.log(264) + 1
 
@@ -246,9 +246,9 @@ def test_own_corpus_from_json_jsonl_gz_and_text_files_to_a_training_run(tmp_path
                    '--config.data.vocab_path': str(out / 'vocab.model')}
   assert vocab_size % 128 == 0 and vocab_size >= vocab.get_piece_size()
   tiny = {k: v for k, v in TINY_LM.items() if k != 'data.name'}
-  trained = subprocess.run([*command, *[f'--config.{k}={v}' for k, v in tiny.items()]],  # as printed
-                           cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
-  assert trained.returncode == 0, trained.stderr[-3000:]
+  monkeypatch.chdir(tmp_path)  # as printed: laurel-train's main from the shell's folder
+  status, _, err = call_main(main.main, *command[3:], *[f'--config.{k}={v}' for k, v in tiny.items()])
+  assert status == 0, err[-3000:]
   assert 0 < json.loads((tmp_path / 'runs' / 'prepared' / 'final.json').read_text())['eval_loss'] < 10
 
   status, stdout, err = call_main(prepare_text.main, *args)  # resumes: all there

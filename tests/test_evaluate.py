@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env
+from helpers import ROOT, call_main, cli_env
 from laurel import data, lm
 from laurel.serve import evaluate
 from laurel.designs.laurel import LaurelSpec
@@ -136,24 +136,23 @@ def test_evaluate_cli(trained_run, tmp_path):
   shutil.copytree(trained_run, workdir)  # conftest's; the eval writes its scores beside the checkpoints
   (tmp_path / 'held_out.txt').write_text('def f(x):\n  return x + 1\n' * 20)
   (tmp_path / 'mc.jsonl').write_text(json.dumps({'context': 'def f', 'choices': ['(x):', ' = 3'], 'label': 0}))
-  command = [sys.executable, '-m', 'laurel.serve.evaluate', f'--workdir={workdir}', f'--task=text:{tmp_path}/*.txt',
-             f'--task={tmp_path}/mc.jsonl']
-  out = subprocess.run(command, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+  command = [f'--workdir={workdir}', f'--task=text:{tmp_path}/*.txt', f'--task={tmp_path}/mc.jsonl']
+  # One device needs a process of its own (this one has 8): the reference the sharded scores are compared with.
+  out = subprocess.run([sys.executable, '-m', 'laurel.serve.evaluate', *command], env=cli_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   text, mc = (json.loads(l) for l in out.stdout.splitlines())
   assert text['tokens'] > 0 and 0 < text['bits_per_byte'] < 20 and mc['items'] == 1
   assert json.loads((workdir / 'eval_mc.json').read_text()) == mc
   # Over 8 devices the batch of 3 is padded to 8 rows sharded over the mesh: the same scores.
-  sharded = subprocess.run(command + ['--batch_size=3'], env=cli_env(8), cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
-  assert sharded.returncode == 0, sharded.stderr[-2000:]
-  for one, eight in zip((text, mc), (json.loads(l) for l in sharded.stdout.splitlines())):
+  status, stdout, stderr = call_main(evaluate.main, *command, '--batch_size=3')
+  assert status == 0, stderr[-2000:]
+  for one, eight in zip((text, mc), (json.loads(l) for l in stdout.splitlines())):
     numbers = {k for k, v in one.items() if isinstance(v, float)}
     assert numbers and {k: eight[k] for k in numbers} == pytest.approx({k: one[k] for k in numbers}, rel=1e-5)
     assert {k: v for k, v in eight.items() if k not in numbers} == {k: v for k, v in one.items() if k not in numbers}
-  bad = subprocess.run(command[:4] + ['--task=missing.jsonl'], env=cli_env(), cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
-  assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+  status, _, stderr = call_main(evaluate.main, *command[:1], '--task=missing.jsonl')
+  assert status == 2 and stderr.strip().splitlines() == [
       "error: --task='missing.jsonl': not held_out, text:GLOB, an existing .jsonl file, nor one of hellaswag, piqa, "
       'arc_easy, arc_challenge, winogrande']
 

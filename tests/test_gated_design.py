@@ -3,7 +3,6 @@ config section, and a run through laurel.main that resumes from its workdir."""
 
 import json
 import math
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -12,8 +11,8 @@ import optax
 import pytest
 
 from design_chain import D, LAYERS, T, init, inputs, randomize, run
-from helpers import TINY_LM, cli_env, losses, run_cli
-from laurel import command_line, config_lib, designs, lm, step, train_config
+from helpers import TINY_LM, call_main, losses, train_cli
+from laurel import command_line, config_lib, designs, lm, main, step, train_config
 from reference import np_rms
 
 DESIGN = 'tests.gated_design:gated'
@@ -64,17 +63,28 @@ def test_the_step_built_after_the_import_keeps_its_gate_out_of_weight_decay(gate
   assert np.all(np.asarray(params['site']['gate']) == 1) and np.all(np.asarray(params['site']['kernel']) < 1)
 
 
+@pytest.fixture
+def unregistered():
+  """For a command line that imports the design itself: gone from the registry after (other tests enumerate every
+  design)."""
+  yield
+  designs.REGISTRY.pop('gated', None)
+  sys.modules.pop('tests.gated_design', None)
+
+
 @pytest.mark.slow
-def test_gated_design_trains_through_laurel_main_and_resumes_from_its_workdir(tmp_path):
+def test_gated_design_trains_through_laurel_main_and_resumes_from_its_workdir(unregistered, tmp_path, capsys,
+                                                                               monkeypatch):
   overrides = {**{k: v for k, v in TINY_LM.items() if not k.startswith('model.laurel')}, 'steps': 3,
                'checkpoint_every': 3, 'model.stream.design': DESIGN, 'model.gated.gate': 'scalar'}
-  result = run_cli('configs/c4_ablation.py:baseline_24,preset=tiny', tmp_path, overrides)
-  assert result.returncode == 0, result.stderr[-2000:]
+  status, _, err = train_cli(capsys, 'configs/c4_ablation.py:baseline_24,preset=tiny', tmp_path, overrides)
+  assert status == 0, err[-2000:]
   saved = json.loads((tmp_path / 'config.json').read_text())
   assert saved['model']['stream'] == {'design': DESIGN} and saved['model']['gated'] == {'gate': 'scalar', 'init': 0.0}
-  resumed = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={tmp_path}', f'--workdir={tmp_path}',
-                            '--config.steps=5'], env=cli_env(), cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300)
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert 'resumed from checkpoint 3' in resumed.stdout and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+  designs.REGISTRY.pop('gated')  # as a later command: the resume imports the design its config.json names
+  sys.modules.pop('tests.gated_design')
+  monkeypatch.chdir(tmp_path)
+  status, out, err = call_main(main.main, f'--config={tmp_path}', f'--workdir={tmp_path}', '--config.steps=5')
+  assert status == 0, err[-2000:]
+  assert 'resumed from checkpoint 3' in out and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
   assert math.isfinite(json.loads((tmp_path / 'final.json').read_text())['eval_loss'])

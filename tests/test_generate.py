@@ -3,8 +3,6 @@
 import dataclasses
 import functools
 import re
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -12,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env
+from helpers import call_main
 from laurel import designs, lm
 from laurel.serve import generate
 from laurel.designs import StreamSpec
@@ -126,24 +124,20 @@ def test_sampling_options():
 @pytest.mark.slow
 def test_generate_cli_samples_a_trained_run(trained_run, tmp_path):
   workdir = trained_run  # conftest's: generating reads it only
-  command = [sys.executable, '-m', 'laurel.serve.generate', f'--workdir={workdir}', '--prompt=def ', '--prompt=import',
-             '--max_new_tokens=6']
-  outs = [subprocess.run(command + extra, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-          for extra in ([], ['--nocache'])]
-  for out in outs:
-    assert out.returncode == 0, out.stderr[-2000:]
+  command = [f'--workdir={workdir}', '--prompt=def ', '--prompt=import', '--max_new_tokens=6']
+  outs = [call_main(generate.main, *command, *extra) for extra in ([], ['--nocache'])]
+  for status, out, err in outs:
+    assert status == 0, err[-2000:]
     # Each sample below a line naming its prompt: continuations may span lines (and print blank ones).
-    samples = re.split(r'^(=== \d/2 \| prompt .* \| \d new tokens.*)$', out.stdout, flags=re.M)
-    assert samples[0] == '' and len(samples) == 5, out.stdout
+    samples = re.split(r'^(=== \d/2 \| prompt .* \| \d new tokens.*)$', out, flags=re.M)
+    assert samples[0] == '' and len(samples) == 5, out
     assert samples[1].startswith("=== 1/2 | prompt 'def ' | ") and samples[3].startswith("=== 2/2 | prompt 'import' | ")
     assert samples[2].startswith('\ndef ') and samples[4].startswith('\nimport')
-  assert outs[0].stdout == outs[1].stdout  # greedy: the cache changes nothing
-  bad = subprocess.run(command[:4] + ['--prompt=x', '--top_p=0'], env=cli_env(), cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
-  assert bad.returncode == 2 and bad.stderr.strip() == 'error: --top_p=0.0: must be in (0, 1]'
-  empty = subprocess.run([sys.executable, '-m', 'laurel.serve.generate', f'--workdir={tmp_path}', '--prompt=x'],
-                         env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert empty.returncode == 2 and 'no config.json' in empty.stderr and len(empty.stderr.strip().splitlines()) == 1
+  assert outs[0][1] == outs[1][1]  # greedy: the cache changes nothing
+  status, _, err = call_main(generate.main, *command[:1], '--prompt=x', '--top_p=0')
+  assert status == 2 and err.strip() == 'error: --top_p=0.0: must be in (0, 1]'
+  status, _, err = call_main(generate.main, f'--workdir={tmp_path}', '--prompt=x')
+  assert status == 2 and 'no config.json' in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize('design', [dict(stream=LaurelSpec(variant='rw')),

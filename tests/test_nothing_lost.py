@@ -21,7 +21,7 @@ from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, losses, type
 from laurel import config_lib, main, train, train_config
 from laurel.plan import preflight
 from laurel.run import checkpoint, metrics_log, process
-from laurel.serve import loader
+from laurel.serve import generate, loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 sys.path.insert(0, str(ROOT / 'scripts'))
@@ -377,12 +377,10 @@ def test_attention_scores_larger_than_the_host_are_refused_before_compiling(tmp_
 
 @pytest.mark.slow
 def test_generating_past_the_context_is_refused(two_checkpoints):
-  result = subprocess.run([sys.executable, '-m', 'laurel.serve.generate', f'--workdir={two_checkpoints[0]}',
-                           '--prompt=ab', '--max_new_tokens=31'], env=cli_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+  status, _, err = call_main(generate.main, f'--workdir={two_checkpoints[0]}', '--prompt=ab', '--max_new_tokens=31')
+  assert status == 2 and err.strip().splitlines() == [
       'error: --max_new_tokens=31: the longest prompt and the new tokens make 33, past the context the model '
-      'trained on (data.seq_len=32)'], result.stderr[-2000:]
+      'trained on (data.seq_len=32)'], err[-2000:]
 
 
 def test_prepare_text_on_an_empty_input_keeps_nothing(tmp_path, sp_model):

@@ -4,15 +4,14 @@ the run recorded; --print_config imports nothing; the data and vocabulary paths 
 read."""
 import hashlib
 import json
-import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, load_config
-from laurel import command_line, config_lib, designs, train_config
+from helpers import ROOT, TINY_LM, call_main, load_config
+from laurel import command_line, config_lib, designs, main, train_config
 from laurel.config_lib import InputError
-from laurel.serve import evaluate, loader
+from laurel.serve import evaluate, generate, loader
 
 DESIGN = 'shared_gated:shared_gate'
 # A design file as a colleague's run could carry one: it writes a marker when it runs, then registers a design.
@@ -125,29 +124,29 @@ def test_the_paths_a_run_names_are_shown_before_they_are_read(run_naming_paths, 
 @pytest.mark.slow
 def test_resuming_a_run_shows_the_paths_it_names_before_reading_them(run_naming_paths, tmp_path):
   run, _, vocab = run_naming_paths
-  result = subprocess.run([sys.executable, '-m', 'laurel.main', f'--config={run}', f'--workdir={run}',
-                           f'--config.data.path={tmp_path / "mine"}'], cwd=ROOT, env=cli_env(), capture_output=True,
-                          text=True, timeout=300)
-  shown, refused = result.stderr.splitlines()  # the user's own data.path is not the run's say
-  assert (result.returncode, shown) == (2, f"reading what {run / 'config.json'} names: data.vocab_path={str(vocab)!r}")
+  status, _, err = call_main(main.main, f'--config={run}', f'--workdir={run}',
+                             f'--config.data.path={tmp_path / "mine"}')
+  shown, refused = err.splitlines()  # the user's own data.path is not the run's say
+  assert (status, shown) == (2, f"reading what {run / 'config.json'} names: data.vocab_path={str(vocab)!r}")
   assert refused.startswith(f"error: data.vocab_path='{vocab}': cannot read a SentencePiece model")
 
 
 @pytest.mark.slow
-def test_generate_evaluate_resume_and_print_config_run_nothing_a_copied_run_names(shared_run, tmp_path):
+def test_generate_evaluate_resume_and_print_config_run_nothing_a_copied_run_names(shared_run, monkeypatch):
   run, marker = shared_run
-  commands = {'generate': ['-m', 'laurel.serve.generate', f'--workdir={run}', '--prompt=x'],
-              'evaluate': ['-m', 'laurel.serve.evaluate', f'--workdir={run}', '--task=held_out'],
-              'resume': ['-m', 'laurel.main', f'--config={run}', f'--workdir={run}'],
-              'print_config': ['-m', 'laurel.main', f'--config={run}', '--print_config']}
-  for name, args in commands.items():  # from the run's own folder, where `python -m` puts it on the path
-    result = subprocess.run([sys.executable, *args], cwd=run, env=cli_env(), capture_output=True, text=True,
-                            timeout=300)
+  commands = {'generate': (generate.main, f'--workdir={run}', '--prompt=x'),
+              'evaluate': (evaluate.main, f'--workdir={run}', '--task=held_out'),
+              'resume': (main.main, f'--config={run}', f'--workdir={run}'),
+              'print_config': (main.main, f'--config={run}', '--print_config')}
+  monkeypatch.chdir(run)  # from the run's own folder, which `python -m` puts first on the path
+  monkeypatch.syspath_prepend(str(run))
+  for name, (command, *args) in commands.items():
+    status, out, err = call_main(command, *args)
     if name == 'print_config':
-      assert result.returncode == 0, result.stderr
-      assert json.loads(result.stdout)['model']['stream']['design'] == DESIGN
-      assert result.stderr == (f"notice: model.stream.design='{DESIGN}' is not imported (--print_config runs no code "
-                               'a run names): the config as the run saved it, its design unchecked\n')
+      assert status == 0, err
+      assert json.loads(out)['model']['stream']['design'] == DESIGN
+      assert err == (f"notice: model.stream.design='{DESIGN}' is not imported (--print_config runs no code a run "
+                     'names): the config as the run saved it, its design unchecked\n')
     else:
-      assert (result.returncode, result.stderr) == (2, f'error: {refusal(run)}\n'), name
+      assert (status, err) == (2, f'error: {refusal(run)}\n'), name
     assert not marker.exists(), name

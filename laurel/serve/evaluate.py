@@ -10,11 +10,13 @@ import math
 import os
 import pathlib
 import re
+import sys
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from etils import epath
 
 from laurel import config_lib, data, sharding, train_config
@@ -23,7 +25,6 @@ from laurel.run import compile_cache, console, process
 from laurel.run.files import write_text_atomic
 from laurel.serve import loader
 
-FLAGS = flags.FLAGS
 HELD_OUT = 'held_out'  # the task of the run's own validation split (held_out_task)
 
 
@@ -227,7 +228,8 @@ def evaluate_run(workdir, tasks, batch_size: int = 16, max_items: int = 0, tfds_
 
 
 def run_main(main) -> None:
-  """`main()` with the compile cache on and an InputError as one line."""
+  """`main()` with the compile cache on and an InputError as one line (laurel-lm-eval: lm_eval parses its own
+  arguments)."""
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   compile_cache.setup()
   try:
@@ -236,39 +238,80 @@ def run_main(main) -> None:
     process.fail(str(e))
 
 
-def command(main, required: list[str], interrupted: str):
-  """Runs `main()` as a command line (flags defined by the caller, not on import, and --trust_design_file here): no
-  stray arguments, the `required` flags set (run_main)."""
-  def checked_main(argv):
-    if len(argv) > 1:
-      process.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+def serving_flags(workdir_help: str) -> flags.FlagValues:
+  """The flags every serving command has (--workdir, --trust_design_file, --compilation_cache), afresh for one command
+  line: a command's own FlagValues, parsed once per call of its main(argv)."""
+  fv = flags.FlagValues()
+  flags.DEFINE_string('workdir', None, workdir_help, flag_values=fv)
+  flags.DEFINE_bool('trust_design_file', False, train_config.TRUST_HELP, flag_values=fv)
+  flags.DEFINE_string('compilation_cache', None, compile_cache.HELP, flag_values=fv)
+  return fv
+
+
+def command_main(fv: flags.FlagValues, argv: Sequence[str], body: Callable[[flags.FlagValues], None],
+                 required: Sequence[str], doc: str) -> int:
+  """`body(fv)` as the command line `argv` (the program first) runs it, its flags parsed into `fv` (serving_flags and
+  the command's own), with the compile cache on and absl's warnings only: 0 when done; --help shows `doc` and the
+  flags; a bad flag, a stray argument, a missing `required` flag or an InputError is one line `error: ...` on stderr
+  and status 2; anything else keeps its traceback."""
+  if {'--help', '-h', '-?', '--helpshort', '--helpfull'} & set(argv[1:]):
+    described = fv.get_help(include_special_flags=False).splitlines()
+    print('\n'.join([doc.rstrip(), '', 'flags:', *(line for line in described if line.startswith(' '))]))
+    return 0
+  try:
+    if len(rest := fv(list(argv))) > 1:
+      raise InputError(f'unexpected arguments: {" ".join(rest[1:])}')
     for name in required:
-      if not FLAGS[name].value:
-        process.fail(f'--{name} is required')
-    run_main(main)
-  flags.DEFINE_bool('trust_design_file', False, train_config.TRUST_HELP)
+      if not fv[name].value:
+        raise InputError(f'--{name} is required')
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    compile_cache.setup(fv.compilation_cache)
+    body(fv)
+  except (flags.Error, InputError) as e:
+    print(f'error: {str(e).removeprefix("flag ")}', file=sys.stderr, flush=True)
+    return process.BAD_INPUT
+  except SystemExit as e:  # process.fail: one line, then its status
+    return e.code if isinstance(e.code, int) else int(e.code is not None)
+  return 0
+
+
+def run_command(main_of_argv: Callable[[Sequence[str]], int], interrupted: str) -> None:
+  """The process of a serving command's console script or `python -m`: quiet and interruptible (`interrupted` is its
+  line), absl's log handler, and main's status as the exit status."""
   console.quiet_start()
   process.exit_on_interrupt(interrupted)
-  app.run(checked_main)
+  logging.use_absl_handler()
+  flags.FLAGS.mark_as_parsed()  # absl's log and grain's worker processes read the global flags: their defaults
+  sys.exit(main_of_argv(sys.argv))
 
 
-def main():
-  for task in FLAGS.task:
+def _evaluate(fv: flags.FlagValues) -> None:
+  for task in fv.task:
     check_task(task)
-  for result in evaluate_run(FLAGS.workdir, FLAGS.task, FLAGS.batch_size, FLAGS.max_items, FLAGS.tfds_data_dir,
-                             FLAGS.trust_design_file):
+  for result in evaluate_run(fv.workdir, fv.task, fv.batch_size, fv.max_items, fv.tfds_data_dir,
+                             fv.trust_design_file):
     print(json.dumps(result), flush=True)
 
 
-def run():
-  flags.DEFINE_string('workdir', None, 'The LM run to evaluate.')
+def define_flags() -> flags.FlagValues:
+  """laurel-evaluate's flags, afresh for one command line."""
+  fv = serving_flags('The LM run to evaluate.')
   flags.DEFINE_multi_string('task', [], f"{HELD_OUT} (the run's own validation split), text:GLOB, a .jsonl "
-                            'multiple-choice file or a TFDS task (repeatable).')
-  flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for the TFDS tasks ('' = its default).")
-  flags.DEFINE_integer('batch_size', 16, 'Sequences per forward pass.', lower_bound=1)
+                            'multiple-choice file or a TFDS task (repeatable).', flag_values=fv)
+  flags.DEFINE_string('tfds_data_dir', '', "TFDS's data_dir for the TFDS tasks ('' = its default).", flag_values=fv)
+  flags.DEFINE_integer('batch_size', 16, 'Sequences per forward pass.', lower_bound=1, flag_values=fv)
   flags.DEFINE_integer('max_items', 0, 'Score at most this many documents, files or items (0 = all).',
-                       lower_bound=0)
-  command(main, ['workdir', 'task'], 'interrupted: exited (the eval_<task>.json files written so far are complete)')
+                       lower_bound=0, flag_values=fv)
+  return fv
+
+
+def main(argv: Sequence[str]) -> int:
+  """laurel-evaluate's command line `argv` (the program first) in this process: its exit status."""
+  return command_main(define_flags(), argv, _evaluate, ['workdir', 'task'], __doc__)
+
+
+def run():  # laurel-evaluate, python -m laurel.serve.evaluate
+  run_command(main, 'interrupted: exited (the eval_<task>.json files written so far are complete)')
 
 
 if __name__ == '__main__':

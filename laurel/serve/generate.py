@@ -7,6 +7,7 @@
 import dataclasses
 import functools
 import sys
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -18,8 +19,6 @@ from laurel import data, lm
 from laurel.config_lib import InputError
 from laurel.plan import hardware
 from laurel.serve import evaluate, loader
-
-FLAGS = flags.FLAGS
 
 
 def sample(logits_BxV, rng, temperature: float, top_k: int = 0, top_p: float = 1.0):
@@ -110,41 +109,52 @@ def until_eos(ids, eos_id: int) -> tuple[list[int], bool]:
   return (ids[:ids.index(eos_id)], True) if eos_id in ids else (ids, False)
 
 
-def main():
-  for name, ok, why in (('max_new_tokens', FLAGS.max_new_tokens >= 1, 'must be >= 1'),
-                        ('temperature', FLAGS.temperature >= 0, 'must be >= 0'),
-                        ('top_k', FLAGS.top_k >= 0, 'must be >= 0'),
-                        ('top_p', 0 < FLAGS.top_p <= 1, 'must be in (0, 1]')):
+def _generate(fv: flags.FlagValues) -> None:
+  for name, ok, why in (('max_new_tokens', fv.max_new_tokens >= 1, 'must be >= 1'),
+                        ('temperature', fv.temperature >= 0, 'must be >= 0'),
+                        ('top_k', fv.top_k >= 0, 'must be >= 0'),
+                        ('top_p', 0 < fv.top_p <= 1, 'must be in (0, 1]')):
     if not ok:
-      raise InputError(f'--{name}={FLAGS[name].value!r}: {why}')
-  with loader.lm_run_on_mesh(FLAGS.workdir, FLAGS.trust_design_file) as (task, params, step, _):
+      raise InputError(f'--{name}={fv[name].value!r}: {why}')
+  with loader.lm_run_on_mesh(fv.workdir, fv.trust_design_file) as (task, params, step, _):
     tokenizer = data.make_tokenizer(task.config.data)
-    longest = max(len(tokenizer.encode(p)) for p in FLAGS.prompt) + FLAGS.max_new_tokens
+    longest = max(len(tokenizer.encode(p)) for p in fv.prompt) + fv.max_new_tokens
     if longest > task.config.data.seq_len:  # positions it never trained on: seconds a token, text of no use
-      raise InputError(f'--max_new_tokens={FLAGS.max_new_tokens}: the longest prompt and the new tokens make '
+      raise InputError(f'--max_new_tokens={fv.max_new_tokens}: the longest prompt and the new tokens make '
                        f'{longest}, past the context the model trained on (data.seq_len={task.config.data.seq_len})')
-    new_BxN, _ = generate(task.model_cfg, params, [tokenizer.encode(p) for p in FLAGS.prompt], FLAGS.max_new_tokens,
-                          temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
-                          use_cache=FLAGS.cache, pad_id=tokenizer.pad_id)
-  print(f'checkpoint {step} of {FLAGS.workdir}', file=sys.stderr)
-  for i, (prompt, row) in enumerate(zip(FLAGS.prompt, new_BxN)):
+    new_BxN, _ = generate(task.model_cfg, params, [tokenizer.encode(p) for p in fv.prompt], fv.max_new_tokens,
+                          temperature=fv.temperature, top_k=fv.top_k, top_p=fv.top_p, seed=fv.seed,
+                          use_cache=fv.cache, pad_id=tokenizer.pad_id)
+  print(f'checkpoint {step} of {fv.workdir}', file=sys.stderr)
+  for i, (prompt, row) in enumerate(zip(fv.prompt, new_BxN)):
     ids, ended = until_eos(row, tokenizer.eos_id)
     # A header per sample, as its text may span several lines
-    print(f'=== {i + 1}/{len(FLAGS.prompt)} | prompt {prompt!r} | {len(ids)} new tokens'
+    print(f'=== {i + 1}/{len(fv.prompt)} | prompt {prompt!r} | {len(ids)} new tokens'
           + (' (then the end of the document)' if ended else ''))
     print(prompt + tokenizer.decode(ids))
 
 
-def run():
-  flags.DEFINE_string('workdir', None, 'The LM run to sample from.')
-  flags.DEFINE_multi_string('prompt', [], 'A prompt (repeat for a batch).')
-  flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate per prompt.')
-  flags.DEFINE_float('temperature', 0.0, 'Softmax temperature; 0 = greedy.')
-  flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens; 0 = all.')
-  flags.DEFINE_float('top_p', 1.0, 'Sample from the smallest set of tokens with this much probability.')
-  flags.DEFINE_integer('seed', 0, 'Sampling seed.')
-  flags.DEFINE_bool('cache', True, 'Decode with a KV cache (--nocache recomputes every step).')
-  evaluate.command(main, ['workdir', 'prompt'], 'interrupted')
+def define_flags() -> flags.FlagValues:
+  """laurel-generate's flags, afresh for one command line."""
+  fv = evaluate.serving_flags('The LM run to sample from.')
+  define = lambda kind, name, default, text: getattr(flags, f'DEFINE_{kind}')(name, default, text, flag_values=fv)
+  define('multi_string', 'prompt', [], 'A prompt (repeat for a batch).')
+  define('integer', 'max_new_tokens', 64, 'Tokens to generate per prompt.')
+  define('float', 'temperature', 0.0, 'Softmax temperature; 0 = greedy.')
+  define('integer', 'top_k', 0, 'Sample from the k most likely tokens; 0 = all.')
+  define('float', 'top_p', 1.0, 'Sample from the smallest set of tokens with this much probability.')
+  define('integer', 'seed', 0, 'Sampling seed.')
+  define('bool', 'cache', True, 'Decode with a KV cache (--nocache recomputes every step).')
+  return fv
+
+
+def main(argv: Sequence[str]) -> int:
+  """laurel-generate's command line `argv` (the program first) in this process: its exit status."""
+  return evaluate.command_main(define_flags(), argv, _generate, ['workdir', 'prompt'], __doc__)
+
+
+def run():  # laurel-generate, python -m laurel.serve.generate
+  evaluate.run_command(main, 'interrupted')
 
 
 if __name__ == '__main__':
