@@ -33,7 +33,7 @@ def _init(spec):
 # ---------------------------------------------------------------------------------------------------
 # Gradients through the layer scan.
 
-@pytest.mark.parametrize('name', ['hc_dynamic', 'mhc', 'denseformer_2x2'])
+@pytest.mark.parametrize('name', ['hc_dynamic', 'mhc_n2_iters5', 'denseformer_2x2'])
 @pytest.mark.slow
 def test_scan_gradients_match_loop(name):
   spec = STREAM_CASES[name]
@@ -80,7 +80,7 @@ def test_mhc_init_coefficients_NxTxN():
 def test_mhc_init_tilt_breaks_stream_symmetry():
   # Why H_pre starts tilted to stream k mod n: with equal streams, φ = 0 and a uniform H_pre = 1/n, every stream
   # gets the same gradient (b_post's entries agree), so the streams would never part.
-  spec = StreamSpec(design='mhc', expansion=N_STREAMS)
+  spec = StreamSpec(design='mhc', expansion=N_STREAMS, sinkhorn_iters=4)  # H_res's iterations play no part here
   x, ws = inputs()
   grad = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(Net(spec.design, spec).apply({'params': p}, x, ws)))))
   spread = lambda p: np.ptp(grad(p)['layers_1']['site0']['b_post'])  # one compile for both, not op by op
