@@ -86,7 +86,7 @@ class Run:
   step: Any  # the train step, compiled
   state: Any
   start: int  # the checkpoint it resumed from; 0 from scratch
-  mngr: Any  # orbax's CheckpointManager (laurel.run.checkpoint)
+  mngr: checkpoint.Manager  # orbax's, with the saves it started
   log: MetricsLog
   train_iter: Any
   state_shardings: Any
@@ -250,8 +250,8 @@ def _save_failure(run: Run):
   except Exception as e:  # pylint: disable=broad-except  # whatever orbax raised from its background save
     if (cause := checkpoint.io_cause(e)) is None:
       raise
-    failed = next((s for s in run.mngr.laurel_saving if s not in run.mngr.all_steps()), '?')
-    run.mngr.laurel_failed = e
+    failed = next((s for s in run.mngr.saving if s not in run.mngr.all_steps()), '?')
+    run.mngr.failed = e
     raise SaveFailed(f'checkpoint {failed} could not be saved ({cause}); {run.last_good()}') from None
 
 

@@ -111,12 +111,19 @@ def damage(step_dir) -> str | None:
   return None
 
 
-def manager(workdir: epath.Path, config) -> ocp.CheckpointManager:
+class Manager(ocp.CheckpointManager):
+  """orbax's manager, knowing the steps whose saves it started (its post-finalization callback takes no argument)
+  and the failed save the run has reported (`failed`: orbax raises it again in each thread that waits)."""
+  saving: list[int]
+  failed: BaseException | None = None
+
+
+def manager(workdir: epath.Path, config) -> Manager:
   """The run's checkpoints: saved where orbax's policies say (a preemption, which JAX's service tells every process
   of several; every `checkpoint_every` steps; the last step), the latest `keep_checkpoints` kept. A save's checksum
   list is written before its commit; temporaries of a save a kill cut short are removed."""
   directory = epath.Path(workdir) / 'checkpoints'
-  saving = []  # the step whose save is in flight: orbax's callback takes no argument
+  saving = []
 
   def vouch():  # on process 0 once every host has written its part; on an object store the commit writes in place
     final = directory / str(saving[-1])
@@ -126,31 +133,29 @@ def manager(workdir: epath.Path, config) -> ocp.CheckpointManager:
   save_policy = policies.AnySavePolicy([policies.PreemptionCheckpointingPolicy(),
                                         policies.FixedIntervalPolicy(config.checkpoint_every),
                                         policies.SpecificStepsPolicy({config.steps})])
-  mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+  mngr = Manager(directory, options=ocp.CheckpointManagerOptions(
       save_decision_policy=save_policy, preservation_policy=policies.LatestN(config.keep_checkpoints),
       cleanup_tmp_directories=True, async_options=ocp.AsyncOptions(post_finalization_callback=vouch)))
-  mngr.laurel_saving = saving
+  mngr.saving = saving
   return mngr
 
 
-def save(mngr, number: int, state, train_iter, signature: dict) -> None:
+def save(mngr: Manager, number: int, state, train_iter, signature: dict) -> None:
   """Checkpoint `number` (async): the state, the input's position and the config's signature."""
   mngr.wait_until_finished()  # as orbax's save does first: the save before is committed, with its list
-  mngr.laurel_saving.append(number)
+  mngr.saving.append(number)
   mngr.save(number, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_iter),
       config=ocp.args.JsonSave(signature)))
 
 
-def close(mngr) -> None:
-  """Closes the manager once its saves are done; a failed save the run has reported (laurel_failed) is not raised
-  again (orbax raises it in each thread that waits)."""
+def close(mngr: Manager) -> None:
+  """Closes the manager once its saves are done; a failed save the run has reported is not raised again."""
   try:
     mngr.close()
-  except Exception as e:  # pylint: disable=broad-except
-    if getattr(mngr, 'laurel_failed', None) is None:
+  except Exception:  # pylint: disable=broad-except
+    if mngr.failed is None:
       raise
-    del e
 
 
 def io_cause(error: BaseException | None) -> str | None:
