@@ -18,8 +18,9 @@ from ml_collections import config_flags
 from laurel import tasks, train_config
 from laurel.config_lib import InputError, import_module_of, is_int
 from laurel.plan import cost
-from laurel.run import cluster, compile_cache
-from laurel.run.process import fail
+from laurel.cli import compile_cache
+from laurel.run import cluster
+from laurel.cli.process import fail
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TABLES = ('c4_ablation', 'imagenet_resnet50', 'residual_designs')  # configs/<table>.py, each with its ROWS

@@ -52,7 +52,7 @@ def field(default, check=None, resumable=False, **kwargs):  # resumable: a resum
 class InputError(ValueError):
   """Bad input (a config field, a flag, a path, a workdir): what the user can fix. Only this becomes a one-line
   `error: ...` with exit 2; any other exception is a bug or an environment failure and keeps its traceback."""
-  exit_status = 2  # laurel.run.process.BAD_INPUT
+  exit_status = 2  # laurel.cli.process.BAD_INPUT
 
 
 def require(ok: bool, field_name: str, value, why: str) -> None:

@@ -8,7 +8,7 @@ residual_designs), or WORKDIR (or WORKDIR/config.json): the config a run saved. 
 A run's design from outside the package is imported from the file its config.json names only with
 --trust_design_file (or from your own PYTHONPATH); --print_config imports none.
 
-Exit status (laurel.run.process):
+Exit status (laurel.cli.process):
   0    finished; outside a scheduler also stopped by SIGTERM or Ctrl-C in the train loop with a checkpoint
   1    an error: a bug or the environment, with its traceback or one line (a failed save, join or write); a hang
        the watchdog ended (config.watchdog_*: every thread's stack). A process whose peer died JAX aborts itself
@@ -20,7 +20,7 @@ Exit status (laurel.run.process):
   130  Ctrl-C or SIGTERM before the train loop (one line), or a second Ctrl-C
 """
 
-from laurel.run import console, process  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
+from laurel.cli import console, process  # pylint: disable=g-bad-import-order  # before JAX and TensorFlow load
 
 INTERRUPTED = 'interrupted: exited; nothing was lost (rerun the same command to start or resume)'
 if __name__ == '__main__':  # quiet and interruptible while JAX and TensorFlow load
@@ -34,7 +34,8 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from laurel import command_line, config_lib, train, train_config
-from laurel.run import cluster, compile_cache
+from laurel.cli import compile_cache
+from laurel.run import cluster
 from laurel.plan import aot, cost
 
 

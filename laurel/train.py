@@ -2,8 +2,8 @@
 manager and metrics log), and `loop` runs the step, then each action's `after_step(run, step, metrics)`. Logging
 (with the residual design's own diagnostics), eval, checkpointing, steps per second, the profiler and the watchdog
 are actions; `actions()` lists them, the one place to add another (an object with `after_step`, and `close` where
-it holds something). What runs a job but is no action (the workdir's lock, checkpoints, signals, the metrics log)
-is in laurel.run."""
+it holds something). What runs a job but is no action (the workdir's lock, checkpoints, the metrics log) is in
+laurel.run; signals and exit statuses in laurel.cli.process."""
 
 import collections
 import contextlib
@@ -29,9 +29,10 @@ from flax import traverse_util
 from laurel import sharding
 from laurel.config_lib import to_dict
 from laurel.plan import hardware
-from laurel.run import checkpoint, console, lock, process
+from laurel.cli import console, process
+from laurel.run import checkpoint, lock
 from laurel.run.checkpoint import run_dir
-from laurel.run.files import remove_temporaries, utc, write_text_atomic
+from laurel.cli.files import remove_temporaries, utc, write_text_atomic
 from laurel.run.metrics_log import MetricsLog, code_commit, config_line, interval_mean, median_step_time, summary
 from laurel.plan.preflight import check_fits_host, check_inputs
 from laurel.stats import weighted_mean_se
@@ -94,7 +95,7 @@ class Run:
   signature: dict  # what each checkpoint records of the config
   peak_memory: int
   num_params: int
-  requested: list  # the signals that asked it to stop (laurel.run.process.stop_requests)
+  requested: list  # the signals that asked it to stop (laurel.cli.process.stop_requests)
   progress: list = dataclasses.field(default_factory=list)  # called on progress within a step (an eval batch)
   paused_s: float = 0.0  # seconds spent evaluating and saving, left out of the step time
   stopping: bool = False  # a signal or a preemption: this step's checkpoint, then the loop ends
@@ -118,7 +119,7 @@ class Run:
 
 def train(config, workdir: str, devices=None, allow_config_change: bool = False, hold_lock: bool = False) -> dict:
   """Trains (or resumes) to config.steps; returns what it writes to WORKDIR/final.json ({'step', 'preempted'} where
-  a signal stopped it). `config` is typed (config_lib.TrainConfig) or a ConfigDict, built here. Bad input is refused
+  a signal stopped it). `config` is typed (train_config.TrainConfig) or a ConfigDict, built here. Bad input is refused
   before anything compiles. With `hold_lock` process 0 holds WORKDIR/lock throughout."""
   started, devices = time.perf_counter(), jax.devices() if devices is None else devices
   task = validate_config(config, num_devices=len(devices))

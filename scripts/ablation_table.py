@@ -12,7 +12,7 @@ import paper
 import tables
 from etils import epath
 
-from laurel.run import files
+from laurel.cli import files
 from laurel.config_lib import InputError
 
 BASELINE = 'baseline_24'

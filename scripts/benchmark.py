@@ -26,7 +26,7 @@ import subprocess
 import time
 
 import cli  # puts the repo root on sys.path
-from laurel.run import gpu_workarounds  # pylint: disable=g-bad-import-order
+from laurel.cli import gpu_workarounds  # pylint: disable=g-bad-import-order
 
 if __name__ == '__main__':  # before JAX starts a backend
   gpu_workarounds.apply()
@@ -38,7 +38,7 @@ from absl import app, flags
 from etils import epath
 
 from laurel import command_line, sharding, step, train_config
-from laurel.run import compile_cache
+from laurel.cli import compile_cache
 from laurel.plan import aot, cost, hardware
 from laurel.config_lib import InputError
 

@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
 from laurel import config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.run import console, files  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.run.process import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
+from laurel.cli import console, files  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.cli.process import fail  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402,F401
 
 
 def main(body):

@@ -39,7 +39,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/gpu_profile.py` puts scripts/ on the path, not the repo root
   sys.path.insert(0, str(ROOT))
-from laurel.run import gpu_workarounds  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.cli import gpu_workarounds  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 if __name__ == '__main__':  # before JAX starts a backend, here and in every job (they inherit XLA_FLAGS)
   gpu_workarounds.apply()
@@ -51,7 +51,7 @@ from absl import app, flags  # noqa: E402
 
 import step_profile  # noqa: E402
 from laurel import command_line, config_lib, sharding, step, train_config  # noqa: E402
-from laurel.run import compile_cache, files, process
+from laurel.cli import compile_cache, files, process
 from laurel.plan import hardware
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

@@ -38,7 +38,7 @@ import cli  # puts the repo root on sys.path
 from absl import app, flags
 
 from laurel import config_lib  # noqa: F401  # their flags: --compilation_cache, --mfu
-from laurel.run import compile_cache
+from laurel.cli import compile_cache
 from laurel.plan import cost
 from laurel.plan.hardware import parse_accelerator
 

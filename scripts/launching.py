@@ -21,7 +21,7 @@ import cli  # puts the repo root on sys.path
 from absl import flags
 
 from laurel import config_lib
-from laurel.run import files, process
+from laurel.cli import files, process
 from laurel.plan.hardware import parse_accelerator
 from cli import (ROOT, command, config_flags, fail, override_field, override_values, repo_spec, require, shell_line,
                  typed)

@@ -15,7 +15,7 @@ matplotlib.use('Agg')  # figures go to files
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 from laurel import stats  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
-from laurel.run import files  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
+from laurel.cli import files  # pylint: disable=g-import-not-at-top,wrong-import-position  # noqa: E402
 
 # The luminance at which black and white text contrast equally (WCAG 2 contrast ratios, both about 4.6).
 EQUAL_CONTRAST_LUMINANCE = (1.05 * 0.05) ** 0.5 - 0.05
@@ -29,7 +29,7 @@ def luminance(rgba) -> float:
 
 def write_results(directory, stem: str, result: dict, rows: list[dict], markdown: str, figure) -> list[epath.Path]:
   """<stem>.json (`result`), .csv (`rows`, the keys whose values are not dicts), .md and .png in `directory`, each
-  replaced whole (laurel.run.files); returns their paths."""
+  replaced whole (laurel.cli.files); returns their paths."""
   directory = epath.Path(directory)  # local or gs://
   directory.mkdir(parents=True, exist_ok=True)
   columns = [k for k in dict.fromkeys(k for r in rows for k in r) if not any(isinstance(r.get(k), dict) for r in rows)]

@@ -38,14 +38,14 @@ flags.FLAGS.mark_as_parsed()
 
 @pytest.fixture(autouse=True)
 def no_interrupt_left_pending():
-  """An interrupt a test leaves pending in laurel.run.process ends the test process at the next deferred section (the
+  """An interrupt a test leaves pending in laurel.cli.process ends the test process at the next deferred section (the
   real os._exit, its line swallowed by pytest's capture: xdist's 'node down'); that test fails instead."""
   yield
-  from laurel.run import process  # pylint: disable=import-outside-toplevel
+  from laurel.cli import process  # pylint: disable=import-outside-toplevel
   state = process._interrupt  # pylint: disable=protected-access
   left = dict(state)
   state.update(pending=None, deferred=0)  # the next tests run as usual
-  assert left['pending'] is None and not left['deferred'], f'laurel.run.process left {left}'
+  assert left['pending'] is None and not left['deferred'], f'laurel.cli.process left {left}'
 
 
 @pytest.fixture(scope='session')

@@ -18,7 +18,7 @@ from helpers import ROOT, TINY_LM, call_main, fake_gcs_env, train_cli, without_t
 from laurel import config_lib, data, main
 from laurel.prepare import c4 as prepare_c4, text as prepare_text
 from laurel.plan import preflight
-from laurel.run import console
+from laurel.cli import console
 from test_data import lm_data, segments
 
 SPLITS = {'train': ['c4-train.00000-of-01024.json.gz', 'c4-train.00001-of-01024.json.gz',

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, cluster_env, free_port
-from laurel.run import cluster, process
+from laurel.cli import process
+from laurel.run import cluster
 
 SPEC = 'configs/c4_ablation.py:rw_lr_pa,preset=tiny'
 

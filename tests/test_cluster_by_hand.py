@@ -28,7 +28,7 @@ def test_a_tiny_preset_trains_on_two_processes_without_setting_data_shards():
 @pytest.mark.parametrize('process, printed', [(0, 'first\nprogress\nfrom C\n'), (1, 'first\n')])
 def test_only_process_0_prints_progress_and_every_process_its_errors(process, printed):
   """What a library writes to the descriptor (Gloo's `[Gloo] Rank 1 is connected ...`) goes too."""
-  code = ('import os, sys\nfrom laurel.run import console\nprint("first", flush=True)\n'
+  code = ('import os, sys\nfrom laurel.cli import console\nprint("first", flush=True)\n'
           f'console.quiet_unless_first({process})\nprint("progress", flush=True)\nos.write(1, b"from C\\n")\n'
           'print("error: bad", file=sys.stderr)')
   result = subprocess.run([sys.executable, '-c', code], env=cli_env(), capture_output=True, text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""laurel.run.compile_cache: compiled programs reused across processes (JAX's own cache), and the pre-flight's kept
+"""laurel.cli.compile_cache: compiled programs reused across processes (JAX's own cache), and the pre-flight's kept
 compiler figures (laurel.plan.aot)."""
 import json
 import os
@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, needs_libtpu
 from laurel import sharding, step, train_config
-from laurel.run import compile_cache
+from laurel.cli import compile_cache
 from laurel.plan import aot
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -61,8 +61,8 @@ def test_the_flag_then_jax_variables_then_the_default_decide_the_directory(
 def test_importing_and_setting_up_the_cache_sets_no_jax_variable():
   """The cache is set in JAX's config, not the environment: the processes a command starts choose their own."""
   env = {k: v for k, v in cli_env().items() if not k.startswith(('JAX_COMPILATION', 'JAX_PERSISTENT'))}
-  code = ('import json, os; before = dict(os.environ); import laurel.main, laurel.run.compile_cache; '
-          'laurel.run.compile_cache.setup(); '
+  code = ('import json, os; before = dict(os.environ); import laurel.main, laurel.cli.compile_cache; '
+          'laurel.cli.compile_cache.setup(); '
           'print(json.dumps(sorted(k for k in os.environ.keys() ^ before.keys() if "JAX" in k or "XLA" in k)))')
   r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0 and json.loads(r.stdout) == [], (r.stdout, r.stderr[-2000:])

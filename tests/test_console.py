@@ -18,7 +18,8 @@ from etils import epath
 
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, metrics, without_this_python
 from laurel import train
-from laurel.run import console, metrics_log, process
+from laurel.cli import console, process
+from laurel.run import metrics_log
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
 # A line that absl, glog, libtpu or TensorFlow's C++ logging printed: 'E0000 00:00:...', 'I1124 05:02:52...'.

@@ -12,7 +12,7 @@ import reference
 from helpers import TINY_LM, load_config
 from laurel import designs, train_config
 from laurel.designs import hyper
-from laurel.run import console
+from laurel.cli import console
 
 
 def report_of(name, spec, params) -> dict:

@@ -1,11 +1,11 @@
-"""laurel.run.files: a write interrupted half-way leaves the old file whole and no temporary behind."""
+"""laurel.cli.files: a write interrupted half-way leaves the old file whole and no temporary behind."""
 import errno
 import os
 import tempfile
 
 import pytest
 
-from laurel.run import files
+from laurel.cli import files
 
 
 def test_write_text_atomic_replaces_the_file(tmp_path):

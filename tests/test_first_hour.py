@@ -12,7 +12,8 @@ from ml_collections import config_flags
 from helpers import ROOT, SPEC, TINY_LM, load_config, typed_config
 from laurel import command_line, config_lib, designs, lm, train, train_config
 from laurel.plan import preflight
-from laurel.run import checkpoint, console, metrics_log
+from laurel.cli import console
+from laurel.run import checkpoint, metrics_log
 from laurel.train_config import file_sha256
 
 TINY = 'c4_ablation:rw_lr,preset=tiny'

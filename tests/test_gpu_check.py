@@ -1,6 +1,6 @@
 """make gpu-check's parts that run without a GPU: scripts/benchmark.py's variants, arguments, JSON layout and MFU
 arithmetic (on CPU at a tiny shape), the peak FLOP/s table, scripts/gpu_check.sh's arguments and its end without a
-GPU, and the flags a known-slow jaxlib gets on a GPU (laurel.run.gpu_workarounds)."""
+GPU, and the flags a known-slow jaxlib gets on a GPU (laurel.cli.gpu_workarounds)."""
 
 import gzip
 import json
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from helpers import ROOT, cli_env, gpu_present
-from laurel.run import console, gpu_workarounds
+from laurel.cli import console, gpu_workarounds
 from laurel.plan import hardware
 
 sys.path.insert(0, str(ROOT / 'scripts'))

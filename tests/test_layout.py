@@ -1,6 +1,7 @@
 """The house's one rule, read from the import graph of laurel/ (every import, lazy ones included): the research core
 at the top, laurel.run (what runs a job), laurel.plan (what a step would cost on a slice), laurel.serve (what
-uses a trained run) and laurel.prepare (what prepares a corpus) as its wings."""
+uses a trained run) and laurel.prepare (what prepares a corpus) as its wings, and laurel.cli, what every command
+shares (its console, process and files), beneath them all."""
 
 import ast
 import pathlib
@@ -37,7 +38,7 @@ def in_wing(module: str, wing: str) -> bool:
 
 
 def core(module: str) -> bool:
-  return not any(in_wing(module, wing) for wing in ('run', 'plan', 'serve', 'prepare'))
+  return not any(in_wing(module, wing) for wing in ('run', 'plan', 'serve', 'prepare', 'cli'))
 
 
 def test_the_graph_is_read():  # the rules below hold for a reason, not because nothing was found
@@ -72,6 +73,12 @@ def test_nothing_outside_the_prepare_wing_imports_it(module):
   assert not prepare, f'{module} imports {sorted(prepare)}'
 
 
+@pytest.mark.parametrize('module', [m for m in MODULES if in_wing(m, 'cli')])
+def test_what_every_command_shares_imports_no_wing_and_of_the_core_only_the_config(module):
+  above = {m for m in imports(MODULES[module]) if m.startswith('laurel') and not in_wing(m, 'cli')}
+  assert above <= {'laurel.config_lib'}, f'{module} imports {sorted(above)}'
+
+
 def test_no_import_cycle():  # lazy imports included: one inside a function only hides a cycle
   graph = {m: {i for i in imports(p) if i in MODULES and i != m} for m, p in MODULES.items()}
   for package in [m for m, p in MODULES.items() if p.name == '__init__.py']:  # a package's modules load it first
@@ -96,19 +103,19 @@ def test_no_import_cycle():  # lazy imports included: one inside a function only
 
 
 def test_threads_start_only_through_the_process_module_under_a_name_of_its_table():
-  from laurel.run import process  # pylint: disable=import-outside-toplevel
-  started_elsewhere = [name for name, path in MODULES.items() if name != 'laurel.run.process'
+  from laurel.cli import process  # pylint: disable=import-outside-toplevel
+  started_elsewhere = [name for name, path in MODULES.items() if name != 'laurel.cli.process'
                        and 'threading.Thread(' in path.read_text()]
   assert not started_elsewhere
   assert len(process.THREADS) <= 3  # a reader holds them in mind
   for name in process.THREADS:
     assert f'| {name} ' in process.__doc__, name
-  with pytest.raises(ValueError, match='not a thread of laurel.run.process.THREADS'):
+  with pytest.raises(ValueError, match='not a thread of laurel.cli.process.THREADS'):
     process.start_thread('laurel-unknown', lambda: None)
 
 
 def test_every_exit_status_is_in_the_process_table_and_in_laurel_mains_help():
-  from laurel.run import process  # pylint: disable=import-outside-toplevel
+  from laurel.cli import process  # pylint: disable=import-outside-toplevel
   statuses = {v for k, v in vars(process).items() if k.isupper() and isinstance(v, int) and 0 <= v < 256}
   assert statuses == set(process.EXIT_STATUSES) and len(statuses) <= 6
   help_text = ast.get_docstring(ast.parse(MODULES['laurel.main'].read_text()))  # not imported: it defines flags

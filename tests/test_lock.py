@@ -13,7 +13,8 @@ import pytest
 
 from helpers import ROOT, SPEC, TINY_LM, cli_args, cli_env, metrics, losses, train_cli, tree_snapshot
 from laurel import config_lib
-from laurel.run import lock, process
+from laurel.cli import process
+from laurel.run import lock
 
 
 def _refusal(workdir) -> str:

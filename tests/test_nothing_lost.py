@@ -20,7 +20,8 @@ import pytest
 from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, losses, typed_config
 from laurel import config_lib, main, train, train_config
 from laurel.plan import preflight
-from laurel.run import checkpoint, metrics_log, process
+from laurel.cli import process
+from laurel.run import checkpoint, metrics_log
 from laurel.serve import generate, loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'

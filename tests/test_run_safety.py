@@ -27,7 +27,8 @@ from helpers import (CLUSTER_VARIABLES, ROOT, SPEC, TINY_LM, TRAINED, cli_args, 
 from laurel import command_line, config_lib, data, designs, main, step, train, train_config
 from laurel.designs import StreamSpec
 from laurel.plan import preflight
-from laurel.run import checkpoint, cluster, metrics_log, process
+from laurel.cli import process
+from laurel.run import checkpoint, cluster, metrics_log
 from laurel.serve import loader
 from laurel.serve import evaluate, generate
 

@@ -13,7 +13,8 @@ from orbax.checkpoint._src.checkpointers import async_checkpointer
 
 from helpers import TINY_LM, checkpoint_steps, load_config, losses, train_cli
 from laurel import train
-from laurel.run import checkpoint, process
+from laurel.cli import process
+from laurel.run import checkpoint
 from laurel.serve import loader
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'

@@ -23,7 +23,8 @@ import pytest
 from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, cluster_env, free_port,
                      load_config, losses, metrics, train_cli, tree_snapshot)
 from laurel import config_lib, designs, main, train, train_config
-from laurel.run import console, metrics_log, process
+from laurel.cli import console, process
+from laurel.run import metrics_log
 from laurel.plan import cost, hardware
 
 

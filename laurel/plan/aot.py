@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from laurel import sharding, step, train_config
-from laurel.run import compile_cache, console, files
+from laurel.cli import compile_cache, console, files
 from laurel.plan import cost, schedule
 from laurel.config_lib import InputError
 from laurel.plan.hardware import TPUS, TPU, parse_accelerator, xla_costs

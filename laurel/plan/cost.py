@@ -11,7 +11,7 @@ from absl import flags
 
 from laurel import cross_entropy, sharding
 from laurel.config_lib import DTYPES, InputError
-from laurel.run.console import duration
+from laurel.cli.console import duration
 from laurel.plan.hardware import xla_costs
 from laurel.step import make_train_fns
 

@@ -10,8 +10,9 @@ from etils import epath
 
 from laurel import config_lib, data, image_data
 from laurel.config_lib import InputError, build, require
-from laurel.run import console, metric_writers
-from laurel.run.files import is_remote
+from laurel.cli import console
+from laurel.run import metric_writers
+from laurel.cli.files import is_remote
 from laurel.plan.hardware import available_host_bytes, peak_memory_bytes
 
 

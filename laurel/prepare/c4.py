@@ -27,7 +27,7 @@ from etils import epath
 from laurel import data
 from laurel.config_lib import InputError
 from laurel.prepare import shards
-from laurel.run import console
+from laurel.cli import console
 
 FLAGS = flags.FlagValues()  # its own: laurel.prepare.text has flags of the same names
 _INPUT = flags.DEFINE_string('input', None, "Directory of C4's c4-<split>.NNNNN-of-MMMMM.json.gz files.",

@@ -12,7 +12,7 @@ from absl import flags, logging
 from etils import epath
 
 from laurel.config_lib import InputError
-from laurel.run import console
+from laurel.cli import console
 
 
 @contextlib.contextmanager

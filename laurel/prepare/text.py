@@ -43,8 +43,8 @@ from etils import epath
 from laurel import data
 from laurel.config_lib import InputError, io_error_reason
 from laurel.prepare import shards
-from laurel.run import console
-from laurel.run.files import write_bytes_atomic, write_text_atomic
+from laurel.cli import console
+from laurel.cli.files import write_bytes_atomic, write_text_atomic
 
 PREFIX = 'corpus'  # the loader's data.name for these shards
 SPLITS = ('train', 'validation')

@@ -26,7 +26,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from laurel import config_lib
 from laurel.config_lib import InputError
-from laurel.run.files import utc, write_text_atomic
+from laurel.cli.files import utc, write_text_atomic
 from laurel.train_config import as_json, config_changes, listed, read_json
 
 LIST = 'checksums.json'

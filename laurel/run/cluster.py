@@ -13,8 +13,8 @@ import urllib.request
 import jax
 from absl import logging
 
-from laurel.run import console, files
-from laurel.run.process import ERROR, PREEMPTED, fail
+from laurel.cli import console, files
+from laurel.cli.process import ERROR, PREEMPTED, fail
 
 JOIN_TIMEOUT_S = 300  # jax's own defaults: the wait for every process to join, and for a silent peer
 HEARTBEAT_TIMEOUT_S = 100

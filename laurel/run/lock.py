@@ -10,7 +10,7 @@ import os
 import socket
 
 from laurel.config_lib import InputError
-from laurel.run import files
+from laurel.cli import files
 
 NAME = 'lock'
 

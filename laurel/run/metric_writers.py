@@ -15,7 +15,7 @@ from absl import logging
 from etils import epath
 
 from laurel import config_lib
-from laurel.run import files
+from laurel.cli import files
 
 WANDB_RUN_ID = 'wandb_run_id'  # in the workdir: the W&B run a resumed run continues
 

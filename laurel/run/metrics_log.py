@@ -15,8 +15,9 @@ import numpy as np
 from etils import epath
 
 from laurel import command_line, config_lib, designs
-from laurel.run import console, metric_writers
-from laurel.run.files import is_remote, write_text_atomic
+from laurel.cli import console
+from laurel.run import metric_writers
+from laurel.cli.files import is_remote, write_text_atomic
 
 
 class MetricsLog:

@@ -21,8 +21,8 @@ from etils import epath
 
 from laurel import config_lib, data, sharding, train_config
 from laurel.config_lib import InputError
-from laurel.run import compile_cache, console, process
-from laurel.run.files import write_text_atomic
+from laurel.cli import compile_cache, console, process
+from laurel.cli.files import write_text_atomic
 from laurel.serve import loader
 
 HELD_OUT = 'held_out'  # the task of the run's own validation split (held_out_task)

@@ -1,4 +1,4 @@
-"""XLA:GPU flags that a known-slow jaxlib needs, set before JAX starts a backend (laurel.run.console.quiet_start).
+"""XLA:GPU flags that a known-slow jaxlib needs, set before JAX starts a backend (laurel.cli.console.quiet_start).
 Standard library only: it runs before JAX loads.
 
 jaxlib 0.10.2 to 0.11.0 add float32 scatters on NVIDIA GPUs hundreds of times slower than before (openxla/xla#46225,

@@ -50,7 +50,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def start_thread(name: str, target, *args) -> threading.Thread:
   """A daemon thread of THREADS, started."""
   if name not in THREADS:
-    raise ValueError(f'{name}: not a thread of laurel.run.process.THREADS')
+    raise ValueError(f'{name}: not a thread of laurel.cli.process.THREADS')
   thread = threading.Thread(target=target, args=args, name=name, daemon=True)
   thread.start()
   return thread
@@ -126,7 +126,7 @@ def errors_in_one_line(fail):  # pylint: disable=redefined-outer-name
   except KeyboardInterrupt:  # before the first step (in the loop it saves a checkpoint)
     fail('interrupted before training started; nothing was saved', INTERRUPTED)
   except OSError as e:  # a full disk, a read-only mount, no permission: the cause and the path
-    from laurel.run import files  # pylint: disable=import-outside-toplevel  # this module loads before etils
+    from laurel.cli import files  # pylint: disable=import-outside-toplevel  # this module loads before etils
     if not files.storage_error(e):
       raise
     fail(f'a write failed: {files.why(e)}; rerun the same command to resume once it is writable', ERROR)

@@ -1,4 +1,4 @@
-"""What the command-line programs print (laurel.run.process: how Ctrl-C stops them). Standard library only:
+"""What the command-line programs print (laurel.cli.process: how Ctrl-C stops them). Standard library only:
 laurel.main imports it before JAX and TensorFlow load."""
 
 import contextlib
@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from laurel.run import gpu_workarounds, process
+from laurel.cli import gpu_workarounds, process
 
 # Device files of a TPU (/dev/accel* up to v4, /dev/vfio/<n> from v5e) or a GPU (NVIDIA, AMD).
 ACCELERATOR_FILES = ('/dev/accel*', '/dev/vfio/[0-9]*', '/dev/nvidia[0-9]*', '/dev/kfd')
@@ -25,7 +25,7 @@ def has_accelerator() -> bool:
 def quiet_start() -> None:
   """Before JAX starts a backend: the CPU where libtpu is installed but no accelerator is present (not libtpu's
   errors; unless JAX_PLATFORMS says otherwise); TensorFlow's warnings only, with no oneDNN notice; on a GPU, the
-  flags a known-slow jaxlib needs (laurel.run.gpu_workarounds), in one line."""
+  flags a known-slow jaxlib needs (laurel.cli.gpu_workarounds), in one line."""
   gpu_workarounds.apply()
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
