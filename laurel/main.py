@@ -30,7 +30,7 @@ if __name__ == '__main__':  # quiet and interruptible while JAX and TensorFlow l
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
-from absl import flags, logging
+from absl import logging
 from ml_collections import config_flags
 
 from laurel import command_line, config_lib, train, train_config
@@ -41,12 +41,8 @@ from laurel.plan import aot, cost
 
 def main(argv) -> int:
   """laurel-train's command line `argv` in this process; its exit status (the tests call it as the shell would)."""
-  try:
-    with train_config.design_policy():  # the policy its flags set ends with it, not a later command's in this process
-      _main(argv)
-  except SystemExit as e:  # process.fail: one line, then its status
-    return e.code if isinstance(e.code, int) else int(e.code is not None)
-  return 0
+  with train_config.design_policy():  # the policy its flags set ends with it, not a later command's in this process
+    return process.exit_status(_main, argv)
 
 
 def _main(argv):
@@ -98,11 +94,7 @@ def _main(argv):
 
 def run():
   """The console script laurel-train (and python -m laurel.main)."""
-  console.quiet_start()
-  process.exit_on_interrupt(INTERRUPTED)
-  logging.use_absl_handler()
-  flags.FLAGS.mark_as_parsed()  # absl's log and grain's worker processes read the global flags: their defaults
-  sys.exit(main(sys.argv))
+  console.run_command(main, INTERRUPTED)
 
 
 if __name__ == '__main__':

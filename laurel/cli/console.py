@@ -152,3 +152,14 @@ def shown(path) -> str:
     return path
   relative = os.path.relpath(path)
   return path if relative.startswith(os.pardir) else relative
+
+
+def run_command(main, interrupted: str) -> None:
+  """The process of a console script (or `python -m`) whose `main(argv)` returns its exit status: quiet and
+  interruptible (`interrupted` is its line) while JAX loads, absl's log handler, main's status as the exit status."""
+  from absl import flags, logging  # pylint: disable=import-outside-toplevel  # this module loads before absl
+  quiet_start()
+  process.exit_on_interrupt(interrupted)
+  logging.use_absl_handler()
+  flags.FLAGS.mark_as_parsed()  # absl's log and grain's worker processes read the global flags: their defaults
+  sys.exit(main(sys.argv))

@@ -116,6 +116,15 @@ def fail(message: str, code: int = BAD_INPUT):
   sys.exit(code)
 
 
+def exit_status(body, *args) -> int:
+  """Runs `body(*args)` and returns its exit status: 0, or the status it exits with (fail: one line, then its status)."""
+  try:
+    body(*args)
+  except SystemExit as e:
+    return e.code if isinstance(e.code, int) else int(e.code is not None)
+  return 0
+
+
 @contextlib.contextmanager
 def errors_in_one_line(fail):  # pylint: disable=redefined-outer-name
   """What an operator can act on ends the program through `fail(message, status)`, one line: an error with an

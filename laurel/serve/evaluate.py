@@ -10,7 +10,6 @@ import math
 import os
 import pathlib
 import re
-import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -258,31 +257,20 @@ def command_main(fv: flags.FlagValues, argv: Sequence[str], body: Callable[[flag
     described = fv.get_help(include_special_flags=False).splitlines()
     print('\n'.join([doc.rstrip(), '', 'flags:', *(line for line in described if line.startswith(' '))]))
     return 0
-  try:
-    if len(rest := fv(list(argv))) > 1:
-      raise InputError(f'unexpected arguments: {" ".join(rest[1:])}')
-    for name in required:
-      if not fv[name].value:
-        raise InputError(f'--{name} is required')
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    compile_cache.setup(fv.compilation_cache)
-    body(fv)
-  except (flags.Error, InputError) as e:
-    print(f'error: {str(e).removeprefix("flag ")}', file=sys.stderr, flush=True)
-    return process.BAD_INPUT
-  except SystemExit as e:  # process.fail: one line, then its status
-    return e.code if isinstance(e.code, int) else int(e.code is not None)
-  return 0
 
-
-def run_command(main_of_argv: Callable[[Sequence[str]], int], interrupted: str) -> None:
-  """The process of a serving command's console script or `python -m`: quiet and interruptible (`interrupted` is its
-  line), absl's log handler, and main's status as the exit status."""
-  console.quiet_start()
-  process.exit_on_interrupt(interrupted)
-  logging.use_absl_handler()
-  flags.FLAGS.mark_as_parsed()  # absl's log and grain's worker processes read the global flags: their defaults
-  sys.exit(main_of_argv(sys.argv))
+  def parsed_and_run():
+    try:
+      if len(rest := fv(list(argv))) > 1:
+        raise InputError(f'unexpected arguments: {" ".join(rest[1:])}')
+      for name in required:
+        if not fv[name].value:
+          raise InputError(f'--{name} is required')
+      logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+      compile_cache.setup(fv.compilation_cache)
+      body(fv)
+    except (flags.Error, InputError) as e:
+      process.fail(str(e).removeprefix('flag '))
+  return process.exit_status(parsed_and_run)
 
 
 def _evaluate(fv: flags.FlagValues) -> None:
@@ -311,7 +299,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def run():  # laurel-evaluate, python -m laurel.serve.evaluate
-  run_command(main, 'interrupted: exited (the eval_<task>.json files written so far are complete)')
+  console.run_command(main, 'interrupted: exited (the eval_<task>.json files written so far are complete)')
 
 
 if __name__ == '__main__':

@@ -16,6 +16,7 @@ import numpy as np
 from absl import flags
 
 from laurel import data, lm
+from laurel.cli import console
 from laurel.config_lib import InputError
 from laurel.plan import hardware
 from laurel.serve import evaluate, loader
@@ -154,7 +155,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def run():  # laurel-generate, python -m laurel.serve.generate
-  evaluate.run_command(main, 'interrupted')
+  console.run_command(main, 'interrupted')
 
 
 if __name__ == '__main__':
