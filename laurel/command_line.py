@@ -237,11 +237,15 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
       raise InputError(f'{o}: write config overrides as --config.<field>=<value>')
   import_designs(argv)
   try:
-    run = train_config.run_of(spec)
-    argv = ['laurel', f'--config={spec if run else resolve_spec(spec)}', *argv]
     flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_file('config', None, 'config file', flag_values=flag_values, sys_argv=argv)
-    flag_values(argv if run is None else _define_run_config(flag_values, run, argv))
+    if (run := train_config.run_of(spec)) is None:
+      argv = ['laurel', f'--config={resolve_spec(spec)}', *argv]
+      config_flags.DEFINE_config_file('config', None, 'config file', flag_values=flag_values, sys_argv=argv)
+    else:  # the config the run saved, as a dict flag that `--config.<field>` overrides as a file's
+      argv = ['laurel', *argv]
+      config_flags.DEFINE_config_dict('config', train_config.get_config(run), 'config', flag_values=flag_values,
+                                      sys_argv=argv)
+    flag_values(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise InputError(flag_error_message(e, argv)) from None
   fit_warmup(flag_values.config, _overridden(argv), spec)
