@@ -209,13 +209,8 @@ def _restore(mngr, number: int, config, abstract_state, train_iter, allow_change
   if (why := _damage_on_any_host(step_dir)) is not None:
     return None, why
   saved = mngr.restore(number, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-  changes, unsafe = config_changes(saved, config)
-  if model := [k for k in unsafe if k == 'task' or k.startswith('model.')]:
-    raise InputError(f'{where}: holds checkpoints of a different task/model (step {number}: '
-                     f'{listed(changes, model)}); use a new workdir or the original config')
-  if unsafe and not allow_change:  # the checkpoint's own record: config.json may be gone or replaced
-    raise InputError(f'{where}: checkpoint {number} was trained with {listed(changes, unsafe)}; resume '
-                     'with that config, or pass --allow_config_change to go on with the new values')
+  changes, unsafe = config_changes(saved, config)  # the checkpoint's own record: config.json may be gone or replaced
+  _refuse_changes(where, number, changes, unsafe, allow_change, f'checkpoint {number} was trained with', 'that config')
   tree = ocp.StandardCheckpointHandler().metadata(step_dir / 'state').tree
   if (difference := _tree_difference(tree, abstract_state)) is not None:
     raise InputError(f'{where}: checkpoint {number} does not match the model: {difference} (a code change?); '
@@ -248,6 +243,18 @@ def restore_latest(mngr, workdir, config, abstract_state, train_iter, allow_chan
   return None, 0, moved
 
 
+def _refuse_changes(where: str, number: int, changes: dict, unsafe: list, allow_change: bool, trained: str,
+                    resume_with: str) -> None:
+  """An InputError where checkpoint `number` was trained with another task or model (no flag restores those), or
+  with other values of fields a resume may not change, unless `allow_change`."""
+  if model := [k for k in unsafe if k == 'task' or k.startswith('model.')]:
+    raise InputError(f'{where}: holds checkpoints of a different task/model (step {number}: '
+                     f'{listed(changes, model)}); use a new workdir or the original config')
+  if unsafe and not allow_change:
+    raise InputError(f'{where}: {trained} {listed(changes, unsafe)}; resume with {resume_with}, or pass '
+                     '--allow_config_change to go on with the new values')
+
+
 def guard_config(config, workdir: epath.Path, allow_change: bool = False):
   """Refuses checkpoints trained with a typed config differing from config.json in a field not resumable, unless
   `allow_change`; writes nothing. Returns `record()`, which writes config.json and a config_history.jsonl line where
@@ -263,13 +270,9 @@ def guard_config(config, workdir: epath.Path, allow_change: bool = False):
     changes, unsafe, saved = {}, [], None
   folder = workdir / 'checkpoints'
   number = max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=0) if folder.is_dir() else 0
-  if number and (model := [k for k in unsafe if k == 'task' or k.startswith('model.')]):  # no flag restores those
-    raise InputError(f'--workdir={where!r}: holds checkpoints of a different task/model (step {number}: '
-                     f'{listed(changes, model)}); use a new workdir or the original config')
-  if unsafe and number and not allow_change:
-    raise InputError(f'--workdir={where!r}: its checkpoints (step {number}) were trained with '
-                     f'{listed(changes, unsafe)}; resume with the saved config (--config={where}), or pass '
-                     '--allow_config_change to go on with the new values')
+  if number:
+    _refuse_changes(f'--workdir={where!r}', number, changes, unsafe, allow_change,
+                    f'its checkpoints (step {number}) were trained with', f'the saved config (--config={where})')
   if number and changes and jax.process_index() == 0:  # e.g. a longer run: said on the console, not only recorded
     print(f'resuming checkpoint {number} with a changed config: {listed(changes, changes)}', flush=True)
 
