@@ -11,14 +11,19 @@ ARGS ?=
 # What training needs. The tests' extra adds pytest and, on Linux x86-64, libtpu (the TPU compiler, for the tests
 # that compile for a TPU slice); training installs neither.
 $(VENV)/.installed: pyproject.toml
+	$(call install,.)
+
+# One install of everything (one resolve, not two): it holds what training needs too.
+$(VENV)/.installed-test: pyproject.toml
+	$(call install,'.[test]')
+	touch $(VENV)/.installed
+
+define install
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e $(1)
 	touch $@
-
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[test]'
-	touch $@
+endef
 
 # Everything: training and the tests.
 setup: $(VENV)/.installed-test
