@@ -5,11 +5,13 @@ the run at once in one line."""
 import json
 import os
 import shutil
+import time
 
 import jax
 import pytest
 from etils import epath
 from orbax.checkpoint._src.checkpointers import async_checkpointer
+from orbax.checkpoint._src.metadata import checkpoint as metadata_checkpoint
 
 from helpers import TINY_LM, checkpoint_steps, load_config, losses, train_cli
 from laurel import train
@@ -27,9 +29,19 @@ ENOSPC = ValueError('RESOURCE_EXHAUSTED: Error writing "params.embed/0" in OCDBT
 
 @pytest.fixture(scope='module')
 def saved_run(tmp_path_factory):
-  """A run of 6 steps with checkpoints 3 and 6, and its losses."""
+  """A run of 6 steps with checkpoints 3 and 6, and its losses; orbax's background writes of step metadata slowed, as
+  a busy host's can be, so that a list written before the last of them lands would not match."""
   workdir = tmp_path_factory.mktemp('saved') / 'run'
-  train.train(load_config(SPEC, RUN), str(workdir), devices=jax.devices()[:1])
+  store = metadata_checkpoint._MetadataStoreImpl  # pylint: disable=protected-access
+  update = store.update
+
+  def slow_update(*args, **kwargs):
+    time.sleep(0.2)
+    return update(*args, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(store, 'update', slow_update)
+    train.train(load_config(SPEC, RUN), str(workdir), devices=jax.devices()[:1])
   return workdir, losses(workdir)
 
 

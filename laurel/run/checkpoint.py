@@ -117,6 +117,11 @@ class Manager(ocp.CheckpointManager):
   saving: list[int]
   failed: BaseException | None = None
 
+  def wait_for_metadata(self) -> None:
+    """Waits for orbax's queued writes of step metadata: its store writes in the background, and the last update of
+    a save can land after the post-finalization callback has begun."""
+    self._non_blocking_metadata_store.wait_until_finished()
+
 
 def manager(workdir: epath.Path, config) -> Manager:
   """The run's checkpoints: saved where orbax's policies say (a preemption, which JAX's service tells every process
@@ -126,6 +131,7 @@ def manager(workdir: epath.Path, config) -> Manager:
   saving = []
 
   def vouch():  # on process 0 once every host has written its part; on an object store the commit writes in place
+    mngr.wait_for_metadata()  # else the list could vouch for metadata that a queued update then rewrites
     final = directory / str(saving[-1])
     tmp = directory / f'{saving[-1]}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}'
     record(tmp if tmp.exists() else final, final)
