@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from etils import epath
 
+from as_printed import run_as_printed
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, metrics, without_this_python
 from laurel import train
 from laurel.cli import console, process
@@ -62,9 +63,8 @@ def test_a_run_prints_progress_one_line_per_step_and_a_summary_and_no_error_line
       f'  {sys.executable} -m laurel.serve.evaluate --workdir=run --task=held_out --max_items=10   # the first 10 of '
       'its held-out documents; text:GLOB, .jsonl and TFDS tasks: docs/evaluation.md']
   assert (workdir / 'checkpoints' / '4').is_dir() and list((workdir / 'tensorboard').iterdir())
-  # The next command works as printed, from that shell.
-  generated = subprocess.run(['bash', '-c', end[-2].strip()], env=env, cwd=tmp_path, capture_output=True, text=True,
-                             timeout=300)
+  # The next command works as printed, from that shell (its laurel command line in this process).
+  generated = run_as_printed(end[-2].strip(), tmp_path, env)
   assert generated.returncode == 0 and generated.stdout.startswith("=== 1/1 | prompt 'The ' | "), generated.stderr
 
 

@@ -1,27 +1,32 @@
 """laurel.serve.harness: lm-evaluation-harness scores an LM run as laurel.serve.evaluate, laurel.serve.generate and a direct
 computation do, offline, on tasks defined here from local JSONL files."""
 
+import contextlib
 import importlib.metadata
+import io
 import json
 import pathlib
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from absl import logging
 
 pytest.importorskip('lm_eval', reason="lm-evaluation-harness is an optional extra: pip install -e '.[lm_eval]'")
 
-from helpers import ROOT, TINY_LM, cli_env, run_cli  # pylint: disable=wrong-import-position
-from laurel import data  # pylint: disable=wrong-import-position
+from helpers import ROOT, TINY_LM, cli_env, load_config  # pylint: disable=wrong-import-position
+from laurel import data, train  # pylint: disable=wrong-import-position
 from laurel.serve import loader
 from laurel.serve import evaluate, generate, harness
 from lm_eval.api import registry  # pylint: disable=wrong-import-position
 from lm_eval.api.instance import Instance  # pylint: disable=wrong-import-position
+from lm_eval.tasks import TaskManager  # pylint: disable=wrong-import-position
 from laurel.config_lib import InputError  # pylint: disable=wrong-import-position
 
 SEQ_LEN = TINY_LM['data.seq_len']  # 32: a window scores up to 31 tokens
@@ -36,10 +41,10 @@ EXAMPLE = ROOT / 'configs' / 'lm_eval'  # the shipped offline task: python_synta
 
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
-  """A tiny run trained long enough (40 steps) that its greedy continuations vary."""
+  """A tiny run trained long enough (40 steps) that its greedy continuations vary, on one device, in this process."""
   workdir = tmp_path_factory.mktemp('harness') / 'run'
-  trained = run_cli('configs/c4_ablation.py:rw_lr,preset=tiny', workdir, {**TINY_LM, 'steps': 40, 'log_every': 40})
-  assert trained.returncode == 0, trained.stderr[-2000:]
+  config = load_config('configs/c4_ablation.py:rw_lr,preset=tiny', {**TINY_LM, 'steps': 40, 'log_every': 40})
+  train.train(config, str(workdir), devices=jax.devices()[:1])
   return workdir
 
 
@@ -86,6 +91,32 @@ def _offline_env(tmp_path, num_devices):
   env = cli_env(num_devices)
   env.update(HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', HF_EVALUATE_OFFLINE='1', HF_HOME=str(tmp_path / 'hf'))
   return env
+
+
+class _OwnTasksOnly(TaskManager):
+  """lm_eval's task index of --include_path alone: its thousands of own tasks cost some 7 CPU-s to index."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **{**kwargs, 'include_defaults': False})
+
+
+def _lm_eval_here(*args) -> tuple[int, str]:
+  """laurel-lm-eval's command line `args` (laurel.serve.harness.run: lm_eval's, our errors in one line) in this process,
+  its tasks those of --include_path: (exit status, stderr)."""
+  err, verbosity = io.StringIO(), logging.get_verbosity()
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(mock.patch.object(sys, 'argv', ['laurel-lm-eval', *map(str, args)]))
+    stack.enter_context(mock.patch('lm_eval.tasks.TaskManager', _OwnTasksOnly))
+    stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+    stack.enter_context(contextlib.redirect_stderr(err))
+    try:
+      harness.run()
+      status = 0
+    except SystemExit as e:
+      status = e.code
+    finally:
+      logging.set_verbosity(verbosity)
+  return status, err.getvalue()
 
 
 def _stop_after(text: str, until) -> str:
@@ -138,7 +169,8 @@ def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation
   mc_logliks = [[float(ll) for ll, _ in s['filtered_resps']] for s in samples['laurel_mc']]
   for got, want in zip(mc_logliks, choice_logliks):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-  [ours] = evaluate.evaluate_run(run, [mc_file], batch_size=3)  # laurel.serve.evaluate on the same items
+  # laurel.serve.evaluate on the same items, and on the shipped task's JSONL
+  ours, shipped = evaluate.evaluate_run(run, [mc_file, str(EXAMPLE / 'python_syntax.jsonl')], batch_size=3)
   assert results['laurel_mc']['acc,none'] == ours['accuracy']
   assert results['laurel_mc']['acc_bytes,none'] == ours['accuracy_norm']  # both normalise by the choice's bytes
   assert np.mean([ll[item['label']] for ll, item in zip(mc_logliks, MC)]) == pytest.approx(ours['correct_loglik'],
@@ -146,19 +178,21 @@ def test_lm_eval_cli_scores_as_laurel_evaluate_generate_and_a_direct_computation
 
   np.testing.assert_allclose([float(s['filtered_resps'][0]) for s in samples['laurel_text']], rolling, rtol=1e-4)
   assert [s['filtered_resps'][0] for s in samples['laurel_gen']] == expected
-  [shipped] = evaluate.evaluate_run(run, [str(EXAMPLE / 'python_syntax.jsonl')], batch_size=4)
   assert shipped['items'] == 24
   assert (results['laurel_python_syntax']['acc,none'], results['laurel_python_syntax']['acc_bytes,none']) == (
       shipped['accuracy'], shipped['accuracy_norm'])
 
-  bad = subprocess.run(command[:5] + ['--model_args', f'workdir={tmp_path}'] + command[7:11],
-                       env=_offline_env(tmp_path, 1), cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert bad.returncode == 2 and 'Traceback' not in bad.stderr, bad.stderr[-3000:]
-  assert bad.stderr.strip().splitlines()[-1] == f"error: --workdir='{tmp_path}': no config.json; is it a laurel run?"
+  # Not a run: one line and status 2 (in this process: lm_eval's command line started once above).
+  status, stderr = _lm_eval_here(*command[3:5], '--model_args', f'workdir={tmp_path}', *command[7:11])
+  assert status == 2 and 'Traceback' not in stderr, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == f"error: --workdir='{tmp_path}': no config.json; is it a laurel run?"
 
 
 @pytest.mark.slow
-def test_laurel_lm_from_python_greedy_flags_and_refused_generation_kwargs(run):
+def test_laurel_lm_from_python_greedy_flags_and_refused_generation_kwargs(trained_run):
+  """The backend lm_eval resolves `--model laurel` to, called from Python on conftest's shared run (the same context
+  of 32 tokens as `run`'s; nothing here needs varied continuations)."""
+  run = trained_run
   assert registry.get_model('laurel') is harness.LaurelLM
   assert registry.get_model('dummy').__name__ == 'DummyLM'  # the built-in backends stay registered
   [entry] = [e for e in importlib.metadata.entry_points(group='lm_eval.models') if e.name == 'laurel']

@@ -15,7 +15,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from helpers import ROOT, TINY_LM, cli_env, fake_gcs_env, load_config, metrics, run_cli, typed_config
+from helpers import ROOT, TINY_LM, cli_args, cli_env, fake_gcs_env, load_config, metrics, typed_config
 from laurel import config_lib, train
 from laurel.plan import preflight
 from laurel.run import metric_writers, metrics_log
@@ -62,14 +62,6 @@ def test_a_run_writes_the_logged_scalars_and_hparams_to_tensorboard(tmp_path):
   assert hparams['model.d_model'] == 32 and hparams['row'] == 'rw_lr' and hparams['tensorboard'] is True
 
 
-@pytest.mark.slow
-def test_profile_steps_write_a_trace(tmp_path):
-  # In its own process: a jax.profiler session in a test worker that has run others can take the worker down.
-  result = run_cli(SPEC, tmp_path, {**TINY_LM, 'steps': 4, 'profile_steps': '(1,3)'})
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert glob.glob(str(tmp_path / 'profile' / '**' / '*.xplane.pb'), recursive=True)
-
-
 class _Recorder:
   def __init__(self):
     self.calls = []
@@ -100,20 +92,21 @@ def test_profiler_traces_the_configured_steps_only(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_default_install_writes_runs_without_tensorflow(tmp_path):
-  """laurel.train and every default writer load no TensorFlow, and W&B not unless asked (a separate process: another
-  test may load them)."""
-  code = ('import sys\nfrom etils import epath\nfrom laurel import command_line, main, train_config\n'
-          'from laurel.run import metrics_log\n'
-          f'config = train_config.build_config(command_line.load({SPEC!r}, ["tensorboard=True"]))\n'
-          f'log = metrics_log.MetricsLog(epath.Path({str(tmp_path)!r}), config, 0, {{}})\n'
-          'log.write(1, {"loss": 2.5})\nlog.writer.close()\n'
-          'print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "clu", "wandb")))\n')
+def test_a_run_writes_its_profile_and_tensorboard_without_tensorflow(tmp_path):
+  """profile_steps write a trace; laurel.train and every default writer load no TensorFlow, and W&B not unless asked.
+  In a process of its own: another test may load them, and a jax.profiler session in a test worker that has run
+  others can take the worker down."""
+  overrides = {**TINY_LM, 'steps': 4, 'profile_steps': '(1,3)', 'tensorboard': True}
+  code = ('import sys\nfrom laurel import main\n'
+          f'status = main.main({["laurel-train", *cli_args(SPEC, tmp_path, overrides)[3:]]!r})\n'
+          'print(status, sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "clu", "wandb")))\n')
   result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=cli_env(), cwd=ROOT,
                           check=False)
   assert result.returncode == 0, result.stderr[-2000:]
-  assert result.stdout.strip() == '[]'
-  assert _tensorboard_scalars(tmp_path / 'tensorboard') == {'loss': {1: 2.5}}
+  assert result.stdout.splitlines()[-1] == '0 []'
+  assert glob.glob(str(tmp_path / 'profile' / '**' / '*.xplane.pb'), recursive=True)
+  assert _tensorboard_scalars(tmp_path / 'tensorboard')['loss'] == pytest.approx(
+      {r['step']: r['loss'] for r in metrics(tmp_path) if 'loss' in r}, rel=1e-6)
 
 
 def _open_wandb_run(tmp_path):

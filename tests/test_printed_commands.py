@@ -15,6 +15,7 @@ import sys
 import pytest
 from etils import epath
 
+from as_printed import run_as_printed
 from helpers import ROOT, cli_env, without_this_python
 from laurel import command_line, config_lib, train_config
 from laurel.run import metrics_log
@@ -106,8 +107,8 @@ def demo_root(trained_run, tmp_path_factory):
 
 
 def _shell(command: str, cwd) -> subprocess.CompletedProcess:
-  env = {**cli_env(), 'PATH': without_this_python(cli_env()['PATH'])}  # a shell where the venv is not activated
-  return subprocess.run(['bash', '-c', command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+  """`command` as a shell in which the venv is not activated runs it; laurel's command lines in this process."""
+  return run_as_printed(command, cwd, {**cli_env(), 'PATH': without_this_python(cli_env()['PATH'])})
 
 
 @pytest.mark.slow
