@@ -293,30 +293,30 @@ def test_sweep_heatmap_numbers_are_legible_on_every_cell():
 
 @pytest.mark.slow
 def test_sweep_grid_on_a_tpu_slice_with_a_gs_workdir_goes_on_past_a_failed_point(cloud):
-  """A subprocess: the fake gs:// (tests/fake_gcs) is a process's."""
+  """A subprocess: the fake gs:// (tests/fake_gcs) is a process's. A 1 x 2 grid of two fields: its first point
+  fails, the second still trains."""
   env, gcs, calls = cloud
-  args = ['--config=configs/c4_ablation.py:rw_lr_pa', '--field=model.laurel.rank', '--values=8,16',
+  args = ['--config=configs/c4_ablation.py:rw_lr_pa', '--field=model.laurel.rank', '--values=8',
           '--field=model.laurel.k', '--values=2,3', '--workdir=gs://bucket/sweep', '--launch=tpu',
-          '--nopreflight', '--tpu=t',
-          '--zone=z', '--accelerator=v6e-16']
-  r = script('sweep.py', *args, env={**env, 'FAKE_GCLOUD_FAIL': 'rank=8,k=3'})
+          '--nopreflight', '--tpu=t', '--zone=z', '--accelerator=v6e-16']
+  r = script('sweep.py', *args, env={**env, 'FAKE_GCLOUD_FAIL': 'rank=8,k=2'})
   assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-  assert r.stderr.strip().splitlines()[-1] == 'error: 1 point(s) failed: rank=8,k=3'
+  assert r.stderr.strip().splitlines()[-1] == 'error: 1 point(s) failed: rank=8,k=2'
   verbs = [c[3] for c in calls()]
-  assert verbs == ['scp', 'ssh'] + ['ssh'] * 4  # the slice's setup, then one training per point
+  assert verbs == ['scp', 'ssh'] + ['ssh'] * 2  # the slice's setup, then one training per point
   rows = list(csv.DictReader((gcs / 'bucket' / 'sweep' / 'sweep.csv').open()))
   assert [(r['model.laurel.rank'], r['model.laurel.k'], r['status']) for r in rows] == [
-      ('8', '2', 'done'), ('8', '3', 'failed'), ('16', '2', 'done'), ('16', '3', 'done')]
+      ('8', '2', 'failed'), ('8', '3', 'done')]
   assert (gcs / 'bucket' / 'sweep' / 'sweep.png').read_bytes()[:4] == b'\x89PNG'
-  assert json.loads((gcs / 'bucket' / 'sweep' / 'rank=8,k=3' / 'failed.json').read_text())['exit'] == 1
+  assert json.loads((gcs / 'bucket' / 'sweep' / 'rank=8,k=2' / 'failed.json').read_text())['exit'] == 1
   assert not list(gcs.glob('gs:*')) and not (ROOT / 'gs:').exists()  # never a local folder named gs:
 
   r = script('sweep.py', *args, '--nosetup', env=env)  # the rerun trains only the failed point
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-  assert r.stdout.count('finished, skipped') == 3 and len(calls()) == 7
+  assert r.stdout.count('finished, skipped') == 1 and len(calls()) == 5
   summary = json.loads((gcs / 'bucket' / 'sweep' / 'sweep.json').read_text())['summary']
-  assert [s['runs'] for s in summary] == [1, 1, 1, 1]
-  assert '| 8 | 3 | 1 |' in (gcs / 'bucket' / 'sweep' / 'sweep.md').read_text()
+  assert [s['runs'] for s in summary] == [1, 1]
+  assert '| 8 | 2 | 1 |' in (gcs / 'bucket' / 'sweep' / 'sweep.md').read_text()
 
 
 @pytest.mark.slow
@@ -490,42 +490,11 @@ def test_benchmark_keeps_slice_rows_across_commits_that_leave_laurel_and_configs
 
 
 @pytest.mark.slow
-def test_benchmark_tiny_writes_every_key(tmp_path):
-  """A subprocess: it times steps and their CPU time on the one device of a process of its own."""
-  out = tmp_path / 'bench.json'
-  tiny = {k: v for k, v in TINY_SETS.items() if k.startswith('model.')}
-  r = script('benchmark.py', '--preset=tiny', '--rows=rw_lr,baseline_24', '--batch_size=2', '--seq_len=32',
-             '--steps=2', '--warmup=1', '--full_shape_batch_per_device=4', '--full_shape_seq_len=64',
-             f'--out={out}', *sets(tiny))
-  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-  result = json.loads(out.read_text())
-  assert set(result) >= {'device', 'shape', 'rows', 'full_shape', 'full_shape_memory', 'command'}
-  assert 'scripts/benchmark.py --preset=tiny --rows=rw_lr,baseline_24' in result['command']
-  assert result['shape']['batch_size'] == 2 and result['shape']['seq_len'] == 32
-  assert result['shape']['d_model'] == 32 and result['shape']['dtype'] == 'float32'
-  rows = {row['name']: row for row in result['rows']}
-  assert list(rows) == ['baseline_24', 'rw_lr']  # the baseline first, always
-  for row in rows.values():
-    assert set(row) >= {'name', 'step_time_s', 'step_time_ratio', 'peak_memory_bytes', 'peak_memory_ratio',
-                        'tokens_per_s', 'mfu', 'flops_per_step', 'params'}
-    assert len(row['step_times_s']) == 2 and row['mfu'] is None  # no known peak FLOP/s on CPU
-  base, lr = rows['baseline_24'], rows['rw_lr']
-  for key in ('step_time_ratio', 'step_time_ratio_paired', 'step_time_min_ratio', 'cpu_time_ratio',
-              'peak_memory_ratio', 'flops_ratio'):
-    assert base[key] == 1.0, key
-  assert lr['params'] > base['params'] and lr['flops_per_step'] > base['flops_per_step']
-  assert base['tokens_per_s'] == pytest.approx(64 / base['step_time_s'])
-  full = {row['name']: row for row in result['full_shape_memory']}
-  assert full['baseline_24']['peak_memory_ratio'] == 1.0 and full['rw_lr']['peak_memory_bytes'] > 0
-  assert result['full_shape']['batch_size'] == 4 and result['full_shape']['seq_len'] == 64
-  assert 'rw_lr' in r.stdout and 'baseline_24' in r.stdout  # the table
-
-
-@pytest.mark.slow
 def test_benchmark_decode_counts_every_layer_and_writes_every_key(tmp_path):
-  """A subprocess: it times decoding on the one device of a process of its own."""
+  """In this process (helpers.run_script): its jitted steps take one device, and no timing is checked, only that
+  each is there."""
   out = tmp_path / 'decode.json'
-  r = script('benchmark_decode.py', '--preset=tiny', '--rows=baseline_28,rw_lr_pa', '--prompt_len=8', '--batch=2',
+  r = run_script('benchmark_decode.py', '--preset=tiny', '--rows=baseline_28,rw_lr_pa', '--prompt_len=8', '--batch=2',
              '--new_tokens=2', '--rounds=1', f'--out={out}')
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   result = json.loads(out.read_text())
