@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, cli_env, gpu_present
+from helpers import ROOT, cli_env, gpu_present, run_script
 from laurel.cli import console, gpu_workarounds
 from laurel.plan import hardware
 
@@ -35,6 +35,8 @@ def test_mfu_is_the_flops_per_step_over_the_step_time_and_the_summed_peak():
   assert hardware.utilisation(flops, 0.078, h100) == pytest.approx(0.400964, abs=1e-6)
   assert hardware.utilisation(flops, 0.078, 8 * h100) == pytest.approx(0.400964 / 8, abs=1e-7)
   assert hardware.utilisation(flops, 0.078, None) is None and hardware.utilisation(0.0, 0.078, h100) is None
+  # No known peak on a CPU: scripts/benchmark.py's and gpu_profile.py's MFU, (peak or 0) x devices, is None there.
+  assert 'cpu' not in hardware.PEAK_FLOPS and hardware.utilisation(flops, 0.078, 0) is None
 
 
 def test_a_device_kind_names_its_result_file():
@@ -49,9 +51,8 @@ def test_a_device_kind_names_its_result_file():
      'error: --variants: not with --topology (--vary compiles Baseline-24 per value there)'),
     (['--peak_flops=0'], 'flag --peak_flops=0'),
 ], ids=['no_value', 'unknown_field', 'with_topology', 'peak_not_positive'])
-@pytest.mark.slow
 def test_bad_benchmark_arguments_are_one_line_before_compiling(args, message):
-  result = _benchmark(*TINY, '--steps=1', *args, timeout=120)
+  result = run_script('benchmark.py', *TINY, '--steps=1', *args)
   assert result.returncode != 0 and 'compiled' not in result.stdout
   assert message in result.stderr, result.stderr[-2000:]
 
@@ -195,27 +196,47 @@ def test_profile_sums_the_devices_ops_per_step_and_groups_them(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_variants_write_the_gpu_check_layout_with_mfu_from_the_given_peak(tmp_path):
-  """The JSON make gpu-check writes, measured on CPU: the rows, a Baseline-24 variant timed with them, ratios to
-  Baseline-24, versions, the device's peak memory, MFU/HFU from --peak_flops, and --profile's ops by time."""
-  result = _benchmark(*TINY, '--rows=rw_lr', '--steps=2', '--variants=model.loss_chunk=0', '--peak_flops=1e12',
+  """The JSON make gpu-check writes, measured on CPU: every key, the rows (Baseline-24 first, whatever --rows says), a
+  Baseline-24 variant timed with them, ratios to Baseline-24, versions, the device's peak memory, MFU/HFU from
+  --peak_flops, --profile's ops by time, and each row's full-shape memory. A subprocess: it times steps and their CPU
+  time on the one device of a process of its own."""
+  args = [arg for arg in TINY if arg != '--nofull_shape_memory']
+  result = _benchmark(*args, '--rows=rw_lr,baseline_24', '--steps=2', '--variants=model.loss_chunk=0',
+                      '--peak_flops=1e12', '--full_shape_batch_per_device=4', '--full_shape_seq_len=64',
                       f'--profile={tmp_path}/profile', f'--out={tmp_path}/benchmark_{{device}}.json')
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   out = json.loads((tmp_path / 'benchmark_cpu.json').read_text())
+  assert set(out) >= {'device', 'shape', 'rows', 'full_shape', 'full_shape_memory', 'command', 'profile'}
+  assert 'scripts/benchmark.py --preset=tiny --batch_size=2' in out['command'] and '--rows=rw_lr,baseline_24' in (
+      out['command'])
+  assert out['shape']['batch_size'] == 2 and out['shape']['seq_len'] == 32
+  assert out['shape']['d_model'] == 32 and out['shape']['dtype'] == 'float32'
   device = out['device']
   assert device['peak_flops_per_device'] == 1e12 and device['jax_version'] and device['jaxlib_version']
   assert 'device_peak_bytes' in device and 'cudnn_version' not in device  # CUDA's versions on a GPU only
   rows = {r['name']: r for r in out['rows']}
-  assert list(rows) == ['baseline_24', 'rw_lr', 'baseline_24 loss_chunk=0']
+  assert list(rows) == ['baseline_24', 'rw_lr', 'baseline_24 loss_chunk=0']  # the baseline first, always
   assert out['shape']['num_layers']['baseline_24 loss_chunk=0'] == 3
   for r in rows.values():
+    assert set(r) >= {'name', 'step_time_s', 'step_time_ratio', 'peak_memory_bytes', 'peak_memory_ratio',
+                      'tokens_per_s', 'mfu', 'flops_per_step', 'params'}
     assert r['mfu'] == pytest.approx(r['model_flops_per_step'] / r['step_time_s'] / 1e12)
     assert r['hfu'] == pytest.approx(r['flops_per_step'] / r['step_time_s'] / 1e12)
     assert r['tokens_per_s'] == pytest.approx(64 / r['step_time_s'])
     assert r['step_time_ratio'] == pytest.approx(r['step_time_s'] / rows['baseline_24']['step_time_s'], abs=1e-4)
     assert r['peak_memory_bytes'] > 0 and len(r['step_times_s']) == 2
+  base, lr = rows['baseline_24'], rows['rw_lr']
+  for key in ('step_time_ratio', 'step_time_ratio_paired', 'step_time_min_ratio', 'cpu_time_ratio',
+              'peak_memory_ratio', 'flops_ratio'):
+    assert base[key] == 1.0, key
+  assert lr['params'] > base['params'] and lr['flops_per_step'] > base['flops_per_step']
   variant = rows['baseline_24 loss_chunk=0']
   assert variant['params'] == rows['baseline_24']['params'] and variant['params_ratio'] == 1.0
-  assert 'baseline_24 loss_chunk=0' in result.stdout  # the table
+  assert 'baseline_24 loss_chunk=0' in result.stdout and 'rw_lr' in result.stdout  # the table
+  full = {row['name']: row for row in out['full_shape_memory']}
+  assert list(full) == ['baseline_24', 'rw_lr']  # the rows', not the variants'
+  assert full['baseline_24']['peak_memory_ratio'] == 1.0 and full['rw_lr']['peak_memory_bytes'] > 0
+  assert out['full_shape']['batch_size'] == 4 and out['full_shape']['seq_len'] == 64
   profiles = out['profile']
   assert list(profiles) == ['baseline_24', 'rw_lr'] and 'profile of rw_lr: ' in result.stdout
   for name, profile in profiles.items():
@@ -229,46 +250,45 @@ def test_benchmark_variants_write_the_gpu_check_layout_with_mfu_from_the_given_p
   assert profiles['rw_lr']['categories']['residual']['ops'] > profiles['baseline_24']['categories']['residual']['ops']
 
 
-def _gpu_profile(tmp_path, *args, timeout=900):
-  command = [sys.executable, str(ROOT / 'scripts' / 'gpu_profile.py'), '--smoke', f'--cache={tmp_path}/cache',
-             f'--out={tmp_path}/gpu_profile_{{device}}.json', *args]
-  return subprocess.run(command, cwd=ROOT, text=True, capture_output=True, env=cli_env(), timeout=timeout, check=False)
+def _gpu_profile(tmp_path, *args):
+  """scripts/gpu_profile.py --smoke in this process (helpers.run_script): its jobs are the processes."""
+  return run_script('gpu_profile.py', '--smoke', f'--cache={tmp_path}/cache',
+                    f'--out={tmp_path}/gpu_profile_{{device}}.json', *args, env=cli_env())
 
 
 @pytest.mark.slow
 def test_gpu_profile_writes_each_jobs_times_profile_and_the_ab_ratios(tmp_path):
-  """scripts/gpu_profile.py --smoke on the CPU: three of its jobs, each in its own process; the CPU's trace grouped."""
-  result = _gpu_profile(tmp_path, '--jobs=gpu,one_hot,gpu_rw_lr_pa', '--budget_s=800')
+  """scripts/gpu_profile.py --smoke on the CPU: the base job and an A/B job, each in its own process; the CPU's trace
+  of the base grouped. (A LAuReL row's residual ops beside the baseline's, grouped alike by step_profile:
+  test_benchmark_variants_write_the_gpu_check_layout_with_mfu_from_the_given_peak.)"""
+  result = _gpu_profile(tmp_path, '--jobs=gpu,one_hot', '--budget_s=800')
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   out = json.loads((tmp_path / 'gpu_profile_cpu.json').read_text())
   assert out['device']['device_kind'] == 'cpu' and out['device']['jax_version'] and out['smoke']
   jobs = {j['name']: j for j in out['jobs']}
-  assert list(jobs) == ['gpu', 'one_hot', 'gpu_rw_lr_pa'] and {j['status'] for j in jobs.values()} == {'ok'}
+  assert list(jobs) == ['gpu', 'one_hot'] and {j['status'] for j in jobs.values()} == {'ok'}
   assert 'model.embed_lookup=one_hot' in jobs['one_hot']['job']['overrides']
   for j in jobs.values():
     assert len(j['step_times_s']) == 2 and j['compile_s'] > 0 and j['params'] > 0 and j['mfu'] is None  # no CPU peak
     assert j['tokens_per_s'] == pytest.approx(64 / j['step_time_s'])
   assert out['ab'] == [{'name': 'one_hot', 'step_time_s': jobs['one_hot']['step_time_s'], 'mfu': None,
                         'step_time_ratio': round(jobs['one_hot']['step_time_s'] / jobs['gpu']['step_time_s'], 4)}]
-  assert 'profile' not in jobs['one_hot'] and 'profile of gpu_rw_lr_pa: ' in result.stdout
-  profiles = {name: jobs[name]['profile'] for name in ('gpu', 'gpu_rw_lr_pa')}
-  for profile in profiles.values():
-    groups = profile['categories']
-    assert list(groups) == list(step_profile.CATEGORIES) and profile['source'] == 'host'  # CPU thunks
-    assert sum(g['share'] for g in groups.values()) == pytest.approx(1.0)
-    for name in ('embedding', 'attention', 'matmul', 'loss', 'optimizer'):
-      assert groups[name]['ops'] > 0, name
-  assert profiles['gpu_rw_lr_pa']['categories']['residual']['ops'] > profiles['gpu']['categories']['residual']['ops']
+  assert 'profile' not in jobs['one_hot'] and 'profile of gpu: ' in result.stdout
+  groups = jobs['gpu']['profile']['categories']
+  assert list(groups) == list(step_profile.CATEGORIES) and jobs['gpu']['profile']['source'] == 'host'  # CPU thunks
+  assert sum(g['share'] for g in groups.values()) == pytest.approx(1.0)
+  for name in ('embedding', 'attention', 'matmul', 'loss', 'optimizer'):
+    assert groups[name]['ops'] > 0, name
 
 
 @pytest.mark.slow
 def test_gpu_profile_records_a_job_out_of_time_and_overwrites_nothing(tmp_path):
   (tmp_path / 'gpu_profile_cpu.json').write_text('{"a good": "file"}')
-  result = _gpu_profile(tmp_path, '--jobs=gpu', '--budget_s=1', timeout=120)
+  result = _gpu_profile(tmp_path, '--jobs=gpu', '--budget_s=1')
   assert result.returncode == 1 and 'gpu: timed out after 1 s' in result.stdout, result.stdout + result.stderr
   assert result.stderr.endswith("error: no job ran to the end (their output above); nothing written\n")
   assert (tmp_path / 'gpu_profile_cpu.json').read_text() == '{"a good": "file"}'
-  bad = _gpu_profile(tmp_path, '--jobs=gpu,nope', timeout=120)
+  bad = _gpu_profile(tmp_path, '--jobs=gpu,nope')
   assert bad.returncode == 2 and bad.stderr.endswith("error: --jobs: unknown job 'nope' (known: gpu, paper, one_hot, "
                                                      "unrolled, xla_attention, no_command_buffers, jax_toolbox, "
                                                      "gpu_rw_lr_pa)\n")

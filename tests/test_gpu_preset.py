@@ -6,7 +6,7 @@ import sys
 import jax
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, run_script
 from laurel import command_line, data, train_config
 
 sys.path.insert(0, str(ROOT / 'configs'))
@@ -60,19 +60,19 @@ SHRUNK = {'model.d_model': 32, 'model.num_heads': 4, 'model.d_ff': 64, 'model.la
 @pytest.mark.slow
 def test_reproduce_end_to_end_as_the_gpu_command_shrunk_with_evaluations_and_resumable(tmp_path):
   """scripts/reproduce_c4_ablation.py end to end, as the one command a GPU session runs, shrunk: two of its rows and
-  two seeds (four runs) and laurel.serve.evaluate's tasks on each; the tables get their intervals and eval columns, and
-  a rerun skips what finished and resumes what did not."""
-  import subprocess  # pylint: disable=import-outside-toplevel
+  two seeds (four runs, each in a process of its own) and laurel.serve.evaluate's tasks on each; the tables get their
+  intervals and eval columns, and a rerun trains nothing that finished and evaluates only the task whose file is
+  gone. (A run that did not finish resumes: test_scripts.py's test_local_sweep_end_to_end_and_resumable, the same
+  launching.run_points.) The script runs in this process (helpers.run_script): its runs are the processes."""
   from test_scripts import fast_env  # pylint: disable=import-outside-toplevel
   runs, out = tmp_path / 'runs', tmp_path / 'out'
   (tmp_path / 'held_out').mkdir()
   (tmp_path / 'held_out' / 'a.txt').write_text('The quick brown fox jumps over the lazy dog. ' * 3)
   (tmp_path / 'mc.jsonl').write_text('{"context": "One, two,", "choices": [" three", " blue"], "label": 0}\n')
-  command = [sys.executable, 'scripts/reproduce_c4_ablation.py', '--preset=gpu',
-             '--rows=baseline_24,rw_lr_pa', '--seeds=2', f'--workdir={runs}', f'--out={out}',
-             f'--evaluate=text:{tmp_path}/held_out/*.txt', f'--evaluate={tmp_path}/mc.jsonl',
-             *(f'--set={k}={v}' for k, v in SHRUNK.items())]
-  run = lambda: subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=fast_env(), timeout=1800)
+  args = ['--preset=gpu', '--rows=baseline_24,rw_lr_pa', '--seeds=2', f'--workdir={runs}', f'--out={out}',
+          f'--evaluate=text:{tmp_path}/held_out/*.txt', f'--evaluate={tmp_path}/mc.jsonl',
+          *(f'--set={k}={v}' for k, v in SHRUNK.items())]
+  run = lambda: run_script('reproduce_c4_ablation.py', *args, env=fast_env())
   r = run()
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert r.stdout.count('laurel.main') == 4 and r.stdout.count('= evaluate') == 4  # one evaluation per run
@@ -102,13 +102,16 @@ def test_reproduce_end_to_end_as_the_gpu_command_shrunk_with_evaluations_and_res
   text = (out / 'c4_ablation_gpu.md').read_text()
   assert '| rw_lr_pa | 2 |' in text and 'Eval noise: the eval set is ' in text and '(reference)' in text
   assert '| held_out_bits_per_byte | × |' in text
-  # Rerun: every run finished, so none trains; one without its final.json resumes at its last checkpoint, where its
-  # eval files still hold.
-  (runs / 'rw_lr_pa' / 'seed0' / 'final.json').unlink()
+  # Rerun: every run finished, so none trains; the eval files that are there hold, the one deleted is redone.
+  mc_file = runs / 'rw_lr_pa' / 'seed0' / 'eval_mc.json'
+  mc_before = json.loads(mc_file.read_text())
+  mc_file.unlink()
   r = run()
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-  assert r.stdout.count('finished, skipped') == 3 and r.stdout.count('laurel.main') == 1
-  assert 'rw_lr_pa,preset=gpu' in r.stdout and 'resumed from checkpoint 2' in r.stdout
-  assert r.stdout.count('= evaluate') == 0
+  assert r.stdout.count('finished, skipped') == 4 and r.stdout.count('laurel.main') == 0
+  assert r.stdout.count('= evaluate') == 1 and f'= evaluate {runs}/rw_lr_pa/seed0: {tmp_path}/mc.jsonl' in r.stdout
+  mc_after = json.loads(mc_file.read_text())
+  assert (mc_after['accuracy'], mc_after['correct_loglik']) == pytest.approx(
+      (mc_before['accuracy'], mc_before['correct_loglik']))
   assert json.loads((out / 'c4_ablation_gpu.json').read_text())['rows'][1]['test_loss'] == pytest.approx(
       row['test_loss'])
