@@ -8,13 +8,16 @@ import flax.linen as nn
 import jax
 import pytest
 
-from helpers import ROOT, TINY_LM, cli_env, load_config, needs_libtpu
-from laurel import attention, sharding, step, train_config
+from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, needs_libtpu
+from laurel import attention, main, sharding, step, train_config
+from laurel.cli import compile_cache
 from laurel.plan import aot, hardware
 
 # Table 5's model shrunk to compile in seconds; 4 scanned layers so the loop accounting has iterations to count.
 SMALL = {**TINY_LM, 'model.num_layers': 4, 'model.dtype': 'bfloat16', 'model.remat': 'dots_no_batch',
          'data.seq_len': 128, 'batch_size': 8}
+CACHE_SETTINGS = ('jax_enable_compilation_cache', 'jax_compilation_cache_dir',
+                  'jax_persistent_cache_min_compile_time_secs')
 
 
 def small(row='rw_lr_pa', **overrides):
@@ -154,27 +157,38 @@ def test_compile_only_refuses_a_step_that_does_not_fit():
   assert 'TPU v5 lite chip has' in line
 
 
+@pytest.fixture
+def in_process():
+  """laurel-train's main(argv) in this process: what its compile-only start sets (JAX's persistent cache, the
+  compilation cache's directory) is put back after, for the other tests."""
+  saved = {name: getattr(jax.config, name) for name in CACHE_SETTINGS}
+  state = dict(compile_cache._state)  # pylint: disable=protected-access
+  yield lambda *args: call_main(main.main, '--config=configs/c4_ablation.py:rw_lr,preset=tiny', *args,
+                                *[f'--config.{k}={v}' for k, v in SMALL.items()])
+  for name, value in saved.items():
+    jax.config.update(name, value)
+  compile_cache._state.update(state)  # pylint: disable=protected-access
+
+
 @pytest.mark.slow
 @needs_libtpu
-def test_compile_only_with_an_mfu_estimates_from_it_and_refuses_one_out_of_range():
+def test_compile_only_with_an_mfu_estimates_from_it_and_refuses_one_out_of_range(in_process):
   r = compile_only('--topology=v5e:2x2', '--mfu=0.5')
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.splitlines()[1].startswith('preflight v5e:2x2: cost: 1,024 tokens per step; ')
   assert '(estimated from an MFU of 50% (--mfu); ' in r.stdout
-  r = compile_only('--topology=v5e:2x2', '--mfu=1.5')
-  assert r.returncode == 2 and r.stderr == 'error: mfu=1.5: must be a fraction in (0, 1], e.g. 0.4 for 40% of the ' \
-                                           "chips' peak FLOP/s\n"
+  # Refused before anything compiles: the command line's contract, in this process.
+  status, _, err = in_process('--compile_only', '--topology=v5e:2x2', '--mfu=1.5')
+  assert status == 2 and err == "error: mfu=1.5: must be a fraction in (0, 1], e.g. 0.4 for 40% of the chips' peak " \
+                                'FLOP/s\n'
 
 
-@pytest.mark.slow
-def test_compile_only_needs_a_topology_and_a_topology_needs_compile_only():
-  r = compile_only()
-  assert r.returncode == 2 and r.stderr.strip().endswith('compiling for a slice needs one, e.g. --topology=v6e:4x4')
-  r = subprocess.run([sys.executable, '-m', 'laurel.main', '--config=configs/c4_ablation.py:rw_lr,preset=tiny',
-                      '--workdir=unused', '--topology=v6e:4x4'], cwd=ROOT, env=cli_env(), capture_output=True,
-                     text=True, timeout=300)
-  assert r.returncode == 2 and r.stderr == ('error: --topology=v6e:4x4: only with --compile_only (a run uses the '
-                                            'devices it finds)\n')
+def test_compile_only_needs_a_topology_and_a_topology_needs_compile_only(in_process):
+  status, _, err = in_process('--compile_only')
+  assert status == 2 and err.strip().endswith('compiling for a slice needs one, e.g. --topology=v6e:4x4')
+  status, _, err = in_process('--workdir=unused', '--topology=v6e:4x4')
+  assert status == 2 and err == 'error: --topology=v6e:4x4: only with --compile_only (a run uses the devices it ' \
+                                'finds)\n'
 
 
 def test_scan_unroll_must_divide_the_layers():

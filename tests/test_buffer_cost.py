@@ -47,7 +47,7 @@ def test_dca_reads_its_columns_without_a_selection_matmul():
   assert not re.search(r'= \S+ dot\(.*op_name="[^"]*dca_attn/[a-z]+j,jbld', hlo)
 
 
-def _activations_per_layer(row: str, layers=(2, 4, 6), batch=2, seq_len=16) -> list[float]:
+def _activations_per_layer(row: str, layers=(2, 4), batch=2, seq_len=16) -> list[float]:
   """What a residual_designs row keeps per scanned layer for its backward, in D-wide float32 activations: XLA's
   temporaries of its compiled loss gradient at each layer count, their difference per added layer (between
   consecutive counts) over the bytes of one activation."""

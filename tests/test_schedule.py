@@ -126,11 +126,10 @@ def compiled(f, *shapes, chip) -> str:
 def test_a_matmul_in_a_loop_of_n_trips_counts_n_times(chip):
   """A fori_loop of n chained matmuls costs a fixed part plus n times its body: the body's own estimated cycles, read
   from its computation alone."""
-  def text(n):
-    return compiled(lambda a, b: jax.lax.fori_loop(0, n, lambda i, x: (x @ b).astype(x.dtype), a), (2048, 2048),
-                    (2048, 2048), chip=chip)
-  totals = {n: schedule.estimate(text(n), 1.0, 1.0).cycles for n in (3, 6, 9)}
-  _, comps = schedule.computations(text(3))
+  texts = {n: compiled(lambda a, b, n=n: jax.lax.fori_loop(0, n, lambda i, x: (x @ b).astype(x.dtype), a), (512, 512),
+                       (512, 512), chip=chip) for n in (3, 6, 9)}
+  totals = {n: schedule.estimate(text, 1.0, 1.0).cycles for n, text in texts.items()}
+  _, comps = schedule.computations(texts[3])
   body = next(lines for name, lines in comps.items() if any('/while/body/' in line for line in lines)
               and not name.startswith('fused'))
   per_trip = sum(int(c) for line in body for c in re.findall(r'"estimated_cycles":"(\d+)"', line))
