@@ -51,9 +51,7 @@ def test_resume_after_sigkill_at_random_moments_matches_the_uninterrupted_run_bi
   """Two SIGKILLs at random moments of the run (a step, a log line, a save in flight), each rerun resuming where its
   last checkpoint left it: every logged loss and every array of the last checkpoint equal the uninterrupted run's."""
   overrides = {**TINY_LM, 'steps': 40, 'checkpoint_every': 5}
-  # The reference saves at its end only: the arrays it is compared on (a save changes nothing of the run).
-  uninterrupted = load_config(SPEC, {**overrides, 'checkpoint_every': 40})
-  train.train(uninterrupted, str(tmp_path / 'ref'), devices=jax.devices()[:1])
+  train.train(load_config(SPEC, overrides), str(tmp_path / 'ref'), devices=jax.devices()[:1])
   workdir, moments = tmp_path / 'killed', random.Random(58)
   for _ in range(2):
     proc = subprocess.Popen(cli_args(SPEC, workdir, overrides), env=cli_env(), stdout=subprocess.DEVNULL,
