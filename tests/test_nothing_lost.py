@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, losses, typed_config
+from helpers import ROOT, TINY_LM, call_main, cli_env, load_config, losses, run_script, typed_config
 from laurel import config_lib, main, train, train_config
 from laurel.plan import preflight
 from laurel.cli import process
@@ -418,7 +418,7 @@ def test_ctrl_c_on_a_sweep_saves_the_running_point_and_a_rerun_resumes_it(tmp_pa
   saved = [int(p.name) for p in (point / 'checkpoints').iterdir()]
   assert len(saved) == 1 and 3 <= saved[0] < 60 and 'interrupted (Ctrl-C): saved checkpoint' in out
   assert not (point / 'failed.json').exists() and not (point / 'final.json').exists()
-  rerun = subprocess.run(sweep, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+  rerun = run_script('sweep.py', *sweep[2:], env=cli_env())  # the rerun's process is no subject: this one
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert f'resumed from checkpoint {saved[0]}' in rerun.stdout and json.loads((point / 'final.json').read_text())[
       'step'] == 60

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import (CLUSTER_VARIABLES, ROOT, SPEC, TINY_LM, TRAINED, cli_args, cli_env, fake_gcs_env, load_config,
-                     losses, run_python, train_cli,
+                     losses, run_python, run_script, train_cli,
                      tree_snapshot, typed_config)
 from laurel import command_line, config_lib, data, designs, main, step, train, train_config
 from laurel.designs import StreamSpec
@@ -273,9 +273,8 @@ def test_a_no_op_override_is_refused_by_main_and_sweep_and_an_echo_warned(tmp_pa
   out, err = capsys.readouterr()
   assert json.loads(out)['model']['laurel']['k'] == 3
   assert "warning: model.laurel.k=3 changes nothing (model.laurel.variant='rw+lr' has no pa)" in err
-  sweep = subprocess.run([sys.executable, str(ROOT / 'scripts' / 'sweep.py'), '--config=c4_ablation:rw_lr,preset=tiny',
-                          '--field=model.laurel.k', '--values=2,4', f'--workdir={tmp_path / "sweep"}'],
-                         env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+  sweep = run_script('sweep.py', '--config=c4_ablation:rw_lr,preset=tiny', '--field=model.laurel.k', '--values=2,4',
+                     f'--workdir={tmp_path / "sweep"}')  # refused before any point starts: in this process
   assert sweep.returncode == 2 and sweep.stderr.strip().splitlines()[-1].startswith(
       'error: model.laurel.k=2: changes nothing'), sweep.stderr[-2000:]
   assert not (tmp_path / 'sweep').exists()
@@ -380,17 +379,17 @@ def run_without_optimizer_state(tmp_path_factory):
   """A run on a (2, 2, 2) mesh whose checkpoint holds no optimizer state at all: only a restore that never reads
   it succeeds."""
   workdir = tmp_path_factory.mktemp('params_only') / 'run'
-  config = load_config(SPEC, {**TINY_LM, 'steps': 3, 'checkpoint_every': 3, 'mesh.data': 2, 'mesh.fsdp': 2,
-                              'mesh.tensor': 2})
+  # test_train's mesh (2, 2, 2) run: its step compiled once for both
+  config = load_config(SPEC, {**TINY_LM, 'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2})
   train.train(config, str(workdir), devices=jax.devices())
   with ocp.CheckpointManager(workdir / 'checkpoints') as mngr:
-    state = mngr.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
-    signature = mngr.restore(3, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+    state = mngr.restore(6, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
+    signature = mngr.restore(6, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
   shutil.rmtree(workdir / 'checkpoints')
   with ocp.CheckpointManager(workdir / 'checkpoints') as mngr:
     params_only = {'step': state['step'], 'params': state['params']}
-    mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(params_only), config=ocp.args.JsonSave(signature)))
-  checkpoint.record(workdir / 'checkpoints' / '3', workdir / 'checkpoints' / '3')  # as a run's save lists it
+    mngr.save(6, args=ocp.args.Composite(state=ocp.args.StandardSave(params_only), config=ocp.args.JsonSave(signature)))
+  checkpoint.record(workdir / 'checkpoints' / '6', workdir / 'checkpoints' / '6')  # as a run's save lists it
   return workdir, state['params']
 
 
@@ -398,7 +397,7 @@ def run_without_optimizer_state(tmp_path_factory):
 def test_inference_reads_only_the_params_into_their_shardings(run_without_optimizer_state):
   workdir, saved = run_without_optimizer_state
   with loader.lm_run_on_mesh(workdir) as (_, params, step, mesh):
-    assert step == 3 and dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'tensor': 2}
+    assert step == 6 and dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'tensor': 2}
     embedding = params['embed']['embedding']
     assert embedding.sharding.spec == P('tensor', 'fsdp') and embedding.sharding.mesh.shape == mesh.shape
     assert len(embedding.addressable_shards) == 8 and embedding.addressable_shards[0].data.shape == (132, 16)
@@ -456,12 +455,13 @@ STALLING = ('import sys, time\nfrom laurel import main, train\n'
 @pytest.mark.slow
 @pytest.mark.process
 def test_a_stalled_step_ends_the_process_with_every_threads_stack(tmp_path):
-  overrides = {**TINY_LM, 'steps': 10, 'watchdog_factor': 10.0, 'watchdog_min_s': 3.0, 'watchdog_s': 0.0}
+  # trained_run's 9 steps: its step compiled already
+  overrides = {**TINY_LM, 'steps': 9, 'watchdog_factor': 10.0, 'watchdog_min_s': 3.0, 'watchdog_s': 0.0}
   result = subprocess.run([sys.executable, '-c', STALLING, *cli_args(SPEC, tmp_path, overrides)[3:]], env=cli_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == process.ERROR, result.stderr[-3000:]
   assert re.search(r'^Timeout \(0:00:03\)!$', result.stderr, re.M), result.stderr[-3000:]
-  assert 'in __call__' in result.stderr and 'step 7/10' in result.stdout and 'step 8/10' not in result.stdout
+  assert 'in __call__' in result.stderr and 'step 7/9' in result.stdout and 'step 8/9' not in result.stdout
 
 
 def test_the_watchdog_limit_is_the_absolute_one_then_the_median_after_the_first_steps(monkeypatch):
