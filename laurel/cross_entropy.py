@@ -22,7 +22,7 @@ def shifted_targets(tokens_BxL, segment_ids_BxL):
 def _scan_chunks(x_BxLxD, kernel, kernel_axes, targets_BxL, weights_BxL, chunk, dtype, grads: bool):
   """The sums, and with `grads` the gradients of Σ weight·nll with respect to x and the kernel."""
   b, length, d = x_BxLxD.shape
-  chunk, dtype = chunk or length, jnp.dtype(dtype or x_BxLxD.dtype)
+  chunk, dtype = min(chunk or length, length), jnp.dtype(dtype or x_BxLxD.dtype)  # no chunk longer than the rows
   pad = -length % chunk
   if pad:  # padded positions weigh nothing
     x_BxLxD, targets_BxL, weights_BxL = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))

@@ -106,6 +106,15 @@ def test_chunked_cross_entropy_keeps_one_chunk_of_logits_live():
   assert _temp_bytes_of_loss_gradient(32) < logits_bytes / 2
 
 
+def test_a_chunk_longer_than_the_rows_computes_no_padding():
+  """A loss_chunk above the sequence length (the default 256 for short rows) is one chunk of the rows' own length:
+  no padded positions' logits computed and thrown away."""
+  flops = lambda chunk: jax.jit(lambda x, w, t, m: cross_entropy.chunked(x, w, 'vd', t, m, chunk)[0]).lower(
+      jax.ShapeDtypeStruct((2, 32, 16), jnp.float32), jax.ShapeDtypeStruct((512, 16), jnp.float32),
+      jax.ShapeDtypeStruct((2, 32), jnp.int32), jax.ShapeDtypeStruct((2, 32), jnp.float32)).cost_analysis()['flops']
+  assert flops(256) == flops(0) > 2 * 2 * 32 * 16 * 512  # at least the logits' product
+
+
 @needs_libtpu
 def test_on_a_tpu_a_second_product_sums_the_exponentials_and_the_schedule_counts_it_as_the_loss():
   mesh = jax.sharding.Mesh(np.array(aot.slice_devices('v6e:1x1')), ('data',))
