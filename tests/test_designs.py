@@ -25,7 +25,7 @@ import design_chain
 from design_chain import LAYERS as CHAIN_LAYERS
 from design_chain import D as CHAIN_D
 from design_chain import Net, T, init, inputs, randomize, run, stacked
-from helpers import TINY_LM, load_config, losses, run_cli
+from helpers import TINY_LM, load_config, losses, train_cli
 from laurel import config_lib, designs, lm, sharding, tasks
 from laurel.designs import StreamSpec, hyper
 from laurel.designs.laurel import LaurelSpec
@@ -662,7 +662,7 @@ def test_dca_gates_train_from_their_zero_init():
   spec = StreamSpec(design='dca')
   params = init('dca', spec)
   x_BxLxD, ws = inputs()
-  grads = jax.grad(lambda p: Net('dca', spec).apply({'params': p}, x_BxLxD, ws).sum())(params)
+  grads = jax.jit(jax.grad(lambda p: Net('dca', spec).apply({'params': p}, x_BxLxD, ws).sum()))(params)  # one compile
   assert (np.abs(np.asarray(grads['chain']['dca_query'])).sum(-1) > 0).all()
   assert (np.abs(np.asarray(grads['dca_readout']['dca_query'])) > 0).any()
 
@@ -752,11 +752,12 @@ def test_residual_designs_rows_differ_from_baseline_in_one_field_only():
 
 @pytest.mark.slow
 @pytest.mark.parametrize('row', ['mhc', 'residual_transformer_laurel', 'mudd'])
-def test_designs_train_through_laurel_main_from_config_flags(row, tmp_path):
+def test_designs_train_through_laurel_main_from_config_flags(row, tmp_path, capsys):
+  # laurel.main.main in this process: the command line's flags and files are the subject, not its process.
   tiny = {k: v for k, v in TINY_LM.items() if not k.startswith('model.laurel')}
   overrides = {**tiny, 'model.num_layers': 6, 'steps': 4, **({'model.mhc.sinkhorn_iters': 4} if row == 'mhc' else {})}
-  result = run_cli(f'configs/residual_designs.py:{row},preset=tiny', tmp_path, overrides, num_devices=2)
-  assert result.returncode == 0, result.stderr[-2000:]
+  status, _, err = train_cli(capsys, f'configs/residual_designs.py:{row},preset=tiny', tmp_path, overrides)
+  assert status == 0, err[-2000:]
   final = json.loads((tmp_path / 'final.json').read_text())
   assert final['step'] == 4 and math.isfinite(final['eval_loss'])
   # the effective count (MUDDFormer's scan padding left out), as scripts/params.py counts it
