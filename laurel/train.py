@@ -194,7 +194,7 @@ def setup(task, workdir: epath.Path, devices, allow_config_change: bool, record_
     log = MetricsLog(workdir, cfg, start, info, traverse_util.flatten_dict(config_dict, sep='.'))
   stack.callback(log.writer.close)
   num_params, peak_memory = task.num_params(abstract_state.params), hardware.peak_memory_bytes(compiled)
-  print(f'{num_params:,} params | {jax.device_count()} device{"s" * (jax.device_count() > 1)}, mesh '
+  print(f'{num_params:,} params | {mesh.size} device{"s" * (mesh.size > 1)}, mesh '
         f'{dict(mesh.shape)} | peak memory of the compiled step {peak_memory / 2**20:,.1f} MiB', flush=True)
   stack.enter_context(process.stop_requests(jax.process_count(), requested))  # from here a signal saves first
   return Run(task, workdir, mesh, compiled, state, start, mngr, log, train_iter, state_shardings, info,

@@ -163,6 +163,7 @@ def test_ctrl_c_during_the_final_eval_stops_it_and_a_rerun_evaluates(tmp_path, m
   monkeypatch.undo()
   final = train.train(config, str(tmp_path), devices=jax.devices()[:1])
   assert final['step'] == 6 and json.loads((tmp_path / 'final.json').read_text())['eval_loss'] == final['eval_loss']
+  assert " params | 1 device, mesh {'data': 1," in capsys.readouterr().out  # the run's devices, not the host's 8
 
 
 def _in_process_losses(workdir, devices, mesh, **extra):
