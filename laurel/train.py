@@ -251,8 +251,11 @@ def _save_failure(run: Run):
   except Exception as e:  # pylint: disable=broad-except  # whatever orbax raised from its background save
     if (cause := checkpoint.io_cause(e)) is None:
       raise
-    failed = next((s for s in run.mngr.saving if s not in run.mngr.all_steps()), '?')
     run.mngr.failed = e
+    with contextlib.suppress(Exception):  # the failed save's threads end (each that waits may raise its error)
+      run.mngr.wait_until_finished()
+    committed = run.mngr.all_steps(read=True)  # the disk's: orbax's own list keeps a failed step it reported early
+    failed = next((s for s in run.mngr.saving if s not in committed), '?')
     raise SaveFailed(f'checkpoint {failed} could not be saved ({cause}); {run.last_good()}') from None
 
 

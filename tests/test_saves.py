@@ -5,6 +5,7 @@ the run at once in one line."""
 import json
 import os
 import shutil
+import threading
 import time
 
 import jax
@@ -135,7 +136,32 @@ def _full_disk_at(step: int):
 
 @pytest.mark.slow
 def test_a_failed_save_stops_the_run_in_one_line_before_the_next_save(tmp_path, monkeypatch, capsys):
+  """The run's check at step 5 takes the error first: orbax's list of steps then still holds 4 (its finalize thread
+  drops a failed step only where it raises the error itself), so the line's steps must come from the disk."""
   monkeypatch.setattr(async_checkpointer, '_background_wait_for_commit_futures', _full_disk_at(4))
+  seen, save, check, finalize = threading.Event(), checkpoint.save, checkpoint.Manager.check_for_errors, \
+      checkpoint.Manager._finalize  # pylint: disable=protected-access
+
+  def save_then_let_it_fail(mngr, number, *args):
+    save(mngr, number, *args)
+    for thread in threading.enumerate() if number == 4 else ():
+      if thread.name == 'async_save':
+        thread.join()
+
+  def check_and_tell(mngr):
+    try:
+      check(mngr)
+    except Exception:
+      seen.set()
+      raise
+
+  def finalize_after_the_check(mngr, step, *args):
+    seen.wait(60 if step == 4 else 0)
+    return finalize(mngr, step, *args)
+
+  monkeypatch.setattr(checkpoint, 'save', save_then_let_it_fail)
+  monkeypatch.setattr(checkpoint.Manager, 'check_for_errors', check_and_tell)
+  monkeypatch.setattr(checkpoint.Manager, '_finalize', finalize_after_the_check)
   workdir = tmp_path / 'run'
   status, _, err = train_cli(capsys, SPEC, workdir, {**RUN, 'steps': 9, 'checkpoint_every': 2})
   assert status == process.ERROR and err.splitlines() == [
