@@ -105,7 +105,7 @@ def test_attention_over_offsets_and_lengths_is_the_reference():
 def test_bfloat16_scores_stay_within_bfloat16_error_of_the_reference():
   """model.attention_scores=bfloat16 (scores and exponentials in bfloat16, sums and the value product in float32)
   stays within bfloat16's error of the float64 reference on packed rows, padding included (what it saves:
-  test_lean_step.test_bfloat16_scores_lower_the_peak_on_the_tpu_compiler)."""
+  test_lean_step.test_bfloat16_scores_put_one_bfloat16_score_buffer_at_the_peak_on_the_tpu_compiler)."""
   rng = np.random.default_rng(2)
   segments_BxL = jnp.asarray(_packed_segment_ids(rng, 4))
   q, k, v = _qkv(rng, 4, heads=4, head_width=16, dtype=jnp.bfloat16)

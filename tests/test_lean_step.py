@@ -237,14 +237,15 @@ def test_compiler_costs_count_every_loss_chunk():
 
 @pytest.mark.slow
 @needs_libtpu
-def test_bfloat16_scores_lower_the_peak_on_the_tpu_compiler():
+def test_bfloat16_scores_put_one_bfloat16_score_buffer_at_the_peak_on_the_tpu_compiler():
   """With full remat the peak is one layer's backward, whose largest buffers are the L×L scores: bfloat16 scores
-  (model.attention_scores) take them to half the bytes."""
+  (model.attention_scores) hold the peak between one bfloat16 L×L buffer and one float32 one (float32 scores: 139.6
+  MB here against 70.5 MB, libtpu 0.0.42.1). One compile: each costs about 15 CPU-s."""
   shape = {**TINY, 'model.d_model': 64, 'model.num_heads': 4, 'model.d_ff': 128, 'model.num_layers': 1,
            'model.scan_layers': True, 'model.remat': 'full', 'model.dtype': 'bfloat16', 'data.seq_len': 1024,
-           'batch_size': 8, 'model.vocab_size': 512}
+           'batch_size': 8, 'model.vocab_size': 512, 'model.attention_scores': 'bfloat16'}
   # One chip: the same rows per chip as a larger slice, without partitioning the step.
-  peak = {d: aot.compile_for_slice(load_config('configs/c4_ablation.py:baseline_24,preset=tiny', {
-      **shape, 'model.attention_scores': d}), 'v6e:1x1', costs=False)['temp_bytes'] for d in ('float32', 'bfloat16')}
+  peak = aot.compile_for_slice(load_config('configs/c4_ablation.py:baseline_24,preset=tiny', shape), 'v6e:1x1',
+                               costs=False)['temp_bytes']
   scores = 8 * 4 * 1024 * 1024  # a chip's rows × heads × L × L (smaller ones the compiler never materialises)
-  assert peak['float32'] - peak['bfloat16'] >= 2 * scores, peak  # at least one float32 L×L buffer became bfloat16
+  assert 2 * scores <= peak < 4 * scores, peak  # the bfloat16 buffer is there; a float32 one would not fit below
