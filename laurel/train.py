@@ -267,7 +267,8 @@ class Logging:
   def __init__(self, run: Run):
     cfg, self.interval, self.since = run.config, [], (time.perf_counter(), run.start, 0.0)
     self.report = jax.jit(run.task.design_report, out_shardings=jax.sharding.NamedSharding(run.mesh, jax.P()))
-    self.peak_flops = hardware.PEAK_FLOPS.get(jax.devices()[0].device_kind, 0) * jax.device_count()
+    self.device = run.mesh.local_devices[0]  # the run's: train() may run on some of the host's devices
+    self.peak_flops = hardware.PEAK_FLOPS.get(self.device.device_kind, 0) * run.mesh.size
     # 0 where the backend counts no FLOPs (a ResNet under the CUDA and TPU plug-ins): no MFU.
     self.model_flops = run.task.model_flops(cfg.batch_size) if self.peak_flops else 0
 
@@ -287,7 +288,7 @@ class Logging:
            'peak_memory_bytes': run.peak_memory, 'params': run.num_params}
     if self.model_flops > 0:
       row['mfu'] = hardware.utilisation(self.model_flops, dt, self.peak_flops)
-    if 'peak_bytes_in_use' in (stats := jax.local_devices()[0].memory_stats() or {}):
+    if 'peak_bytes_in_use' in (stats := self.device.memory_stats() or {}):
       row['device_peak_bytes'] = stats['peak_bytes_in_use']
     run.log.write(step, row)
     print(console.step_line(step, cfg.steps, row, task.unit), flush=True)

@@ -18,8 +18,9 @@ from etils import epath
 
 from as_printed import run_as_printed
 from helpers import ROOT, TINY_LM, cli_args, cli_env, load_config, metrics, without_this_python
-from laurel import train
+from laurel import tasks, train
 from laurel.cli import console, process
+from laurel.plan import hardware
 from laurel.run import metrics_log
 
 SPEC = 'configs/c4_ablation.py:rw_lr,preset=tiny'
@@ -110,13 +111,18 @@ def test_the_summary_gives_the_last_interval_mean_train_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_train_loop_logs_the_mean_loss_of_each_interval(tmp_path):
-  """The same deterministic run logged every step and every 3 steps: each 3-step row is the mean of the 3 rows."""
+def test_the_train_loop_logs_the_mean_loss_of_each_interval_and_the_mfu_of_its_devices(tmp_path, monkeypatch):
+  """The same deterministic run logged every step and every 3 steps: each 3-step row is the mean of the 3 rows. Its
+  MFU counts the peak of the devices it runs on: one of the host's 8 (a peak given to the CPU for it)."""
+  monkeypatch.setitem(hardware.PEAK_FLOPS, jax.devices()[0].device_kind, 1e12)
   every = {}
   for log_every in (1, 3):
     config = load_config(SPEC, {**TINY_LM, 'steps': 6, 'log_every': log_every})
     train.train(config, str(tmp_path / str(log_every)), devices=jax.devices()[:1])
     every[log_every] = metrics(tmp_path / str(log_every))
+  flops = tasks.get_task(config).model_flops(config.batch_size)
+  for row in (r for r in every[1] if 'loss' in r):
+    assert row['mfu'] == pytest.approx(flops / row['step_time_s'] / 1e12, rel=1e-6)
   per_step = {r['step']: r['loss'] for r in every[1] if 'loss' in r}
   assert len(set(per_step.values())) == 6  # the losses differ, so a mean differs from the last one
   logged = [(r['step'], r['loss'], r['mean_of_steps']) for r in every[3] if 'loss' in r]
