@@ -66,10 +66,11 @@ def sp_model(tmp_path_factory):
 def trained_run(tmp_path_factory):
   """A run of helpers.SPEC trained through the command line in this process (helpers.TRAINED: checkpoints 3, 6 and
   9), once per test process. Tests only read it; one that changes it works on a copy (shutil.copytree)."""
-  from helpers import SPEC, TRAINED, cli_args  # pylint: disable=import-outside-toplevel  # helpers imports this module
+  from helpers import SPEC, TRAINED, cli_args, on_devices  # pylint: disable=import-outside-toplevel  # it imports this
   from laurel import main  # pylint: disable=import-outside-toplevel
   workdir = tmp_path_factory.mktemp('trained') / 'run'
-  assert main.main(['laurel-train', *cli_args(SPEC, workdir, TRAINED)[3:]]) == 0
+  with on_devices(1):
+    assert main.main(['laurel-train', *cli_args(SPEC, workdir, TRAINED)[3:]]) == 0
   return workdir
 
 

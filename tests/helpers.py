@@ -116,14 +116,31 @@ def run_cli(spec, workdir, overrides, num_devices=1, timeout=300, extra=()):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def train_cli(capsys, spec, workdir, overrides, *extra) -> tuple[int, str, str]:
-  """laurel-train's command line run in this process (laurel.main.main), as cli_args writes it, with no cluster's
-  variables: (exit status, stdout, stderr)."""
+@contextlib.contextmanager
+def on_devices(num_devices: int = 1):
+  """A training run started in this process (laurel.main calls train.train) runs on the first `num_devices` of the
+  suite's 8, as on the host of a process of its own (cli_env): compiling a tiny run for 8 devices costs about 2.4
+  CPU-s more than for one, 0.7 where the compilation cache holds it."""
+  import jax  # pylint: disable=import-outside-toplevel  # jax: only where needed
+  from laurel import train  # pylint: disable=import-outside-toplevel
+  run = train.train
+
+  def on_some(config, workdir, devices=None, **kwargs):
+    return run(config, workdir, jax.devices()[:num_devices] if devices is None else devices, **kwargs)
+
+  with mock.patch.object(train, 'train', on_some):
+    yield
+
+
+def train_cli(capsys, spec, workdir, overrides, *extra, num_devices: int = 1) -> tuple[int, str, str]:
+  """laurel-train's command line run in this process (laurel.main.main) on `num_devices` devices (on_devices), as
+  cli_args writes it, with no cluster's variables: (exit status, stdout, stderr)."""
   from laurel import main  # pylint: disable=import-outside-toplevel  # jax: only where needed
   hidden = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(CLUSTER_VARIABLES)}
   capsys.readouterr()
   try:
-    status = main.main(['laurel-train', *cli_args(spec, workdir, overrides)[3:], *extra])
+    with on_devices(num_devices):
+      status = main.main(['laurel-train', *cli_args(spec, workdir, overrides)[3:], *extra])
   finally:
     os.environ.update(hidden)
   return status, *capsys.readouterr()

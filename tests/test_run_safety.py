@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import (CLUSTER_VARIABLES, ROOT, SPEC, TINY_LM, TRAINED, cli_args, cli_env, fake_gcs_env, load_config,
-                     losses, run_python, run_script, train_cli,
+                     losses, on_devices, run_python, run_script, train_cli,
                      tree_snapshot, typed_config)
 from laurel import command_line, config_lib, data, designs, main, step, train, train_config
 from laurel.designs import StreamSpec
@@ -310,7 +310,8 @@ def test_vocab_size_is_checked_against_a_gs_tokenizer(sp_model, monkeypatch):
 def test_resume_from_the_saved_config_in_one_command(run_with_three_checkpoints, tmp_path, capsys):
   workdir = tmp_path / 'run'
   shutil.copytree(run_with_three_checkpoints, workdir)
-  assert main.main(['laurel-train', f'--config={workdir}', f'--workdir={workdir}', '--config.steps=10']) == 0
+  with on_devices():
+    assert main.main(['laurel-train', f'--config={workdir}', f'--workdir={workdir}', '--config.steps=10']) == 0
   out = capsys.readouterr().out
   assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)' in out
   assert 'resumed from checkpoint 9' in out and max(losses(workdir)) == 10
@@ -364,7 +365,8 @@ def test_a_run_saved_in_the_old_shape_loads_for_sampling_and_resumes(run_with_th
   assert config.model.stream == StreamSpec('laurel', variant='rw+lr+pa', rank=8, k=3)
   with loader.lm_run_on_mesh(workdir) as (task, params, number, _):  # what sampling and scoring read
     assert number == 9 and task.config == config and 'laurel_rw' in params
-  assert main.main(['laurel-train', f'--config={workdir}', f'--workdir={workdir}', '--config.steps=10']) == 0
+  with on_devices():
+    assert main.main(['laurel-train', f'--config={workdir}', f'--workdir={workdir}', '--config.steps=10']) == 0
   out = capsys.readouterr().out
   assert 'resuming checkpoint 9 with a changed config: steps=9 (now 10)\n' in out
   assert 'design laurel rw+lr+pa r=8 k=3' in out and 'resumed from checkpoint 9' in out
