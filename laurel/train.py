@@ -254,8 +254,8 @@ def _save_failure(run: Run):
     run.mngr.failed = e
     with contextlib.suppress(Exception):  # the failed save's threads end (each that waits may raise its error)
       run.mngr.wait_until_finished()
-    committed = run.mngr.all_steps(read=True)  # the disk's: orbax's own list keeps a failed step it reported early
-    failed = next((s for s in run.mngr.saving if s not in committed), '?')
+    run.mngr.reload()  # the steps on disk, not orbax's list of those it started
+    failed = next((s for s in run.mngr.saving if s not in run.mngr.all_steps()), '?')
     raise SaveFailed(f'checkpoint {failed} could not be saved ({cause}); {run.last_good()}') from None
 
 
@@ -332,12 +332,15 @@ class Eval:
 
 class Checkpointing:
   """Saves where orbax's policies say (laurel.run.checkpoint.manager) or where the run stops (one process has no JAX
-  preemption service: a signal), a finite state only; stops the run at once where a save failed (orbax's error
-  check): steps trained past it would be lost on a rerun."""
+  preemption service: a signal), a finite state only; stops the run at the first step after a save failed (once
+  orbax's saving ends): steps trained past it would be lost on a rerun."""
 
   def after_step(self, run: Run, step: int, metrics: dict):
     with _save_failure(run):
-      run.mngr.check_for_errors()
+      # A failed save raises here once orbax's finalize thread has taken its error. Taking it first (its error check)
+      # would leave that thread to finish the save as good: its preservation policy would delete a good checkpoint.
+      if not run.mngr.is_saving_in_progress():
+        run.mngr.wait_until_finished()
       if not (run.stopping or run.mngr.should_save(step)):
         return
       if not checkpoint.is_finite(run.state):  # only a finite state is a checkpoint

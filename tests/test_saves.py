@@ -135,12 +135,13 @@ def _full_disk_at(step: int):
 
 
 @pytest.mark.slow
-def test_a_failed_save_stops_the_run_in_one_line_before_the_next_save(tmp_path, monkeypatch, capsys):
-  """The run's check at step 5 takes the error first: orbax's list of steps then still holds 4 (its finalize thread
-  drops a failed step only where it raises the error itself), so the line's steps must come from the disk."""
+def test_a_failed_save_stops_the_run_in_one_line_and_deletes_no_good_checkpoint(tmp_path, monkeypatch, capsys):
+  """Checkpoint 4's writes fail, and orbax's finalize thread takes its time: the error is there at step 5's check, the
+  thread has not seen it. Had the run taken it first, the thread would finish save 4 as good and its preservation
+  policy (keep_checkpoints=1) delete checkpoint 2, the last good one."""
   monkeypatch.setattr(async_checkpointer, '_background_wait_for_commit_futures', _full_disk_at(4))
-  seen, save, check, finalize = threading.Event(), checkpoint.save, checkpoint.Manager.check_for_errors, \
-      checkpoint.Manager._finalize  # pylint: disable=protected-access
+  checked, save = threading.Event(), checkpoint.save
+  after_step, finalize = train.Checkpointing.after_step, checkpoint.Manager._finalize  # pylint: disable=protected-access
 
   def save_then_let_it_fail(mngr, number, *args):
     save(mngr, number, *args)
@@ -148,22 +149,22 @@ def test_a_failed_save_stops_the_run_in_one_line_before_the_next_save(tmp_path, 
       if thread.name == 'async_save':
         thread.join()
 
-  def check_and_tell(mngr):
+  def after_step_then_tell(action, run, step, metrics):
     try:
-      check(mngr)
-    except Exception:
-      seen.set()
-      raise
+      after_step(action, run, step, metrics)
+    finally:
+      if step >= 5:
+        checked.set()
 
   def finalize_after_the_check(mngr, step, *args):
-    seen.wait(60 if step == 4 else 0)
+    checked.wait(60 if step == 4 else 0)
     return finalize(mngr, step, *args)
 
   monkeypatch.setattr(checkpoint, 'save', save_then_let_it_fail)
-  monkeypatch.setattr(checkpoint.Manager, 'check_for_errors', check_and_tell)
+  monkeypatch.setattr(train.Checkpointing, 'after_step', after_step_then_tell)
   monkeypatch.setattr(checkpoint.Manager, '_finalize', finalize_after_the_check)
   workdir = tmp_path / 'run'
-  status, _, err = train_cli(capsys, SPEC, workdir, {**RUN, 'steps': 9, 'checkpoint_every': 2})
+  status, _, err = train_cli(capsys, SPEC, workdir, {**RUN, 'steps': 9, 'checkpoint_every': 2, 'keep_checkpoints': 1})
   assert status == process.ERROR and err.splitlines() == [
       f'error: checkpoint 4 could not be saved (No space left on device); last good checkpoint: 2 in '
       f'{workdir / "checkpoints"}'], err[-3000:]

@@ -1,5 +1,5 @@
 """Checkpoints by orbax: its policies decide when a save happens (preemption, every `checkpoint_every` steps, the last
-step) and which are kept (the latest `keep_checkpoints`), and its error check stops a run whose save failed. Each
+step) and which are kept (the latest `keep_checkpoints`), and a save that failed raises where it is waited for. Each
 WORKDIR/checkpoints/<step> holds state, data (the grain iterator), config (the config's signature: all but the
 fields declared `resumable`) and checksums.json, the XXH3 hash and size of every other file, which process 0 writes
 in orbax's post-finalization callback, once every host has written its part and before the commit: no committed
