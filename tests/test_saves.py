@@ -1,7 +1,7 @@
 """Saves by orbax (issue 58): every committed checkpoint carries its checksum list (written in orbax's
 post-finalization callback, before the commit), a byte flipped in any file of the newest checkpoint is never restored
 silently, a checkpoint is good or damaged and a damaged one is moved aside for the one before, and a failed save stops
-the run at once in one line."""
+the run by its next save in one line, deleting no good checkpoint."""
 import json
 import os
 import shutil
