@@ -1,8 +1,10 @@
 """One writer per workdir (issue 58): process 0 holds an `fcntl.flock` on WORKDIR/lock for the run's life. A second run
 is refused in one line naming the holder, also while the holder is stopped; a killed or restarted holder releases it;
 an object store has none (the scheduler's contract, docs/clusters.md)."""
+import contextlib
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -54,6 +56,15 @@ def test_an_object_store_has_no_lock_and_every_process_is_refused_with_process_z
       pass
 
 
+def _stopped(pid: int) -> bool:
+  """Whether every thread of process `pid` is stopped (state T in /proc/<pid>/task/<tid>/stat)."""
+  states = []
+  for stat in pathlib.Path(f'/proc/{pid}/task').glob('*/stat'):
+    with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+      states.append(stat.read_text().rpartition(')')[2].split()[0])
+  return bool(states) and all(state in 'Tt' for state in states)
+
+
 HOLDER = ('import sys, time\nfrom laurel.run import lock\n'
           'with lock.held(sys.argv[1]):\n  print("held", flush=True)\n  time.sleep(600)\n')
 
@@ -90,6 +101,7 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_and_the_first_ends_unhar
 
   wait_for(lambda: (workdir / 'metrics.jsonl').exists() and max(losses(workdir), default=0) >= 3)
   os.kill(first.pid, signal.SIGSTOP)  # stopped: it holds the workdir still
+  wait_for(lambda: _stopped(first.pid))  # the signal arrives later: a write in flight would land after the snapshot
   before = tree_snapshot(workdir)
   status, stdout, stderr = train_cli(capsys, SPEC, workdir, {**overrides, 'steps': 99_999})
   os.kill(first.pid, signal.SIGCONT)
