@@ -99,18 +99,23 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_and_the_first_ends_unhar
       assert first.poll() is None and time.time() < deadline, out.read_text()[-2000:]
       time.sleep(0.05)
 
-  wait_for(lambda: (workdir / 'metrics.jsonl').exists() and max(losses(workdir), default=0) >= 3)
-  os.kill(first.pid, signal.SIGSTOP)  # stopped: it holds the workdir still
-  wait_for(lambda: _stopped(first.pid))  # the signal arrives later: a write in flight would land after the snapshot
-  before = tree_snapshot(workdir)
-  status, stdout, stderr = train_cli(capsys, SPEC, workdir, {**overrides, 'steps': 99_999})
-  os.kill(first.pid, signal.SIGCONT)
-  assert status == process.BAD_INPUT and stderr.count('\n') == 1, stderr[-2000:]
-  assert stderr.startswith(f"error: --workdir='{workdir}': in use by another run (pid {first.pid} on host ")
-  assert 'compiling' not in stdout and tree_snapshot(workdir) == before
-  first.send_signal(signal.SIGTERM)
-  assert first.wait(timeout=120) == process.PREEMPTED, out.read_text()[-2000:]
-  assert 'preempted (SIGTERM): saved checkpoint' in out.read_text(), out.read_text()[-2000:]
-  logged = [r['step'] for r in metrics(workdir)]
-  assert logged == list(range(1, len(logged) + 1))  # every step once: one writer
-  assert json.loads((workdir / 'config.json').read_text())['steps'] == 100_000  # not the second run's
+  try:
+    wait_for(lambda: (workdir / 'metrics.jsonl').exists() and max(losses(workdir), default=0) >= 3)
+    os.kill(first.pid, signal.SIGSTOP)  # stopped: it holds the workdir still
+    wait_for(lambda: _stopped(first.pid))  # the signal lands later: a write in flight would follow the snapshot
+    before = tree_snapshot(workdir)
+    status, stdout, stderr = train_cli(capsys, SPEC, workdir, {**overrides, 'steps': 99_999})
+    os.kill(first.pid, signal.SIGCONT)
+    assert status == process.BAD_INPUT and stderr.count('\n') == 1, stderr[-2000:]
+    assert stderr.startswith(f"error: --workdir='{workdir}': in use by another run (pid {first.pid} on host ")
+    assert 'compiling' not in stdout and tree_snapshot(workdir) == before
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=120) == process.PREEMPTED, out.read_text()[-2000:]
+    assert 'preempted (SIGTERM): saved checkpoint' in out.read_text(), out.read_text()[-2000:]
+    logged = [r['step'] for r in metrics(workdir)]
+    assert logged == list(range(1, len(logged) + 1))  # every step once: one writer
+    assert json.loads((workdir / 'config.json').read_text())['steps'] == 100_000  # not the second run's
+  finally:
+    if first.poll() is None:  # a failed assertion leaves no run of 100,000 steps training on
+      first.kill()
+      first.wait()
