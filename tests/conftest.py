@@ -3,9 +3,13 @@
 8 host CPU devices so mesh tests run in-process; low XLA optimisation and a persistent compilation cache,
 because compiling dominates these tests' time on a 2-core machine (results are compared within one setting).
 """
+import contextlib
+import glob
 import importlib.metadata
 import os
 import resource
+import signal
+import subprocess
 import tempfile
 import time
 
@@ -46,6 +50,43 @@ def no_interrupt_left_pending():
   left = dict(state)
   state.update(pending=None, deferred=0)  # the next tests run as usual
   assert left['pending'] is None and not left['deferred'], f'laurel.cli.process left {left}'
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_running(monkeypatch):
+  """Kills what a test started with subprocess.Popen and left running, with its descendants: a test that fails before
+  it stops its 100,000-step run would leave it training through the rest of the suite. multiprocessing's and grain's
+  workers are not started through Popen, and live on."""
+  started = []
+  popen_init = subprocess.Popen.__init__
+
+  def recording_init(self, *args, **kwargs):
+    popen_init(self, *args, **kwargs)
+    started.append(self)
+
+  monkeypatch.setattr(subprocess.Popen, '__init__', recording_init)
+  yield
+  for proc in started:
+    if proc.poll() is None:
+      for pid in [*_descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+          os.kill(pid, signal.SIGKILL)
+      proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+  """The processes below `pid`, as /proc lists them now (none where there is no /proc)."""
+  children = {}
+  for stat in glob.glob('/proc/[0-9]*/stat'):
+    with contextlib.suppress(OSError, ValueError, IndexError):
+      with open(stat) as f:
+        fields = f.read().rpartition(')')[2].split()  # after the command's name, which may hold spaces
+      children.setdefault(int(fields[1]), []).append(int(stat.split('/')[2]))
+  found, queue = [], list(children.get(pid, []))
+  while queue:
+    found.append(child := queue.pop())
+    queue += children.get(child, [])
+  return found
 
 
 @pytest.fixture(scope='session')
