@@ -1,7 +1,7 @@
 """Clusters (issue 39): which environment names how many processes, one line where they cannot join, JAX's own abort
-where a peer never joins or dies (issue 58), and the sbatch script's requeue policy. Two processes joined as srun and
-mpirun start them: tests/test_train.py::test_two_processes_match_one_process_with_eight_devices; the workdir's lock:
-tests/test_lock.py."""
+where a peer never joins or dies (issue 58), and the sbatch script's requeue policy. Two processes joined by flags
+train as one process does: tests/test_train.py::test_two_processes_match_one_process_with_eight_devices; the
+workdir's lock: tests/test_lock.py."""
 import os
 import signal
 import subprocess
@@ -111,9 +111,9 @@ def test_a_stopped_run_exits_42_under_a_scheduler_unless_told_otherwise(monkeypa
 @pytest.mark.slow
 @pytest.mark.process
 def test_a_peer_that_dies_is_found_by_jax_which_aborts_the_other_process(tmp_path):
-  """Process 1 of a two-process Slurm run killed in the loop: JAX's coordination service misses its heartbeat for
-  --heartbeat_timeout seconds and aborts process 0 with its own lines (docs/clusters.md), a status the schedulers
-  restart (SIGABRT)."""
+  """Two processes as srun starts them (its variables, a localhost coordinator) join and train; process 1, killed in
+  the loop, misses JAX's coordination service's heartbeat for --heartbeat_timeout seconds, and the service aborts
+  process 0 with its own lines (docs/clusters.md), a status the schedulers restart (SIGABRT)."""
   overrides = {**TINY_LM, 'steps': 100_000, 'checkpoint_every': 100_000, 'eval_every': 100_000, 'data_shards': 2}
   port, outs = free_port(), [tmp_path / f'process_{i}.out' for i in range(2)]
   command = cli_args(SPEC, tmp_path / 'run', overrides) + ['--heartbeat_timeout=5']
@@ -131,6 +131,9 @@ def test_a_peer_that_dies_is_found_by_jax_which_aborts_the_other_process(tmp_pat
   finally:
     for p in procs:
       p.kill()
+  for i, out in enumerate(outs):
+    assert out.read_text().startswith(f'cluster: Slurm (SLURM_NTASKS=2): process {i} of 2 on ')
+    assert '1 of 2 cpu devices' in out.read_text().splitlines()[0]
   text = outs[0].read_text()
   assert JAX_ABORT in text and 'stopped sending heartbeats' in text, text[-3000:]
 

@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, cluster_env, free_port,
+from helpers import (ROOT, SPEC, TINY_LM, TRAINED, checkpoint_steps, cli_args, cli_env, free_port,
                      load_config, losses, metrics, train_cli, tree_snapshot)
 from laurel import config_lib, designs, main, train, train_config
 from laurel.cli import console, process
@@ -205,29 +205,22 @@ def _outputs(procs, timeout: float) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('launcher', ['flags', 'slurm'])
-def test_two_processes_match_one_process_with_eight_devices(tmp_path, launcher, eight_device_losses):
-  """Joined by flags, or as srun starts them (its variables, a localhost coordinator): laurel.run.cluster. Open MPI's
-  variables reach the same jax.distributed.initialize (tests/test_cluster.py checks what it is given). srun's run is
-  4 steps of the reference's 6: their losses depend only on the learning rates of the warmup and its peak, the same
-  in both (flags' run checks all 6)."""
-  steps = 6 if launcher == 'flags' else 4
+def test_two_processes_match_one_process_with_eight_devices(tmp_path, eight_device_losses):
+  """Two processes joined by flags (laurel.run.cluster), 4 devices each, train as one process on 8 does. srun's and
+  Open MPI's variables reach the same jax.distributed.initialize: tests/test_cluster.py joins two processes as srun
+  starts them and checks what Open MPI's give it."""
+  steps, port = 6, free_port()
   overrides = {**TINY_LM, 'data_shards': 2, 'mesh.data': 4, 'mesh.fsdp': 2, 'steps': steps}
-  port = free_port()
   flags = lambda i: [f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}']
-  procs = [subprocess.Popen(cli_args(SPEC, tmp_path / 'two', overrides) + (flags(i) if launcher == 'flags' else []),
-                            env=cli_env(4) if launcher == 'flags' else cluster_env(launcher, i, 2, port, 4),
+  procs = [subprocess.Popen(cli_args(SPEC, tmp_path / 'two', overrides) + flags(i), env=cli_env(4),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   for i, (p, (out, err)) in enumerate(zip(procs, _outputs(procs, timeout=300))):
     assert p.returncode == 0, err[-3000:]
-    found = {'flags': 'flags (--num_processes=2)', 'slurm': 'Slurm (SLURM_NTASKS=2)',
-             'ompi': 'Open MPI (OMPI_COMM_WORLD_SIZE=2)'}[launcher]
-    assert out.startswith(f'cluster: {found}: process {i} of 2 on '), out[:500]
+    assert out.startswith(f'cluster: flags (--num_processes=2): process {i} of 2 on '), out[:500]
     assert '4 of 8 cpu devices' in out.splitlines()[0]
   two = losses(tmp_path / 'two')
-  one = {s: l for s, l in eight_device_losses.items() if s <= steps}
-  assert one.keys() == two.keys() == set(range(1, steps + 1))
-  np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
+  assert eight_device_losses.keys() == two.keys() == set(range(1, steps + 1))
+  np.testing.assert_allclose([two[s] for s in sorted(two)], [eight_device_losses[s] for s in sorted(two)], rtol=1e-5)
 
 
 def _checked_fields(section, prefix=''):
