@@ -132,8 +132,9 @@ def test_a_peer_that_dies_is_found_by_jax_which_aborts_the_other_process(tmp_pat
     for p in procs:
       p.kill()
   for i, out in enumerate(outs):
-    assert out.read_text().startswith(f'cluster: Slurm (SLURM_NTASKS=2): process {i} of 2 on ')
-    assert '1 of 2 cpu devices' in out.read_text().splitlines()[0]
+    first_line = out.read_text().partition('\n')[0]
+    assert first_line.startswith(f'cluster: Slurm (SLURM_NTASKS=2): process {i} of 2 on '), first_line
+    assert first_line.endswith(', 1 of 2 cpu devices'), first_line
   text = outs[0].read_text()
   assert JAX_ABORT in text and 'stopped sending heartbeats' in text, text[-3000:]
 
