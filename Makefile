@@ -18,10 +18,13 @@ $(VENV)/.installed-test: pyproject.toml
 	$(call install,'.[test]')
 	touch $(VENV)/.installed
 
+# pip byte-compiles every installed module on one core; compileall does it on all cores and, like pip, goes on past
+# a file that does not compile.
 define install
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e $(1)
+	$(PY) -m pip install -q --no-compile -e $(1)
+	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $@
 endef
 

@@ -252,6 +252,7 @@ def test_make_train_installs_what_training_needs_and_clean_keeps_runs(tmp_path):
   make = lambda target: subprocess.run(['make', '-n', target, f'VENV={tmp_path / "venv"}'], cwd=ROOT,
                                        capture_output=True, text=True, check=True).stdout
   train, test = make('train'), make('test')
-  assert "pip install -q -e ." in train and '[test]' not in train and 'laurel.main' in train
-  assert "pip install -q -e '.[test]'" in test and 'pytest' in test
+  assert "pip install -q --no-compile -e ." in train and '[test]' not in train and 'laurel.main' in train
+  assert "pip install -q --no-compile -e '.[test]'" in test and 'pytest' in test
+  assert 'compileall' in train and 'compileall' in test  # the bytecode pip was told not to write
   assert 'runs' not in make('clean') and 'rm -rf runs' in make('distclean')
