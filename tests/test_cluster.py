@@ -121,16 +121,12 @@ def test_a_peer_that_dies_is_found_by_jax_which_aborts_the_other_process(tmp_pat
   for i, out in enumerate(outs):
     with out.open('w') as f:  # files: a pipe left unread would stall a run
       procs.append(subprocess.Popen(command, env=cluster_env('slurm', i, 2, port), stdout=f, stderr=subprocess.STDOUT))
-  try:
-    deadline = time.time() + 240
-    while 'step 3/' not in outs[0].read_text():
-      assert all(p.poll() is None for p in procs) and time.time() < deadline, outs[0].read_text()[-2000:]
-      time.sleep(0.1)
-    procs[1].kill()
-    assert procs[0].wait(timeout=120) == -signal.SIGABRT, outs[0].read_text()[-3000:]
-  finally:
-    for p in procs:
-      p.kill()
+  deadline = time.time() + 240
+  while 'step 3/' not in outs[0].read_text():
+    assert all(p.poll() is None for p in procs) and time.time() < deadline, outs[0].read_text()[-2000:]
+    time.sleep(0.1)
+  procs[1].kill()
+  assert procs[0].wait(timeout=120) == -signal.SIGABRT, outs[0].read_text()[-3000:]
   for i, out in enumerate(outs):
     first_line = out.read_text().partition('\n')[0]
     assert first_line.startswith(f'cluster: Slurm (SLURM_NTASKS=2): process {i} of 2 on '), first_line

@@ -73,13 +73,11 @@ HOLDER = ('import sys, time\nfrom laurel.run import lock\n'
 def test_a_stopped_holder_is_refused_and_a_killed_one_releases_the_lock(tmp_path):
   holder = subprocess.Popen([sys.executable, '-c', HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, 'PYTHONPATH': str(ROOT)})
-  try:
-    assert holder.stdout.readline() == 'held\n'
-    os.kill(holder.pid, signal.SIGSTOP)  # a suspended job: alive, stopped
-    assert f'in use by another run (pid {holder.pid} on host ' in _refusal(tmp_path)
-  finally:
-    holder.kill()  # SIGKILL ends a stopped process too
-    holder.wait()
+  assert holder.stdout.readline() == 'held\n'
+  os.kill(holder.pid, signal.SIGSTOP)  # a suspended job: alive, stopped
+  assert f'in use by another run (pid {holder.pid} on host ' in _refusal(tmp_path)
+  holder.kill()  # SIGKILL ends a stopped process too
+  holder.wait()
   with lock.held(tmp_path):  # its rerun: the kernel dropped the lock with the process
     pass
 
@@ -99,24 +97,19 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_and_the_first_ends_unhar
       assert first.poll() is None and time.time() < deadline, out.read_text()[-2000:]
       time.sleep(0.05)
 
-  try:
-    wait_for(lambda: (workdir / 'metrics.jsonl').exists() and max(losses(workdir), default=0) >= 3)
-    os.kill(first.pid, signal.SIGSTOP)  # stopped: it holds the workdir still
-    wait_for(lambda: _stopped(first.pid))  # the signal lands later: a write in flight would follow the snapshot
-    before = tree_snapshot(workdir)
-    status, stdout, stderr = train_cli(capsys, SPEC, workdir, {**overrides, 'steps': 99_999})
-    after = tree_snapshot(workdir)  # before the first run goes on, writing its metrics
-    os.kill(first.pid, signal.SIGCONT)
-    assert status == process.BAD_INPUT and stderr.count('\n') == 1, stderr[-2000:]
-    assert stderr.startswith(f"error: --workdir='{workdir}': in use by another run (pid {first.pid} on host ")
-    assert 'compiling' not in stdout and after == before
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=120) == process.PREEMPTED, out.read_text()[-2000:]
-    assert 'preempted (SIGTERM): saved checkpoint' in out.read_text(), out.read_text()[-2000:]
-    logged = [r['step'] for r in metrics(workdir)]
-    assert logged == list(range(1, len(logged) + 1))  # every step once: one writer
-    assert json.loads((workdir / 'config.json').read_text())['steps'] == 100_000  # not the second run's
-  finally:
-    if first.poll() is None:  # a failed assertion leaves no run of 100,000 steps training on
-      first.kill()
-      first.wait()
+  wait_for(lambda: (workdir / 'metrics.jsonl').exists() and max(losses(workdir), default=0) >= 3)
+  os.kill(first.pid, signal.SIGSTOP)  # stopped: it holds the workdir still
+  wait_for(lambda: _stopped(first.pid))  # the signal lands later: a write in flight would follow the snapshot
+  before = tree_snapshot(workdir)
+  status, stdout, stderr = train_cli(capsys, SPEC, workdir, {**overrides, 'steps': 99_999})
+  after = tree_snapshot(workdir)  # before the first run goes on, writing its metrics
+  os.kill(first.pid, signal.SIGCONT)
+  assert status == process.BAD_INPUT and stderr.count('\n') == 1, stderr[-2000:]
+  assert stderr.startswith(f"error: --workdir='{workdir}': in use by another run (pid {first.pid} on host ")
+  assert 'compiling' not in stdout and after == before
+  first.send_signal(signal.SIGTERM)
+  assert first.wait(timeout=120) == process.PREEMPTED, out.read_text()[-2000:]
+  assert 'preempted (SIGTERM): saved checkpoint' in out.read_text(), out.read_text()[-2000:]
+  logged = [r['step'] for r in metrics(workdir)]
+  assert logged == list(range(1, len(logged) + 1))  # every step once: one writer
+  assert json.loads((workdir / 'config.json').read_text())['steps'] == 100_000  # not the second run's
